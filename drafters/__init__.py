@@ -1,0 +1,1 @@
+"""Drafters behind the :class:`refspec.drafting.Drafter` protocol, one file each."""

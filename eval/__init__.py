@@ -1,0 +1,1 @@
+"""Evaluation: the CLI, corpora, sweeps, reports and plots."""

@@ -1,0 +1,178 @@
+"""Load Hugging Face style checkpoints (config.json + safetensors) into refspec models.
+
+The mapping from Hugging Face weight names to refspec's is one declarative table per family;
+loading is strict: any missing or unexpected key is listed in the error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from refspec.config import ModelArgs
+from refspec.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+# (Hugging Face name, refspec name); ``{i}`` is a layer index, ``{wb}`` weight or bias.
+_COMMON = [
+    ("model.embed_tokens.weight", "embed.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("model.layers.{i}.self_attn.q_proj.{wb}", "layers.{i}.attn.wq.{wb}"),
+    ("model.layers.{i}.self_attn.k_proj.{wb}", "layers.{i}.attn.wk.{wb}"),
+    ("model.layers.{i}.self_attn.v_proj.{wb}", "layers.{i}.attn.wv.{wb}"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attn.wo.weight"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attn.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attn.k_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attn_norm.weight"),
+]
+_PLAIN_MLP_NORM = [("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.mlp_norm.weight")]
+KEY_MAP: dict[str, list[tuple[str, str]]] = {
+    "llama": _COMMON + _PLAIN_MLP_NORM,
+    "qwen2": _COMMON + _PLAIN_MLP_NORM,
+    "qwen3": _COMMON + _PLAIN_MLP_NORM,
+    "gemma3": _COMMON + [
+        ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.attn_post_norm.weight"),
+        ("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.{i}.mlp_norm.weight"),
+        ("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.mlp_post_norm.weight"),
+    ],
+}
+# Keys some exporters include that carry no weights refspec needs.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Multimodal wrappers prefix the text model; refspec loads the language model only.
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not match the architecture it claims."""
+
+
+def _template_regex(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{wb\}", r"(?P<wb>weight|bias)")
+    return re.compile(pattern)
+
+
+def _translate(name: str, family: str, src: int) -> str | None:
+    for pair in KEY_MAP[family]:
+        m = _template_regex(pair[src]).fullmatch(name)
+        if m:
+            return pair[1 - src].format(**m.groupdict())
+    return None
+
+
+def hf_to_refspec_name(family: str, hf_name: str) -> str | None:
+    """refspec's parameter name for a Hugging Face weight name, or None if unmapped."""
+    for prefix in _PREFIXES:
+        if hf_name.startswith(prefix):
+            rest = hf_name[len(prefix):]
+            hf_name = rest if rest.startswith("lm_head.") else "model." + rest
+            break
+    return _translate(hf_name, family, 0)
+
+
+def refspec_to_hf_name(family: str, name: str) -> str:
+    """Inverse of :func:`hf_to_refspec_name` (used by the converter and tests)."""
+    hf = _translate(name, family, 1)
+    if hf is None:
+        raise KeyError(f"no Hugging Face name for {name!r}")
+    return hf
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{path} holds no safetensors weights (model.safetensors or an index)")
+    return found
+
+
+def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Read every tensor of a checkpoint directory under refspec names, strictly."""
+    expected = set(Transformer_param_names(args))
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in _safetensor_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = hf_to_refspec_name(args.family, key)
+                if name is None or name not in expected:
+                    if not _IGNORED.match(key):
+                        unexpected.append(key)
+                    continue
+                state[name] = f.get_tensor(key).to(dtype=dtype, device=device)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not match a {args.family} model with {args.num_layers} layers: "
+            f"missing {len(missing)} keys {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"unexpected {len(unexpected)} keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    return state
+
+
+def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirrors the class it describes
+    """Parameter names a full :class:`Transformer` of ``args`` has (lm_head listed even if tied)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return names
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
+    """Build a :class:`Transformer` from a Hugging Face style directory.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
+        dtype: parameter dtype (float32, bfloat16, float16).
+        device: where the weights go.
+
+    Raises:
+        CheckpointError: missing files, or keys that do not match the architecture.
+        refspec.config.ConfigError: an unsupported or malformed config.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a model directory")
+    args = ModelArgs.from_file(path)
+    state = load_state_dict(path, args, dtype, device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.init_buffers(device)
+    model.eval().requires_grad_(False)
+    log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
+    return model
+
+
+def save_model(model: Transformer, path: str | Path, extra_config: dict | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` with Hugging Face names."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.args.to_hf_config() | (extra_config or {})
+    tensors = {}
+    for name, p in model.named_parameters():
+        if model.args.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        tensors[refspec_to_hf_name(model.args.family, name)] = p.detach().contiguous().cpu()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,140 @@
+"""A smaller language model as drafter (Leviathan et al. 2023), with its own static KV cache.
+
+Any refspec ``Transformer`` serves: a real smaller sibling (Qwen2.5-Coder 0.5B for 1.5B) or
+the target's own first layers (a cheap self-draft for tests).
+
+Cache consistency without copies: the draft cache always holds the row's tokens up to the
+target's committed length minus one. Each step's first draft forward feeds two tokens, the
+last committed token and the pending one, at positions ``L-1`` and ``L``. Re-writing ``L-1``
+is harmless when the drafter already had it (same token, same prefix) and is the catch-up
+when every draft was accepted (the last draft was sampled, never fed). The remaining K-1
+forwards feed one draft each.
+"""
+from __future__ import annotations
+
+import torch
+
+from refspec.drafting import DecodeState, Draft, DrafterError
+from refspec.phases import ForwardShape
+from refspec.sampling import probs_from_logits, sample
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a smaller model.
+
+    Args:
+        model: the draft ``Transformer`` (same vocabulary as the target).
+        target_vocab_size: the target's V (the draft's V may be smaller, never larger).
+        draft_fingerprint / target_fingerprint: tokenizer fingerprints; a mismatch is refused.
+        kv_bucket: attended cache prefix granularity.
+    """
+
+    name = "draft-model"
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, model, *, target_vocab_size: int, draft_fingerprint: str | None = None,
+                 target_fingerprint: str | None = None, kv_bucket: int = 64) -> None:
+        if draft_fingerprint is not None and target_fingerprint is not None and draft_fingerprint != target_fingerprint:
+            raise DrafterError(
+                "the draft model's tokenizer differs from the target's (fingerprints "
+                f"{draft_fingerprint[:12]} vs {target_fingerprint[:12]}): draft token ids would mean other "
+                "strings to the target, so acceptance would be meaningless; pick a draft model of the same family")
+        if model.args.vocab_size > target_vocab_size:
+            raise DrafterError(f"draft vocabulary ({model.args.vocab_size}) is larger than the target's "
+                               f"({target_vocab_size}); the tokenizers cannot be the same")
+        self.model = model
+        self.target_vocab = target_vocab_size
+        self.kv_bucket = kv_bucket
+        self.cache = None
+        self.forwards = 0  # draft forwards run (a statistic for tests and reports)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.finfo(self.model.dtype).bits // 8
+
+    def _shape(self, rows: int, s: int, context: int) -> ForwardShape:
+        return ForwardShape(args=self.model.args, rows=rows, tokens_per_row=s, context_tokens=context,
+                            dtype_bytes=self.dtype_bytes, layers=self.model.num_layers)
+
+    def reset(self, state: DecodeState) -> None:
+        b, t = state.tokens.shape
+        if self.cache is None or self.cache.batch != b or self.cache.max_len != t:
+            self.cache = self.model.new_cache(b, t)
+        self.cache.reset()
+        s = int(state.prompt_lengths.max().item())
+        pos = torch.arange(s, device=state.tokens.device)[None].expand(b, s)
+        self.model(state.tokens[:, :s].to(self.model.device), pos, self.cache,
+                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+        self.forwards = 0
+
+    def _next(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if logits.shape[-1] < self.target_vocab:  # a draft vocabulary short of the target's
+            pad = torch.full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"),
+                             device=logits.device)
+            logits = torch.cat([logits, pad], dim=-1)
+        if state.sampling.greedy:
+            return logits.argmax(-1), None
+        q = probs_from_logits(logits, state.sampling)
+        return sample(q, state.generator), q
+
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        b, t = state.tokens.shape
+        dev = state.tokens.device
+        num_keys = min(t, _round_up(state.max_length_bound + k + 1, self.kv_bucket))
+        last = state.lengths  # [B] position of the pending token
+        pos = torch.stack([last - 1, last], dim=1).clamp_(0, t - 1)  # [B, 2]
+        inp = state.tokens.gather(1, pos)
+        drafts, probs = [], []
+        for i in range(k):
+            logits, _ = self.model(inp, pos, self.cache, num_keys=num_keys,
+                                   logits_at=torch.full((b, 1), pos.shape[1] - 1, device=dev, dtype=torch.long))
+            self.forwards += 1
+            tok, q = self._next(logits[:, 0], state)
+            drafts.append(tok)
+            probs.append(q)
+            inp, pos = tok[:, None], (last + i + 1).clamp(max=t - 1)[:, None]
+        tokens = torch.stack(drafts, dim=1)
+        return Draft(tokens=tokens, probs=None if state.sampling.greedy else torch.stack(probs, dim=1))
+
+    def commit(self, state: DecodeState) -> None:
+        return None  # the next propose re-derives the draft cache position from the target's
+
+    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]:
+        b = state.batch
+        ctx = state.max_length_bound * b
+        return tuple(self._shape(b, 2 if i == 0 else 1, ctx + i * b) for i in range(k))
+
+    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]:
+        b, s = state.batch, int(state.prompt_lengths.max().item())
+        return (self._shape(b, s, b * s * (s + 1) // 2),)
+
+
+def register_builtin(register) -> None:
+    """Register ``draft-model`` (option ``draft_model``: a model id, a directory, or ``self:N``
+    for the target's first N layers; default: Qwen2.5-Coder-0.5B for Qwen targets, else
+    ``self:L/4``)."""
+
+    def build(ctx):
+        spec = ctx.options.get("draft_model")
+        if spec is None:
+            spec = "qwen2.5-coder-0.5b" if ctx.target.args.family == "qwen2" else \
+                f"self:{max(1, ctx.target.num_layers // 4)}"
+        if str(spec).startswith("self:"):
+            model = ctx.target.truncated(int(str(spec).split(":", 1)[1]))
+            return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)
+        from refspec.assets import resolve_model
+        from refspec.models import load_model
+        from refspec.tokenizer import load_tokenizer
+
+        path = resolve_model(str(spec))
+        model = load_model(path, dtype=ctx.dtype, device=ctx.device)
+        fp = load_tokenizer(path).fingerprint() if (path / "tokenizer.json").exists() else None
+        return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size, draft_fingerprint=fp,
+                                 target_fingerprint=ctx.tokenizer_fingerprint)
+
+    register("draft-model", build, help="a smaller model of the same tokenizer (or the target's first layers)",
+             default_k=4)

@@ -1,0 +1,124 @@
+"""The drafter protocol: what the engine asks of a drafter and what it gives it.
+
+A drafter proposes up to K tokens per row after the row's pending token. The engine never
+imports a concrete drafter; ``refspec.drafters`` registers them by CLI name.
+
+Life cycle per batch: ``reset(state)`` once after the target's prefill (``state.hidden`` then
+holds prompt features), then per step ``propose(state, k)`` and, after verification and the
+engine's own bookkeeping, ``commit(state)`` (``state.hidden`` then holds the features of
+the pending token and the accepted drafts, ``state.num_accepted`` the counts).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from refspec.phases import ForwardShape
+from refspec.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """Topology of a draft tree (EAGLE-2), shared by every row's own tree shape.
+
+    Attributes:
+        parents: ``[B, N]`` block index of each node's parent; block index 0 is the root
+            (pending token), node ``j`` is block index ``j + 1``; parents precede children.
+        depth: ``[B, N]`` depth of each node (root children: 1).
+        max_depth: maximum depth (a host int, so the engine needs no sync to size buffers).
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    max_depth: int
+
+
+@dataclasses.dataclass
+class Draft:
+    """What a drafter proposes for one step.
+
+    Attributes:
+        tokens: ``[B, K]`` drafted tokens (K may be 0; for trees, N nodes).
+        probs: ``[B, K, V]`` the drafter's processed distribution per draft when sampling, or
+            None for deterministic drafts (one-hot q) and for greedy decoding.
+        tree: tree topology, or None for a chain.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    tree: DraftTree | None = None
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """The engine's per-batch state, as drafters see it (read-only for them).
+
+    Attributes:
+        tokens: ``[B, T]`` every token of each row: prompt then emitted; ``tokens[b, i]`` is
+            valid for ``i <= lengths[b]``; ``tokens[b, lengths[b]]`` is the pending token.
+        lengths: ``[B]`` tokens in the target's KV cache (the pending token is not yet).
+        prev_lengths: ``[B]`` ``lengths`` before the latest commit.
+        pending: ``[B]`` last emitted token of each row (not yet in the target cache).
+        prompt_lengths: ``[B]``.
+        done: ``[B]`` rows that finished (EOS or budget).
+        hidden: target hidden states requested by the drafter, each ``[B, S, E]``; after
+            prefill S is the padded prompt length, after a step ``S >= num_accepted + 1``
+            and entry ``i`` belongs to position ``prev_lengths + i``.
+        num_accepted: ``[B]`` drafts accepted in the latest step (zeros after prefill).
+        sampling: the sampling settings (drafters that sample must use the same).
+        generator: explicit random generator.
+        step: index of the step about to run (or that just ran, in ``commit``).
+        max_length_bound: host-side upper bound of ``lengths + 1`` over rows.
+        target_args: architecture of the target.
+        dtype_bytes: bytes per element of the target's weights.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prev_lengths: torch.Tensor
+    pending: torch.Tensor
+    prompt_lengths: torch.Tensor
+    done: torch.Tensor
+    hidden: list[torch.Tensor]
+    num_accepted: torch.Tensor
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    step: int
+    max_length_bound: int
+    target_args: object
+    dtype_bytes: int
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    """A source of draft tokens.
+
+    Attributes:
+        name: registry name (``ngram``, ``draft-model``, ...).
+        hidden_layers: target layers whose hidden states the drafter reads (see
+            ``Transformer.forward``); empty for drafters that need none.
+        lookahead: extra cache slots beyond K+1 the drafter may make the target write
+            (tree drafters: nodes beyond K).
+    """
+
+    name: str
+    hidden_layers: tuple[int, ...]
+
+    def reset(self, state: DecodeState) -> None: ...
+
+    def propose(self, state: DecodeState, k: int) -> Draft: ...
+
+    def commit(self, state: DecodeState) -> None: ...
+
+    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]: ...
+
+    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]: ...
+
+
+class DrafterError(ValueError):
+    """A drafter that cannot serve this target or these settings (with the reason)."""

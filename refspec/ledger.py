@@ -1,0 +1,220 @@
+"""The energy ledger: one JSON line per phase of every step, the only input of the accounting.
+
+A :class:`Ledger` is a :data:`~refspec.phases.PhaseObserver`: the engine calls it with every
+:class:`~refspec.phases.PhaseEvent`, and it appends one ``"phase"`` record per event to a JSONL
+file. A run starts with one ``"run"`` header record (configuration id, labels, meter source,
+idle power). Several runs may share a file; every record carries its ``run_id``.
+
+Counts (drafted, accepted, emitted, verified) may sit on one phase record of a step or be
+repeated on several: :mod:`refspec.accounting` takes each count's maximum across the records of
+one step. The first token of each row, produced by the prompt forward, belongs on the prefill
+record (step -1).
+
+Records are flushed to disk after every write, so a crashed run keeps every finished phase;
+:func:`read_ledger` reports (and skips) corrupt or truncated lines by line number.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from refspec.phases import PhaseEvent
+from refspec.roofline import total_cost
+
+logger = logging.getLogger(__name__)
+
+LEDGER_VERSION = 1
+
+RUN_SCHEMA: dict[str, str] = {
+    "kind": '"run": the header of one run',
+    "version": "ledger format version (int)",
+    "run_id": "configuration / run id every phase record of the run repeats (str)",
+    "created_unix_s": "wall-clock creation time, seconds since the epoch (float)",
+    "meter_source": "the meter's source string, e.g. measured:nvml-total-energy(gpu0) (str or null)",
+    "idle_w": "idle power in W for net-of-idle accounting: measured on GPU, the profile's value when "
+              "modelled (float or null)",
+    "labels": "free-form configuration: model, drafter, k, batch, corpus, dtype, clocks ... (object)",
+}
+"""Fields of the run header record, name -> description."""
+
+SCHEMA: dict[str, str] = {
+    "kind": '"phase": one phase of one step',
+    "version": "ledger format version (int)",
+    "run_id": "run this record belongs to (str)",
+    "step": "decode step index; -1 for prefill (int)",
+    "phase": "prefill | draft | verify | commit | other (str)",
+    "batch": "rows in the batch, the static shape B (int)",
+    "rows_active": "rows still generating when the phase ran (int)",
+    "drafted": "draft tokens proposed to active rows in the step (int)",
+    "accepted": "draft tokens accepted in the step, summed over rows (int)",
+    "emitted": "tokens emitted to users in the step (accepted + bonus/recovered, after EOS and budget "
+               "truncation), summed over rows (int)",
+    "verified": "target positions computed for active rows, active rows x (K+1) for chains (int)",
+    "time_s": "wall (or modelled) time of the phase, s (float)",
+    "energy_j": "energy of the phase, J, or null for time-only meters (float or null)",
+    "source": "where energy_j came from: measured:<counter> | modelled:roofline(<profile>) | none:time-only",
+    "forwards": "model forwards the phase ran (int)",
+    "flops": "modelled FLOPs of the phase's forwards, refspec.roofline.forward_cost (float)",
+    "bytes": "modelled main-memory bytes of the phase's forwards (float)",
+    "weight_bytes": "modelled weight bytes read (float)",
+    "kv_read_bytes": "modelled KV-cache bytes read (float)",
+    "kv_write_bytes": "modelled KV-cache bytes written (float)",
+    "activation_bytes": "modelled compulsory activation bytes (float)",
+    "emitted_per_row": "tokens emitted per row in the step, length batch (list of int)",
+}
+"""Fields of a phase record, name -> description (units in the descriptions)."""
+
+_REQUIRED = ("step", "phase", "batch", "rows_active", "time_s", "source")
+
+
+class LedgerError(ValueError):
+    """A ledger file that cannot be read as asked."""
+
+
+def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
+    """The JSON-ready phase record of ``event`` (see :data:`SCHEMA`)."""
+    cost = total_cost(event.work)
+    m = event.measurement
+    return {
+        "kind": "phase", "version": LEDGER_VERSION, "run_id": run_id,
+        "step": event.step, "phase": event.phase, "batch": event.batch, "rows_active": event.rows_active,
+        "drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted, "verified": event.verified,
+        "time_s": m.time_s, "energy_j": m.energy_j, "source": m.source,
+        "forwards": len(event.work), "flops": cost.flops, "bytes": cost.bytes,
+        "weight_bytes": cost.weight_bytes, "kv_read_bytes": cost.kv_read_bytes,
+        "kv_write_bytes": cost.kv_write_bytes, "activation_bytes": cost.activation_bytes,
+        "emitted_per_row": list(event.emitted_per_row),
+    }
+
+
+class Ledger:
+    """Writes one JSONL record per :class:`~refspec.phases.PhaseEvent` (a PhaseObserver).
+
+    Args:
+        path: JSONL file to write; parent directories are created.
+        run_id: id of this run/configuration; a random one when None.
+        labels: configuration written into the run header (model, drafter, k, batch, ...).
+        meter_source: the meter's ``source``, for the header.
+        idle_w: idle power in W for net-of-idle accounting (header).
+        mode: ``"w"`` to start a new file, ``"a"`` to append another run.
+
+    Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, run_id: str | None = None,
+                 labels: Mapping[str, Any] | None = None, meter_source: str | None = None,
+                 idle_w: float | None = None, mode: str = "w") -> None:
+        if mode not in ("w", "a"):
+            raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self._fh: io.TextIOBase | None = open(self.path, mode, encoding="utf-8")
+        self.records_written = 0
+        self._write({"kind": "run", "version": LEDGER_VERSION, "run_id": self.run_id,
+                     "created_unix_s": time.time(), "meter_source": meter_source, "idle_w": idle_w,
+                     "labels": dict(labels or {})})
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        if self._fh is None:
+            raise LedgerError(f"ledger {self.path} is closed")
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()  # at least once per step: every record, so a crash loses nothing finished
+
+    def __call__(self, event: PhaseEvent) -> None:
+        """Append the record of ``event``."""
+        self._write(phase_record(event, self.run_id))
+        self.records_written += 1
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LedgerRecords(list):
+    """The records of a ledger file (a list of dicts) plus the lines that could not be read.
+
+    Attributes:
+        corrupt: ``(line_number, reason)`` for every skipped line, 1-based.
+        path: the file read.
+    """
+
+    def __init__(self, records: Iterable[dict[str, Any]], corrupt: list[tuple[int, str]], path: Path) -> None:
+        super().__init__(records)
+        self.corrupt = corrupt
+        self.path = path
+
+
+def _problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    if record.get("version") != LEDGER_VERSION:
+        return f"unsupported version {record.get('version')!r} (this reader knows {LEDGER_VERSION})"
+    kind = record.get("kind")
+    if kind == "run":
+        return None if "run_id" in record else "run header without run_id"
+    if kind != "phase":
+        return f"unknown kind {kind!r}"
+    missing = [f for f in _REQUIRED if f not in record]
+    return f"missing fields {missing}" if missing else None
+
+
+def read_ledger(path: str | os.PathLike[str], *, strict: bool = False) -> LedgerRecords:
+    """Read a ledger, skipping and reporting lines that are not valid records.
+
+    Args:
+        path: JSONL ledger file.
+        strict: raise :class:`LedgerError` instead of skipping corrupt lines.
+
+    Returns:
+        The records in file order (``LedgerRecords``, a list of dicts) with ``.corrupt`` listing
+        ``(line_number, reason)`` of every skipped line; a warning names those lines.
+
+    Raises:
+        LedgerError: the file is missing, or ``strict`` and a line is corrupt.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        raise LedgerError(f"no ledger at {p}") from None
+    records: list[dict[str, Any]] = []
+    corrupt: list[tuple[int, str]] = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may appear in labels
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            corrupt.append((number, f"invalid JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        problem = _problem(record)
+        if problem:
+            corrupt.append((number, problem))
+        else:
+            records.append(record)
+    if corrupt:
+        detail = "; ".join(f"line {n}: {why}" for n, why in corrupt[:10])
+        more = f" (and {len(corrupt) - 10} more)" if len(corrupt) > 10 else ""
+        if strict:
+            raise LedgerError(f"{p}: {len(corrupt)} corrupt line(s): {detail}{more}")
+        logger.warning("%s: skipped %d corrupt line(s): %s%s", p, len(corrupt), detail, more)
+    return LedgerRecords(records, corrupt, p)
+
+
+__all__ = ["Ledger", "LedgerRecords", "LedgerError", "SCHEMA", "RUN_SCHEMA", "LEDGER_VERSION", "read_ledger",
+           "phase_record"]

@@ -1,0 +1,402 @@
+"""Energy meters: bracket a named window and say what it cost, and where the figure came from.
+
+Every meter implements :class:`refspec.phases.EnergyMeter`: ``begin(name)`` opens a window,
+``end(name, work)`` closes the most recent open window of that name and returns a
+:class:`~refspec.phases.Measurement`. Windows of different names may nest or overlap; windows of
+the same name nest last-in first-out. Each measurement's ``source`` says what it is:
+
+========================  ===================================================================
+``ZeusMeter``             ``measured:nvml-total-energy(gpu<i>)``: NVML's total-energy counter
+                          read by Zeus (GPU only; updates every 20-100 ms, so a single
+                          millisecond phase often reads 0 J, see :mod:`refspec.attribution`)
+``RooflineMeter``         ``modelled:roofline(<profile>)``: time and energy from the analytic
+                          model of the window's work; or ``modelled:roofline(<profile>,wall-time)``
+                          when the time is measured and only the energy is modelled
+``TimeMeter``             ``none:time-only``: wall time, energy None
+``FakeMeter``             ``measured:fake-counter`` (configurable): injected clock and counter,
+                          for tests that assert exact numbers
+========================  ===================================================================
+
+:func:`make_meter` picks one by name; ``"auto"`` takes Zeus when CUDA and NVML's energy counter
+are present and the roofline meter with this CPU's measured profile otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable, Literal, Sequence
+
+from refspec.phases import ForwardShape, Measurement
+from refspec.roofline import HardwareProfile, cpu_profile, get_profile, total_cost, work_time_s
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Counter = Callable[[], float]
+
+TIME_ONLY = "none:time-only"
+FAKE_SOURCE = "measured:fake-counter"
+DEFAULT_COUNTER_PERIOD_S = 0.1  # NVML's total-energy counter updates every 20-100 ms
+
+
+class MeterError(RuntimeError):
+    """A window was misused: ended without being begun, or a meter cannot be built."""
+
+
+class NoGPUError(RuntimeError):
+    """An operation needs an NVIDIA GPU (with NVML) and none is visible."""
+
+
+class _Windows:
+    """Open windows by name, each a stack of begin-states (same-name windows nest LIFO)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[Any]] = defaultdict(list)
+
+    def push(self, name: str, state: Any) -> None:
+        self._open[name].append(state)
+
+    def pop(self, name: str) -> Any:
+        stack = self._open.get(name)
+        if not stack:
+            raise MeterError(f"end({name!r}) without a matching begin({name!r}); open windows: {self.names()}")
+        state = stack.pop()
+        if not stack:
+            del self._open[name]
+        return state
+
+    def names(self) -> list[str]:
+        return sorted(self._open)
+
+
+class _ShortWindowWarner:
+    """Warns once per window name when a counter window is too short or reads zero energy.
+
+    Later occurrences are logged at DEBUG and counted in ``counts`` so a report can say how many
+    windows were below the counter's resolution.
+    """
+
+    def __init__(self, source: str, period_s: float) -> None:
+        self.source = source
+        self.period_s = period_s
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def check(self, name: str, time_s: float, energy_j: float) -> None:
+        problems = []
+        if energy_j == 0.0:
+            problems.append("read 0 J")
+        if time_s < self.period_s:
+            problems.append(f"lasted {time_s * 1e3:.3g} ms, shorter than the counter period (~{self.period_s * 1e3:g} ms)")
+        if not problems:
+            return
+        self.counts[name] += 1
+        level = logging.WARNING if self.counts[name] == 1 else logging.DEBUG
+        logger.log(level, "window %r %s on %s: its energy is unreliable; attribute phase energy with "
+                   "refspec.attribution (phase-isolated loops or NNLS over long windows)",
+                   name, " and ".join(problems), self.source)
+
+
+class TimeMeter:
+    """Wall time only (``time.perf_counter``), energy None.
+
+    Args:
+        sync: called before every clock read, e.g. ``torch.cuda.synchronize`` so queued GPU
+            work is inside the window.
+        clock: seconds clock (injectable for tests).
+    """
+
+    source = TIME_ONLY
+
+    def __init__(self, sync: Callable[[], None] | None = None, clock: Clock = time.perf_counter) -> None:
+        self._sync = sync
+        self._clock = clock
+        self._windows = _Windows()
+
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return self._clock()
+
+    def begin(self, name: str) -> None:
+        """Open a window named ``name``."""
+        self._windows.push(name, self._now())
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window; returns its wall time in s and energy None."""
+        t = self._now()
+        return Measurement(time_s=t - self._windows.pop(name), energy_j=None, source=self.source)
+
+
+class FakeMeter:
+    """A counter meter with an injected clock and cumulative energy counter, for exact tests.
+
+    Window time = clock delta, window energy = counter delta, exactly as the NVML counter is read.
+    Windows shorter than ``counter_period_s`` or with zero energy are reported like ZeusMeter does.
+
+    Args:
+        clock: returns seconds.
+        energy: returns the cumulative energy counter in J.
+        source: the measurement source string.
+        counter_period_s: counter update period used for the short-window warning (0 disables).
+        idle_w: idle power in W the ledger header records for net-of-idle accounting.
+    """
+
+    def __init__(self, clock: Clock, energy: Counter, *, source: str = FAKE_SOURCE,
+                 counter_period_s: float = 0.0, idle_w: float | None = None) -> None:
+        self._clock = clock
+        self._energy = energy
+        self.source = source
+        self.idle_w = idle_w
+        self._windows = _Windows()
+        self.short_windows = _ShortWindowWarner(source, counter_period_s)
+
+    def begin(self, name: str) -> None:
+        """Open a window: record clock and counter."""
+        self._windows.push(name, (self._clock(), self._energy()))
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window; returns clock and counter deltas."""
+        t, e = self._clock(), self._energy()
+        t0, e0 = self._windows.pop(name)
+        m = Measurement(time_s=t - t0, energy_j=e - e0, source=self.source)
+        self.short_windows.check(name, m.time_s, m.energy_j)
+        return m
+
+
+class ZeusMeter:
+    """NVML total-energy counter of one GPU, read through ``zeus.monitor.ZeusMonitor``.
+
+    Each window is a Zeus window with a unique key (``refspec:<name>:<serial>``), so windows may
+    nest and overlap. Zeus synchronises CUDA before each read. The energy is the sum of the
+    window's ``gpu_energy`` over the monitored GPU. A window shorter than the counter's update
+    period (20-100 ms) or reading 0 J is logged (once per name at WARNING, then DEBUG) and
+    counted in ``short_windows.counts``.
+
+    Args:
+        gpu_index: CUDA index of the GPU to meter.
+        counter_period_s: the counter period assumed for the short-window warning.
+        monitor: an object with ZeusMonitor's ``begin_window(key)`` / ``end_window(key)``;
+            built lazily from ``zeus`` when None (tests inject a fake).
+
+    Raises:
+        NoGPUError: no CUDA GPU is visible, or Zeus cannot monitor it.
+    """
+
+    def __init__(self, gpu_index: int = 0, *, counter_period_s: float = DEFAULT_COUNTER_PERIOD_S,
+                 monitor: Any | None = None) -> None:
+        self.gpu_index = gpu_index
+        self.source = f"measured:nvml-total-energy(gpu{gpu_index})"
+        self.idle_w: float | None = None
+        self._monitor = monitor if monitor is not None else self._build_monitor(gpu_index)
+        self._windows = _Windows()
+        self._serial = 0
+        self.short_windows = _ShortWindowWarner(self.source, counter_period_s)
+
+    @staticmethod
+    def _build_monitor(gpu_index: int) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NoGPUError("ZeusMeter needs an NVIDIA GPU: torch.cuda.is_available() is False. "
+                             "Use make_meter('roofline') for modelled energy or make_meter('time') for time only.")
+        try:
+            from zeus.monitor import ZeusMonitor
+        except ImportError as exc:
+            raise NoGPUError(f"ZeusMeter needs the 'zeus' package (pip install 'zeus>=0.12'): {exc}") from None
+        try:
+            return ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[], sync_execution_with="torch")
+        except (ValueError, RuntimeError) as exc:
+            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {exc}") from exc
+
+    def begin(self, name: str) -> None:
+        """Open a Zeus window for ``name``."""
+        self._serial += 1
+        key = f"refspec:{name}:{self._serial}"
+        self._monitor.begin_window(key)
+        self._windows.push(name, key)
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window; returns Zeus's time and the GPU's energy in J."""
+        key = self._windows.pop(name)
+        zm = self._monitor.end_window(key)
+        energy = float(sum(zm.gpu_energy.values()))
+        m = Measurement(time_s=float(zm.time), energy_j=energy, source=self.source)
+        self.short_windows.check(name, m.time_s, energy)
+        return m
+
+    def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Measure idle power over ``seconds`` of sleep (GPU idle), store it in ``idle_w``, in W.
+
+        Use at least 10 counter periods (the default 5 s is 50).
+        """
+        self.begin("idle")
+        sleep(seconds)
+        m = self.end("idle")
+        self.idle_w = (m.energy_j or 0.0) / m.time_s
+        logger.info("idle power of gpu%d: %.1f W over %.2f s (%s)", self.gpu_index, self.idle_w, m.time_s, self.source)
+        return self.idle_w
+
+
+TimeSource = Literal["model", "measured"]
+
+
+class RooflineMeter:
+    """Modelled energy of each window from the work it did (:mod:`refspec.roofline`).
+
+    Two time sources, chosen at construction:
+
+    * ``"model"``: time = sum over the window's forwards of max(FLOPs / peak, bytes / bandwidth)
+      + per-forward overhead; energy = static W x that time + pJ/FLOP x FLOPs + pJ/B x bytes.
+      Nothing is measured: the figures say what the profile's hardware would take, whatever
+      machine ran the code. A window without forwards (commit) costs 0 s and 0 J. Source
+      ``modelled:roofline(<profile>)``.
+    * ``"measured"``: time = wall clock between begin and end (after ``sync``); energy = static W
+      x measured time + the same dynamic terms. Use it when the profile describes the machine
+      that runs (the CPU profile): the static power then integrates over real time, including
+      Python and commit overhead the roofline ignores. Source
+      ``modelled:roofline(<profile>,wall-time)``: the energy is still modelled.
+
+    Args:
+        profile: hardware profile.
+        time_source: ``"model"`` or ``"measured"``.
+        sync: called before each clock read in measured mode.
+        clock: seconds clock (injectable for tests).
+    """
+
+    def __init__(self, profile: HardwareProfile, *, time_source: TimeSource = "model",
+                 sync: Callable[[], None] | None = None, clock: Clock = time.perf_counter) -> None:
+        if time_source not in ("model", "measured"):
+            raise ValueError(f"time_source must be 'model' or 'measured', got {time_source!r}")
+        self.profile = profile
+        self.time_source = time_source
+        self.idle_w: float | None = profile.idle_w
+        suffix = "" if time_source == "model" else ",wall-time"
+        self.source = f"modelled:roofline({profile.name}{suffix})"
+        self._sync = sync
+        self._clock = clock
+        self._windows = _Windows()
+
+    def _now(self) -> float:
+        if self.time_source == "model":
+            return 0.0
+        if self._sync is not None:
+            self._sync()
+        return self._clock()
+
+    def begin(self, name: str) -> None:
+        """Open a window (reads the clock only in measured mode)."""
+        self._windows.push(name, self._now())
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window and model the energy of ``work``."""
+        t = self._now()
+        t0 = self._windows.pop(name)
+        cost = total_cost(work)
+        time_s = work_time_s(work, self.profile) if self.time_source == "model" else t - t0
+        return Measurement(time_s=time_s, energy_j=self.profile.energy_j(cost, time_s), source=self.source)
+
+
+MeterKind = Literal["auto", "zeus", "roofline", "time", "fake"]
+
+
+def _cuda_sync() -> Callable[[], None] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.synchronize if torch.cuda.is_available() else None
+
+
+def nvml_energy_counter_available(gpu_index: int = 0) -> bool:
+    """Whether CUDA is up and NVML's total-energy counter is readable on ``gpu_index``."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        from zeus.device import get_gpus
+
+        return bool(get_gpus().supports_get_total_energy_consumption(gpu_index))
+    except Exception as exc:  # zeus raises a family of init errors; any of them means "no counter"
+        logger.debug("no NVML energy counter on gpu%d: %r", gpu_index, exc)
+        return False
+
+
+def _profile_for_this_gpu(gpu_index: int) -> HardwareProfile | None:
+    import torch
+
+    name = torch.cuda.get_device_name(gpu_index).lower()
+    for key in ("h200", "h100"):
+        if key in name:
+            return get_profile(key)
+    return None
+
+
+def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | HardwareProfile | None = None,
+               time_source: TimeSource | None = None, dtype_bytes: int = 2,
+               clock: Clock | None = None, energy: Counter | None = None, **fake_kwargs: Any) -> Any:
+    """Build an energy meter by name.
+
+    Args:
+        kind: ``"zeus"`` (NVML counter), ``"roofline"`` (modelled), ``"time"`` (time only),
+            ``"fake"`` (needs ``clock`` and ``energy``), or ``"auto"``: Zeus when CUDA and
+            NVML's energy counter are present; a CUDA GPU without the counter gets the roofline
+            meter with its data-sheet profile (H100/H200) or, if unknown, the time meter; no
+            GPU gets the roofline meter with this CPU's measured profile in wall-time mode.
+        gpu_index: GPU to meter.
+        profile: roofline profile name (``cpu``, ``h100``, ``h200``) or object; default: the
+            CPU profile without a GPU, else the GPU's.
+        time_source: roofline time source; default ``"measured"`` for the CPU profile (it is
+            the machine that runs) and ``"model"`` for a GPU profile on a machine without it.
+        dtype_bytes: element size the CPU profile is measured for.
+        clock: clock for ``fake`` (and optionally ``time``).
+        energy: cumulative energy counter in J for ``fake``.
+        **fake_kwargs: passed to :class:`FakeMeter` (``source``, ``counter_period_s``, ``idle_w``).
+
+    Returns:
+        An object implementing :class:`refspec.phases.EnergyMeter`.
+
+    Raises:
+        NoGPUError: ``kind="zeus"`` without a usable GPU.
+        ValueError: an unknown kind or profile, or ``fake`` without clock and counter.
+    """
+    if kind == "fake":
+        if clock is None or energy is None:
+            raise ValueError("make_meter('fake') needs clock= and energy= callables")
+        return FakeMeter(clock, energy, **fake_kwargs)
+    if kind == "time":
+        return TimeMeter(sync=_cuda_sync(), clock=clock or time.perf_counter)
+    if kind == "zeus":
+        return ZeusMeter(gpu_index)
+    if kind == "roofline":
+        prof = profile if isinstance(profile, HardwareProfile) else None
+        if prof is None:
+            if profile is not None:
+                prof = get_profile(profile, dtype_bytes)
+            elif _cuda_sync() is not None and _profile_for_this_gpu(gpu_index) is not None:
+                prof = _profile_for_this_gpu(gpu_index)
+            else:
+                prof = cpu_profile(dtype_bytes)
+        assert prof is not None
+        if time_source is None:
+            time_source = "measured" if prof.measured else "model"
+        return RooflineMeter(prof, time_source=time_source, sync=_cuda_sync(), clock=clock or time.perf_counter)
+    if kind == "auto":
+        if nvml_energy_counter_available(gpu_index):
+            return ZeusMeter(gpu_index)
+        sync = _cuda_sync()
+        if sync is not None:
+            prof = _profile_for_this_gpu(gpu_index)
+            if prof is None:
+                logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only",
+                               gpu_index)
+                return TimeMeter(sync=sync)
+            logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpu_index, prof.name)
+            return RooflineMeter(prof, time_source=time_source or "measured", sync=sync)
+        return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "measured")
+    raise ValueError(f"unknown meter kind {kind!r}; choose auto, zeus, roofline, time or fake")
+
+
+__all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "RooflineMeter", "make_meter", "MeterError",
+                          "NoGPUError", "nvml_energy_counter_available")

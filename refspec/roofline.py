@@ -1,0 +1,704 @@
+"""Analytic roofline model of decode, draft and verify forwards: FLOPs, bytes, time, energy.
+
+The model answers "what should one step cost on this hardware?" from the architecture alone,
+so measured ledgers can be checked against it and so the paper's batch/speculation trade-off
+can be predicted before a GPU is available.
+
+Cost of one forward (:func:`forward_cost`), for N = rows x tokens_per_row query tokens,
+L decoder layers, E model dim, I MLP dim, H / Hkv heads of dim D, V LM-head rows, b bytes per
+element (shape glossary in :mod:`refspec.config`):
+
+* **weights** are read once per forward, whatever N: every decoder-layer parameter (matrices,
+  biases, norms), the final norm, the LM head matrix (V x E, read once if any token reaches
+  it; a tied head counts here too), only the N gathered embedding rows (at most V), and any
+  ``extra_weight_bytes`` (an EAGLE ``fc``).
+* **linear FLOPs**: 2 per matrix parameter per token (one multiply-add): 2 N L (E D (2H + 2Hkv)
+  + 3 E I). Norms, biases and activations (O(E) per token) are not counted.
+* **attention FLOPs**: 4 H D per (query, key) pair per layer (2 H D for Q K^T, 2 H D for P V);
+  pairs = tokens_per_row x keys per row, i.e. ``tokens_per_row * context_tokens`` summed over
+  rows, as a dense masked attention computes them. On sliding-window layers the keys per row
+  are capped at the window (the per-row mean of ``context_tokens`` is capped).
+* **LM head FLOPs**: 2 V E per token that reaches the head.
+* **KV reads**: keys read per layer x 2 Hkv D b (K and V), with the same sliding cap;
+  **KV writes**: N x L x 2 Hkv D b.
+* **activations**: compulsory traffic only, as a roofline should: each layer reads its input
+  hidden state and writes its output (2 E per token per layer), the embedding gather writes E
+  per token and the LM head writes the logits (V per token). A fused implementation keeps the
+  intermediates (q, k, v, MLP activations) in cache; an unfused one moves more.
+
+Time of one forward = max(FLOPs / peak, bytes / bandwidth) + a fixed per-forward overhead
+(kernel launches). Energy = static power x time + pJ/FLOP x FLOPs + pJ/byte x bytes.
+
+The GPU profiles' peak and bandwidth are data-sheet numbers (REFERENCE section 5); their energy
+coefficients are priors from the paper's range, to be calibrated on a real GPU. The CPU profile
+measures this machine's bandwidth and peak at first use; its energy coefficients are
+uncalibrated priors (no RAPL counter is readable here), so every CPU energy figure is modelled.
+
+Run ``python -m refspec.roofline --help`` for the batch x k prediction CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from refspec.config import ModelArgs
+from refspec.phases import ForwardShape
+
+logger = logging.getLogger(__name__)
+
+PICO = 1e-12
+
+
+# ---- hardware profiles -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """Roofline and energy coefficients of one device.
+
+    Attributes:
+        name: short id used in energy sources, e.g. ``"h200-sxm"``.
+        peak_flops: dense peak in FLOP/s for the modelled dtype (bf16 on GPUs).
+        bandwidth_Bps: main-memory bandwidth in bytes/s.
+        static_w: power drawn while a forward runs, independent of the work done, in W.
+        pj_per_flop: dynamic energy per FLOP in pJ.
+        pj_per_byte: dynamic energy per byte moved from/to main memory in pJ.
+        idle_w: power of the idle device in W (what "net of idle" subtracts).
+        overhead_s: fixed time per forward (launch / dispatch) in s.
+        measured: whether peak and bandwidth were measured on this machine (not data sheet).
+    """
+
+    name: str
+    peak_flops: float
+    bandwidth_Bps: float
+    static_w: float
+    pj_per_flop: float
+    pj_per_byte: float
+    idle_w: float
+    overhead_s: float = 0.0
+    measured: bool = False
+
+    @property
+    def ridge(self) -> float:
+        """Balance point in FLOP/byte: above it a forward is compute-bound."""
+        return self.peak_flops / self.bandwidth_Bps
+
+    def time_s(self, cost: "Cost", forwards: int = 1) -> float:
+        """Roofline time of ``cost`` spread over ``forwards`` sequential forwards, in s."""
+        return max(cost.flops / self.peak_flops, cost.bytes / self.bandwidth_Bps) + forwards * self.overhead_s
+
+    def energy_j(self, cost: "Cost", time_s: float) -> float:
+        """Energy in J of ``cost`` done in ``time_s`` seconds: static + per-FLOP + per-byte."""
+        return self.static_w * time_s + PICO * (self.pj_per_flop * cost.flops + self.pj_per_byte * cost.bytes)
+
+
+# GPU energy coefficients are the midpoints of REFERENCE section 5's priors (static 60-100 W,
+# 0.4-0.8 pJ/FLOP, 30-50 pJ/B); idle ~70 W is typical of an idle SXM board. Overhead 30 us per
+# forward assumes CUDA-graph replay. Calibrate with refspec.attribution on a real GPU.
+H100_SXM = HardwareProfile(name="h100-sxm", peak_flops=989e12, bandwidth_Bps=3.35e12, static_w=80.0,
+                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
+H200_SXM = HardwareProfile(name="h200-sxm", peak_flops=989e12, bandwidth_Bps=4.8e12, static_w=80.0,
+                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
+GPU_PROFILES: dict[str, HardwareProfile] = {"h100": H100_SXM, "h100-sxm": H100_SXM,
+                                            "h200": H200_SXM, "h200-sxm": H200_SXM}
+
+# CPU energy priors (uncalibrated: no RAPL here): two cores' share of package static power,
+# AVX-512 FMA energy per FLOP, DRAM + controller energy per byte.
+CPU_STATIC_W = 15.0
+CPU_IDLE_W = 5.0
+CPU_PJ_PER_FLOP = 10.0
+CPU_PJ_PER_BYTE = 100.0
+
+
+def _bench(fn: Any, reps: int = 5, budget_s: float = 0.15) -> float:
+    """Best wall time of up to ``reps`` calls of ``fn`` (stopping after ``budget_s``), after a warm-up."""
+    fn()
+    best = math.inf
+    spent = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > budget_s:
+            break
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_profile(dtype_bytes: int = 2) -> HardwareProfile:
+    """Profile of this CPU, with bandwidth and peak measured now (~0.5 s, cached per process).
+
+    Bandwidth is what a decode forward sees: ``F.linear`` of one token against a 64 MiB weight
+    matrix (larger than the last-level cache), bytes of the matrix / best time. Peak is
+    ``F.linear`` of 512 tokens against a 512 x 512 matrix, 2 x 512^3 FLOPs / best time (the
+    model's own GEMM path; plain ``a @ b`` in bf16 is far slower on CPUs without AVX512_BF16). Both use the current torch thread count.
+
+    Args:
+        dtype_bytes: 2 measures bf16 kernels, 4 fp32.
+
+    Returns:
+        A profile named ``cpu-<dtype>-<threads>t`` with ``measured=True`` and the CPU energy
+        priors (modelled, not measured: there is no energy counter on this machine).
+    """
+    import torch
+
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes}")
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn((64 << 20) // (4096 * dtype_bytes), 4096, generator=gen).to(dtype)
+    x = torch.randn(1, 4096, generator=gen).to(dtype)
+    with torch.inference_mode():
+        bandwidth = w.numel() * dtype_bytes / _bench(lambda: torch.nn.functional.linear(x, w))
+        n = 512
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
+        peak = 2 * n**3 / _bench(lambda: torch.nn.functional.linear(a, b))
+    threads = torch.get_num_threads()
+    name = f"cpu-{'bf16' if dtype_bytes == 2 else 'fp32'}-{threads}t"
+    logger.info("measured %s: %.1f GB/s matrix-vector, %.1f GFLOP/s matmul", name, bandwidth / 1e9, peak / 1e9)
+    return HardwareProfile(name=name, peak_flops=peak, bandwidth_Bps=bandwidth, static_w=CPU_STATIC_W,
+                           pj_per_flop=CPU_PJ_PER_FLOP, pj_per_byte=CPU_PJ_PER_BYTE, idle_w=CPU_IDLE_W,
+                           overhead_s=0.0, measured=True)
+
+
+def get_profile(name: str, dtype_bytes: int = 2) -> HardwareProfile:
+    """Profile by name: ``h100``/``h100-sxm``, ``h200``/``h200-sxm``, or ``cpu`` (measured now)."""
+    if name == "cpu" or name.startswith("cpu-"):
+        return cpu_profile(dtype_bytes)
+    try:
+        return GPU_PROFILES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {name!r}; choose cpu, {', '.join(sorted(GPU_PROFILES))}") from None
+
+
+# ---- cost of one forward ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """FLOPs and main-memory bytes of one or more forwards (add with ``+``).
+
+    Attributes:
+        linear_flops: FLOPs of the decoder-layer projections and MLP.
+        attention_flops: FLOPs of Q K^T and P V.
+        lm_head_flops: FLOPs of the LM head.
+        extra_flops: FLOPs the caller declared (e.g. an EAGLE ``fc``).
+        weight_bytes: weight bytes read.
+        kv_read_bytes: KV-cache bytes read.
+        kv_write_bytes: KV-cache bytes written.
+        activation_bytes: compulsory activation traffic (layer inputs/outputs, logits).
+    """
+
+    linear_flops: float = 0.0
+    attention_flops: float = 0.0
+    lm_head_flops: float = 0.0
+    extra_flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_read_bytes: float = 0.0
+    kv_write_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        """All FLOPs."""
+        return self.linear_flops + self.attention_flops + self.lm_head_flops + self.extra_flops
+
+    @property
+    def bytes(self) -> float:
+        """All main-memory bytes (weights + KV reads/writes + activations)."""
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity in FLOP/byte (0 for an empty cost)."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def scale(self, factor: float) -> "Cost":
+        """Every field times ``factor``."""
+        return Cost(*(factor * a for a in dataclasses.astuple(self)))
+
+    def as_dict(self) -> dict[str, float]:
+        """Fields plus the ``flops`` and ``bytes`` totals."""
+        return {**dataclasses.asdict(self), "flops": self.flops, "bytes": self.bytes}
+
+
+def layer_parameters(args: ModelArgs) -> tuple[int, int]:
+    """Parameters of one decoder layer.
+
+    Returns:
+        ``(matrix_params, other_params)``: projection + MLP matrix elements, and biases + norm
+        weights (the same split ``ModelArgs.num_parameters`` sums).
+    """
+    e, d, h, kv = args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads
+    matrices = e * d * (2 * h + 2 * kv) + 3 * e * args.intermediate_size
+    other = e * (4 if args.sandwich_norms else 2) + (2 * d if args.qk_norm else 0)
+    if args.attention_bias:
+        other += d * (h + 2 * kv)
+    return matrices, other
+
+
+def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
+    """Keys read by ``layer``, summed over rows (sliding layers capped at the window per row)."""
+    if shape.args.is_sliding(layer) and shape.args.sliding_window:
+        mean = shape.context_tokens / shape.rows
+        return shape.rows * min(mean, shape.args.sliding_window)
+    return float(shape.context_tokens)
+
+
+def forward_cost(shape: ForwardShape) -> Cost:
+    """FLOPs and bytes of one forward (see the module docstring for every term).
+
+    Args:
+        shape: the forward. ``context_tokens`` is the keys attended summed over rows, including
+            the tokens this forward writes (the cache length after the write).
+
+    Returns:
+        The forward's :class:`Cost`.
+    """
+    a = shape.args
+    if shape.rows <= 0 or shape.tokens_per_row <= 0:
+        raise ValueError(f"a forward needs rows and tokens_per_row >= 1, got {shape.rows}, {shape.tokens_per_row}")
+    b = shape.dtype_bytes
+    e = a.hidden_size
+    n = shape.rows * shape.tokens_per_row
+    layers = a.num_layers if shape.layers is None else shape.layers
+    lm_tokens = n if shape.lm_head_tokens is None else shape.lm_head_tokens
+    lm_rows = a.vocab_size if shape.lm_head_rows is None else shape.lm_head_rows
+    matrices, other = layer_parameters(a)
+    kv_per_key = 2 * a.num_kv_heads * a.head_dim * b  # K and V of one key in one layer
+    keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
+
+    lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
+    weights = b * (layers * (matrices + other) + e + min(n, a.vocab_size) * e + lm_head_matrix)
+    return Cost(
+        linear_flops=2.0 * n * layers * matrices,
+        attention_flops=4.0 * a.num_heads * a.head_dim * shape.tokens_per_row * keys,
+        lm_head_flops=2.0 * lm_tokens * lm_rows * e,
+        extra_flops=float(shape.extra_flops),
+        weight_bytes=float(weights + shape.extra_weight_bytes),
+        kv_read_bytes=float(keys * kv_per_key),
+        kv_write_bytes=float(n * layers * kv_per_key),
+        activation_bytes=float(b * (n * layers * 2 * e + n * e + lm_tokens * lm_rows)),
+    )
+
+
+def total_cost(work: Sequence[ForwardShape]) -> Cost:
+    """Sum of :func:`forward_cost` over ``work`` (an empty phase costs nothing)."""
+    out = Cost()
+    for shape in work:
+        out = out + forward_cost(shape)
+    return out
+
+
+def work_time_s(work: Sequence[ForwardShape], profile: HardwareProfile) -> float:
+    """Roofline time of sequential forwards: each is bounded on its own, then summed."""
+    return sum(profile.time_s(forward_cost(s)) for s in work)
+
+
+# ---- one speculative step ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterModel:
+    """What one draft forward costs, for predictions (the engine's real drafters report work).
+
+    Three ways to describe a drafter, in order of precedence:
+
+    * ``fraction``: each draft forward costs this fraction of one target decode forward (T = 1)
+      of the same batch and context (0 for n-gram lookup);
+    * ``args``: a separate draft model; a draft forward runs all its layers;
+    * otherwise an EAGLE-style head: ``layers`` decoder layers with the target's architecture,
+      an ``fc`` of ``fc_inputs x E -> E`` (2 for EAGLE-1/2, 3 for EAGLE-3, 0 for none), and the
+      target's LM head.
+
+    Attributes:
+        name: label for tables.
+        layers: decoder layers of an EAGLE-style head.
+        fc_inputs: EAGLE ``fc`` input width in multiples of E.
+        args: architecture of a separate draft model.
+        fraction: cost of one draft forward as a fraction of a target decode forward.
+        parallel: True for block drafters that propose all K tokens in one forward of K
+            tokens per row; False for chain drafters that run K forwards of one token.
+    """
+
+    name: str
+    layers: int = 1
+    fc_inputs: int = 2
+    args: ModelArgs | None = None
+    fraction: float | None = None
+    parallel: bool = False
+
+    def forward_cost(self, target: ModelArgs, *, rows: int, tokens_per_row: int, context_tokens: int,
+                     dtype_bytes: int) -> Cost:
+        """Cost of one draft forward (``context_tokens`` summed over rows, as in ForwardShape)."""
+        if self.fraction is not None:
+            base = ForwardShape(args=target, rows=rows, tokens_per_row=1, context_tokens=context_tokens,
+                                dtype_bytes=dtype_bytes)
+            return forward_cost(base).scale(self.fraction)
+        if self.args is not None:
+            return forward_cost(ForwardShape(args=self.args, rows=rows, tokens_per_row=tokens_per_row,
+                                             context_tokens=context_tokens, dtype_bytes=dtype_bytes))
+        e = target.hidden_size
+        fc = self.fc_inputs * e * e
+        return forward_cost(ForwardShape(args=target, rows=rows, tokens_per_row=tokens_per_row,
+                                         context_tokens=context_tokens, dtype_bytes=dtype_bytes,
+                                         layers=self.layers, extra_weight_bytes=fc * dtype_bytes,
+                                         extra_flops=2 * fc * rows * tokens_per_row))
+
+
+EAGLE_HEAD = DrafterModel(name="eagle-1layer", layers=1, fc_inputs=2)
+"""Default drafter of predictions: an EAGLE-1/2-like head, one target decoder layer + fc + LM head."""
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens emitted per row per step, (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023).
+
+    Args:
+        acceptance: per-token acceptance probability a in [0, 1].
+        k: draft length.
+    """
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must lie in [0, 1], got {acceptance}")
+    if acceptance == 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepPrediction:
+    """Modelled cost of one decode step at steady state (all rows active).
+
+    Attributes:
+        batch: rows B.
+        k: draft length (0 = plain decoding).
+        acceptance: per-token acceptance a.
+        context: cache length per row before the step, in tokens.
+        tokens_per_row: expected tokens emitted per row per step.
+        draft_time_s / verify_time_s / step_time_s: modelled times in s.
+        draft_energy_j / verify_energy_j / step_energy_j: modelled energies in J.
+        tpot_s: time per output token per user, step time / tokens_per_row, in s.
+        j_per_token: step energy / (B x tokens_per_row), in J.
+        verify_cost: FLOPs and bytes of the verify forward.
+        verify_compute_bound: whether verify's intensity exceeds the ridge.
+        profile: name of the hardware profile.
+    """
+
+    batch: int
+    k: int
+    acceptance: float
+    context: int
+    tokens_per_row: float
+    draft_time_s: float
+    verify_time_s: float
+    step_time_s: float
+    draft_energy_j: float
+    verify_energy_j: float
+    step_energy_j: float
+    tpot_s: float
+    j_per_token: float
+    verify_cost: Cost
+    verify_compute_bound: bool
+    profile: str
+
+
+def predict_step(target: ModelArgs, profile: HardwareProfile, *, batch: int, k: int, context: int,
+                 acceptance: float, drafter: DrafterModel = EAGLE_HEAD, dtype_bytes: int = 2) -> StepPrediction:
+    """Model one speculative step: K draft forwards (or one block forward), one verify forward.
+
+    The verify forward runs K + 1 tokens per row over ``context + K + 1`` keys per row; a chain
+    drafter runs K forwards of one token per row over the same context (its own cache), a block
+    drafter one forward of K tokens. Acceptance, commit and sampling cost nothing here.
+
+    Args:
+        target: target architecture.
+        profile: hardware profile.
+        batch: rows B (all active).
+        k: draft length; 0 means plain autoregressive decoding (no draft phase).
+        context: tokens in each row's cache before the step.
+        acceptance: per-token acceptance a (ignored when k = 0).
+        drafter: draft cost model (default: EAGLE-style one-layer head).
+        dtype_bytes: bytes per weight / KV element.
+
+    Returns:
+        The :class:`StepPrediction`.
+    """
+    t = k + 1
+    verify = forward_cost(ForwardShape(args=target, rows=batch, tokens_per_row=t,
+                                       context_tokens=batch * (context + t), dtype_bytes=dtype_bytes))
+    verify_time = profile.time_s(verify)
+    verify_energy = profile.energy_j(verify, verify_time)
+    draft_time = draft_energy = 0.0
+    if k > 0:
+        if drafter.parallel:
+            one = drafter.forward_cost(target, rows=batch, tokens_per_row=k,
+                                       context_tokens=batch * (context + k), dtype_bytes=dtype_bytes)
+            forwards = [one]
+        else:
+            forwards = [drafter.forward_cost(target, rows=batch, tokens_per_row=1,
+                                             context_tokens=batch * (context + i + 1), dtype_bytes=dtype_bytes)
+                        for i in range(k)]
+        for c in forwards:
+            ft = profile.time_s(c)
+            draft_time += ft
+            draft_energy += profile.energy_j(c, ft)
+    tokens = expected_tokens_per_step(acceptance, k) if k else 1.0
+    step_time = draft_time + verify_time
+    step_energy = draft_energy + verify_energy
+    return StepPrediction(batch=batch, k=k, acceptance=acceptance, context=context, tokens_per_row=tokens,
+                          draft_time_s=draft_time, verify_time_s=verify_time, step_time_s=step_time,
+                          draft_energy_j=draft_energy, verify_energy_j=verify_energy, step_energy_j=step_energy,
+                          tpot_s=step_time / tokens, j_per_token=step_energy / (batch * tokens),
+                          verify_cost=verify, verify_compute_bound=verify.intensity > profile.ridge,
+                          profile=profile.name)
+
+
+def compute_bound_batch(target: ModelArgs, profile: HardwareProfile, *, k: int, context: int,
+                        dtype_bytes: int = 2, max_batch: int = 1 << 16) -> int | None:
+    """Smallest batch whose verify forward (K + 1 tokens per row) is compute-bound.
+
+    Returns:
+        The batch, or None when even ``max_batch`` stays memory-bound (long contexts: KV reads
+        grow with the batch as fast as FLOPs do).
+    """
+    def bound(b: int) -> bool:
+        c = forward_cost(ForwardShape(args=target, rows=b, tokens_per_row=k + 1,
+                                      context_tokens=b * (context + k + 1), dtype_bytes=dtype_bytes))
+        return c.flops / profile.peak_flops >= c.bytes / profile.bandwidth_Bps
+
+    if not bound(max_batch):
+        return None
+    lo, hi = 0, max_batch  # bound(hi) holds, bound(lo) does not (batch 0 never is)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if bound(mid) else (mid, hi)
+    return hi
+
+
+# ---- architectures ---------------------------------------------------------------------------
+_GEMMA3 = dict(model_type="gemma3_text", rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4,
+               sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh", bos_token_id=2,
+               eos_token_id=[1, 106], pad_token_id=0, final_logit_softcapping=None, attn_logit_softcapping=None)
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000,
+                         eos_token_id=[128001, 128008, 128009]),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+                     hidden_act="silu", attention_bias=False, bos_token_id=151643, eos_token_id=151645),
+    "gemma-3-270m": dict(_GEMMA3, vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                         sliding_window=512, max_position_embeddings=32768),
+    "gemma-3-1b": dict(_GEMMA3, vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=512, max_position_embeddings=32768),
+    "gemma-3-4b": dict(_GEMMA3, vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=1024, max_position_embeddings=131072,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma-3-12b": dict(_GEMMA3, vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=1024, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma-3-27b": dict(_GEMMA3, vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+                        sliding_window=1024, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+                         tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2),
+    # The Qwen2.5-Coder GGUFs refspec loads ship a separate output matrix (REFERENCE section 1).
+    "qwen2.5-coder-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                               rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+                               tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
+                               bos_token_id=151643, eos_token_id=151645),
+    "qwen2.5-coder-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                               num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                               rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
+                               tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
+                               bos_token_id=151643, eos_token_id=151645),
+}
+"""Hugging Face style ``config.json`` dictionaries of the architectures the CLI knows."""
+
+
+def arch(name: str) -> ModelArgs:
+    """``ModelArgs`` of an :data:`ARCHS` entry, or of a ``config.json`` path / model directory."""
+    if name in ARCHS:
+        return ModelArgs.from_hf_config(ARCHS[name])
+    if os.path.exists(name):
+        return ModelArgs.from_file(name)
+    raise ValueError(f"unknown architecture {name!r}; choose one of {', '.join(ARCHS)} or give a config.json path")
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _drafter(text: str) -> DrafterModel:
+    if text == "eagle":
+        return EAGLE_HEAD
+    if text == "eagle3":
+        return DrafterModel(name="eagle3-1layer", layers=1, fc_inputs=3)
+    if text.startswith("fraction:"):
+        f = float(text.split(":", 1)[1])
+        return DrafterModel(name=f"fraction-{f:g}", fraction=f)
+    if text.startswith("block:"):
+        return DrafterModel(name=f"block-{text[6:]}", args=arch(text[6:]), parallel=True)
+    return DrafterModel(name=text, args=arch(text))
+
+
+def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Sequence[int], ks: Sequence[int],
+                     acceptances: Sequence[float], context: int, drafter: DrafterModel = EAGLE_HEAD,
+                     dtype_bytes: int = 2) -> list[dict[str, Any]]:
+    """Predictions for every (acceptance, k, batch), each with its saving vs k = 0 at that batch.
+
+    Returns:
+        Rows with keys acceptance, k, batch, tokens_per_row, tpot_ms, j_per_token, saving
+        (1 - J/token / J/token at k = 0; negative = speculation costs energy), speedup
+        (k = 0 TPOT / TPOT), verify_intensity, bound ("memory" or "compute").
+    """
+    rows = []
+    for a in acceptances:
+        for b in batches:
+            base = predict_step(target, profile, batch=b, k=0, context=context, acceptance=a,
+                                drafter=drafter, dtype_bytes=dtype_bytes)
+            for k in ks:
+                p = base if k == 0 else predict_step(target, profile, batch=b, k=k, context=context, acceptance=a,
+                                                     drafter=drafter, dtype_bytes=dtype_bytes)
+                rows.append(dict(acceptance=a, k=k, batch=b, tokens_per_row=p.tokens_per_row, tpot_ms=p.tpot_s * 1e3,
+                                 j_per_token=p.j_per_token, saving=1.0 - p.j_per_token / base.j_per_token,
+                                 speedup=base.tpot_s / p.tpot_s, verify_intensity=p.verify_cost.intensity,
+                                 bound="compute" if p.verify_compute_bound else "memory"))
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ks = sorted({r["k"] for r in rows})
+    for i, k in enumerate(ks):
+        sel = sorted((r for r in rows if r["k"] == k), key=lambda r: r["batch"])
+        color = f"C{i}"
+        bs = [r["batch"] for r in sel]
+        ax_t.plot(bs, [r["tpot_ms"] for r in sel], "o-", color=color, label=f"k={k}")
+        ax_e.plot(bs, [r["j_per_token"] for r in sel], "o-", color=color, label=f"k={k}")
+        cross = profile.ridge / (k + 1)  # naive balance point: B (k + 1) = ridge
+        for ax in (ax_t, ax_e):
+            ax.axvline(cross, color=color, ls=":", lw=1)
+    for ax, label in ((ax_t, "time per output token per user (ms)"), (ax_e, "energy per output token (J, modelled)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_e.legend(title="dotted: B(k+1) = ridge", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'a':>5} {'k':>3} {'batch':>6} {'tok/step':>8} {'TPOT ms':>9} {'J/token':>10} {'saving':>8} " \
+           f"{'speedup':>7} {'FLOP/B':>7} {'verify':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['acceptance']:>5.2f} {r['k']:>3d} {r['batch']:>6d} {r['tokens_per_row']:>8.2f} "
+                     f"{r['tpot_ms']:>9.3f} {r['j_per_token']:>10.4g} {100 * r['saving']:>7.1f}% "
+                     f"{r['speedup']:>7.2f} {r['verify_intensity']:>7.1f} {r['bound']:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: print a prediction table, optionally write plots and a CSV."""
+    parser = argparse.ArgumentParser(
+        prog="python -m refspec.roofline",
+        description="Roofline prediction of time and energy per output token of speculative decoding "
+                    "against batch size, for each draft length k. All energies are MODELLED from a hardware "
+                    "profile (data-sheet peak and bandwidth, prior energy coefficients), never measured.",
+        epilog="Model: a step is K draft forwards of the drafter plus one verify forward of K+1 tokens per row; "
+               "each forward takes max(FLOPs/peak, bytes/bandwidth) + a launch overhead; energy = static W x time "
+               "+ pJ/FLOP x FLOPs + pJ/byte x bytes. Tokens per step per row = (1 - a^(k+1)) / (1 - a) "
+               "(Leviathan et al. 2023). 'saving' compares J/token with k=0 at the same batch (negative = loss); "
+               "'verify' says whether the verify forward is memory- or compute-bound; the plots mark the naive "
+               "balance point B(k+1) = ridge with dotted lines. Default drafter: an EAGLE-1/2-like head (one target "
+               "decoder layer + 2E x E fc + the target's LM head, k sequential forwards).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help=f"target architecture: {', '.join(ARCHS)}, or a config.json path")
+    parser.add_argument("--gpu", default="h200", help="hardware profile: h100, h200 or cpu (measured now)")
+    parser.add_argument("--batch", default="1,2,4,8,16,32,64,128,256", help="comma-separated batch sizes")
+    parser.add_argument("--k", default="0,1,3,7,15", help="comma-separated draft lengths (0 = no speculation)")
+    parser.add_argument("--acceptance", default="0.6,0.8", help="comma-separated per-token acceptance rates a")
+    parser.add_argument("--context", type=int, default=512, help="tokens in each row's KV cache")
+    parser.add_argument("--drafter", default="eagle",
+                        help="eagle (1-layer head + fc + LM head), eagle3 (3E fc), fraction:F (each draft forward "
+                             "costs F x a target decode forward), an architecture name (draft model, k forwards), "
+                             "or block:ARCH (one forward drafts k tokens)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
+    args = parser.parse_args(argv)
+    try:
+        target = arch(args.model)
+        profile = get_profile(args.gpu, args.dtype_bytes)
+        drafter = _drafter(args.drafter)
+        batches, ks, accs = _ints(args.batch), _ints(args.k), _floats(args.acceptance)
+        if 0 not in ks:
+            ks = [0, *ks]
+        rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
+                                drafter=drafter, dtype_bytes=args.dtype_bytes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
+          f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
+          f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
+    print(f"energy source: modelled:roofline({profile.name}) (static {profile.static_w:g} W, "
+          f"{profile.pj_per_flop:g} pJ/FLOP, {profile.pj_per_byte:g} pJ/B)")
+    for k in ks:
+        b = compute_bound_batch(target, profile, k=k, context=args.context, dtype_bytes=args.dtype_bytes)
+        print(f"  k={k}: verify turns compute-bound at batch {b if b else '> 65536'} "
+              f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
+    print(_format_table(rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
+        with open(args.out / f"{stem}.csv", "w") as fh:
+            fh.write(",".join(rows[0]) + "\n")
+            for r in rows:
+                fh.write(",".join(str(v) for v in r.values()) + "\n")
+        for a in accs:
+            path = args.out / f"{stem}_a{a:g}.png"
+            _plot([r for r in rows if r["acceptance"] == a], profile,
+                  f"{args.model} on {profile.name} (modelled), context {args.context}, acceptance {a:g}, "
+                  f"drafter {drafter.name}", path)
+            print(f"wrote {path}")
+        print(f"wrote {args.out / f'{stem}.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-heavy", action="store_true", help="run the heavy tier (Qwen 1.5B pair)")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = torch.cuda.is_available()
+    for item in items:
+        if "heavy" in item.keywords and not config.getoption("--run-heavy"):
+            item.add_marker(pytest.mark.skip(reason="heavy tier (Qwen 1.5B pair): opt in with --run-heavy"))
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU; none is present"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Loaded refspec models (fp32) of each tiny family config, built via transformers."""
+    from tiny import TINY_HF, save_hf
+
+    from refspec.models import load_model
+
+    out = {}
+    for name in TINY_HF:
+        d = tmp_path_factory.mktemp(name)
+        save_hf(name, d)
+        out[name] = load_model(d)
+    return out

@@ -127,11 +127,16 @@ class Engine:
         eos_token_ids: tokens that end a row.
         verify_fn: callable with the target forward's signature used for verify steps
             (a CUDA-graph runner may replace the eager target here).
+        acceptance_fn: replaces chain verification's decision, ``(draft, logits, generator)
+            -> Acceptance``; used to inject a recorded acceptance-length distribution when
+            timing large random-weight targets (outputs must then say so).
+        on_step: called after every step with ``(step, tokens_emitted_so_far)`` (progress bars).
     """
 
     def __init__(self, target, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
                  meter: EnergyMeter | None = None, observers: Sequence[PhaseObserver] = (),
-                 eos_token_ids: Sequence[int] = (), verify_fn: Callable | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), verify_fn: Callable | None = None,
+                 acceptance_fn: Callable | None = None, on_step: Callable[[int, int], None] | None = None) -> None:
         if drafter is None and config.k:
             raise GenerationError(f"k = {config.k} needs a drafter; plain decoding is k = 0")
         if drafter is not None and config.k == 0:
@@ -143,6 +148,8 @@ class Engine:
         self.observers = list(observers)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=target.device)
         self.verify_fn = verify_fn if verify_fn is not None else target
+        self.acceptance_fn = acceptance_fn
+        self.on_step = on_step
         self._cache = None
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -252,6 +259,7 @@ class Engine:
         accepted_log: list[list[int]] = []
         emitted_log: list[list[int]] = []
         step = 0
+        emitted_total = b
         while not all(done_host):
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 log.warning("stopping after max_steps=%d with unfinished rows", cfg.max_steps)
@@ -348,6 +356,7 @@ class Engine:
             emitted_log.append(emit_row)
             n_acc_sum = sum(a for a in acc_row if a > 0)
             n_emit_sum = sum(emit_row)
+            emitted_total += n_emit_sum
             verified = active * (n + 1)
             common = dict(step=step, batch=b, rows_active=active)
             self._emit(PhaseEvent(**common, phase="draft", drafted=active * n, work=d_work, measurement=m_draft), events)
@@ -356,6 +365,8 @@ class Engine:
             self._emit(PhaseEvent(**common, phase="commit", accepted=n_acc_sum, emitted=n_emit_sum,
                                   measurement=m_commit, emitted_per_row=tuple(emit_row)), events)
             step += 1
+            if self.on_step is not None:
+                self.on_step(step, emitted_total)
 
         counts = n_out.tolist()
         out_host = out.tolist()
@@ -366,6 +377,8 @@ class Engine:
                           accepted_per_step=accepted_log, emitted_per_step=emitted_log, events=events)
 
     def _accept(self, draft: Draft, logits: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
+        if self.acceptance_fn is not None:
+            return self.acceptance_fn(draft, logits, generator)
         sampling = self.config.sampling
         if sampling.greedy:
             return greedy_accept(draft.tokens, logits)

@@ -126,7 +126,8 @@ class Engine:
         observers: called with every :class:`PhaseEvent` (the ledger is one).
         eos_token_ids: tokens that end a row.
         verify_fn: callable with the target forward's signature used for verify steps
-            (a CUDA-graph runner may replace the eager target here).
+            (a CUDA-graph runner may replace the eager target here); when it has a
+            ``new_cache`` method, the engine's cache comes from it.
         acceptance_fn: replaces chain verification's decision, ``(draft, logits, generator)
             -> Acceptance``; used to inject a recorded acceptance-length distribution when
             timing large random-weight targets (outputs must then say so).
@@ -160,7 +161,9 @@ class Engine:
     def _cache_for(self, batch: int, max_len: int):
         c = self._cache
         if c is None or c.batch != batch or c.max_len < max_len:
-            self._cache = c = self.target.new_cache(batch, max_len)
+            # a verify_fn that owns the cache (a CUDA-graph runner's KV pool) provides it
+            new_cache = getattr(self.verify_fn, "new_cache", None) or self.target.new_cache
+            self._cache = c = new_cache(batch, max_len)
         c.reset()
         return c
 
@@ -246,7 +249,7 @@ class Engine:
                             num_accepted=torch.zeros_like(plens), sampling=cfg.sampling, generator=generator,
                             step=0, max_length_bound=s_max + 1, target_args=self.target.args,
                             dtype_bytes=self.dtype_bytes)
-        work = (self._target_shape(b, s_max, b * s_max * (s_max + 1) // 2, lm_tokens=b),)
+        work = (self._target_shape(b, s_max, b * s_max, lm_tokens=b),)  # keys read per row, summed
         if drafter is not None:
             drafter.reset(state)
             work += tuple(drafter.prefill_work(state))

@@ -87,7 +87,8 @@ class _ShortWindowWarner:
         if energy_j == 0.0:
             problems.append("read 0 J")
         if time_s < self.period_s:
-            problems.append(f"lasted {time_s * 1e3:.3g} ms, shorter than the counter period (~{self.period_s * 1e3:g} ms)")
+            problems.append(f"lasted {time_s * 1e3:.3g} ms, shorter than the counter period "
+                            f"(~{self.period_s * 1e3:g} ms)")
         if not problems:
             return
         self.counts[name] += 1

@@ -132,16 +132,18 @@ def _bench(fn: Any, reps: int = 5, budget_s: float = 0.15) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_profile(dtype_bytes: int = 2) -> HardwareProfile:
+def cpu_profile(dtype_bytes: int = 2, weight_mib: int = 64) -> HardwareProfile:
     """Profile of this CPU, with bandwidth and peak measured now (~0.5 s, cached per process).
 
-    Bandwidth is what a decode forward sees: ``F.linear`` of one token against a 64 MiB weight
-    matrix (larger than the last-level cache), bytes of the matrix / best time. Peak is
+    Bandwidth is what a decode forward sees: ``F.linear`` of one token against a ``weight_mib`` MiB
+    weight matrix (larger than the last-level cache), bytes of the matrix / best time. Peak is
     ``F.linear`` of 512 tokens against a 512 x 512 matrix, 2 x 512^3 FLOPs / best time (the
-    model's own GEMM path; plain ``a @ b`` in bf16 is far slower on CPUs without AVX512_BF16). Both use the current torch thread count.
+    model's own GEMM path; plain ``a @ b`` in bf16 is far slower on CPUs without AVX512_BF16).
+    Both use the current torch thread count.
 
     Args:
         dtype_bytes: 2 measures bf16 kernels, 4 fp32.
+        weight_mib: size of the streamed matrix in MiB; keep it above the last-level cache.
 
     Returns:
         A profile named ``cpu-<dtype>-<threads>t`` with ``measured=True`` and the CPU energy
@@ -152,14 +154,13 @@ def cpu_profile(dtype_bytes: int = 2) -> HardwareProfile:
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes}")
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn((64 << 20) // (4096 * dtype_bytes), 4096, generator=gen).to(dtype)
-    x = torch.randn(1, 4096, generator=gen).to(dtype)
+    w = torch.full(((weight_mib << 20) // (4096 * dtype_bytes), 4096), 0.5, dtype=dtype)  # values do not matter
+    x = torch.full((1, 4096), 0.5, dtype=dtype)
     with torch.inference_mode():
         bandwidth = w.numel() * dtype_bytes / _bench(lambda: torch.nn.functional.linear(x, w))
         n = 512
-        a = torch.randn(n, n, generator=gen).to(dtype)
-        b = torch.randn(n, n, generator=gen).to(dtype)
+        a = torch.full((n, n), 0.5, dtype=dtype)
+        b = torch.full((n, n), 0.25, dtype=dtype)
         peak = 2 * n**3 / _bench(lambda: torch.nn.functional.linear(a, b))
     threads = torch.get_num_threads()
     name = f"cpu-{'bf16' if dtype_bytes == 2 else 'fp32'}-{threads}t"
@@ -614,7 +615,7 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
         ax.set_xlabel("batch")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    ax_e.legend(title="dotted: B(k+1) = ridge", fontsize=8)
+    ax_e.legend(title="dotted: B(k+1) = ridge", fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

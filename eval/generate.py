@@ -1,0 +1,122 @@
+"""``python -m refspec.generate``: decode prompts with a real model, plain or speculative.
+
+Examples::
+
+    python -m refspec.generate --model smollm2-135m --prompt "Write a haiku about tea."
+    python -m refspec.generate --model smollm2-135m --prompts-file prompts.txt --drafter ngram --k 4
+    python -m refspec.generate --model /path/to/hf_dir --prompt "def fib(n):" --no-chat --temperature 0.8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from refspec.eval.runtime import (UsageError, encode_prompt, load_target, parse_dtype, pick_device, set_threads)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m refspec.generate",
+        description="Generate text with a refspec target model, plain (no drafter) or speculative. "
+                    "Prompts of different lengths run together as one ragged batch.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model id (python -m refspec.assets list) or a Hugging Face directory with safetensors")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", type=Path, help="one prompt per line (or JSONL with a 'prompt' field)")
+    p.add_argument("--drafter", default="none", help="none, or a registered drafter (ngram, draft-model, eagle, ...)")
+    p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+    p.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return p
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = args.prompts_file.read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.prompts_file}: {exc.strerror}") from None
+        out = []
+        for i, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    out.append(json.loads(line)["prompt"])
+                except (json.JSONDecodeError, KeyError):
+                    raise UsageError(f"{args.prompts_file}:{i}: expected a JSON object with a 'prompt' field") from None
+            else:
+                out.append(line)
+        if not out:
+            raise UsageError(f"{args.prompts_file} holds no prompts")
+        return out
+    return ["Explain speculative decoding in two sentences."]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        from refspec.drafters import registry
+        from refspec.engine import Engine, EngineConfig
+        from refspec.sampling import SamplingConfig
+
+        set_threads()
+        device = pick_device(args.device)
+        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
+        texts = _read_prompts(args)
+        prompts = [encode_prompt(target, t, chat=not args.no_chat) for t in texts]
+        drafter, k = None, 0
+        if args.drafter != "none":
+            opts = {"draft_model": args.draft_model} if args.draft_model else {}
+            ctx = registry.DrafterContext(target=target.model, target_name=args.model,
+                                          tokenizer_fingerprint=target.fingerprint, dtype=target.model.dtype,
+                                          device=device, options=opts)
+            drafter = registry.build(args.drafter, ctx)
+            k = args.k if args.k is not None else registry.default_k(args.drafter)
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
+                        eos_token_ids=target.eos_token_ids)
+        gen_ = torch.Generator(device=device).manual_seed(args.seed)
+        t0 = time.perf_counter()
+        result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, generator=gen_)
+        elapsed = time.perf_counter() - t0
+    except (UsageError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tok = target.tokenizer
+    for text, toks in zip(texts, result.tokens):
+        out = tok.decode(toks) if tok is not None else " ".join(map(str, toks))
+        if args.json:
+            print(json.dumps({"prompt": text, "completion": out, "tokens": len(toks)}))
+        else:
+            print(f"### {text}\n{out}\n")
+    n = result.num_emitted
+    summary = f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), {result.steps} steps"
+    if drafter is not None:
+        summary += f", tau {result.tau:.2f} ({args.drafter}, k={k})"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

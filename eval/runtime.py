@@ -1,0 +1,92 @@
+"""The CLI edge: turning user flags into a loaded target, tokenizer and engine settings.
+
+Everything here is for command-line tools (``refspec.generate``, ``refspec.bench``,
+``refspec.eval``); library users build models and engines directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the CLIs print it and exit with status 2."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype {name!r}; use fp32, bf16 or fp16") from None
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; an unavailable device is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {name!r} requested but this torch build sees no CUDA GPU")
+    return dev
+
+
+def set_threads() -> None:
+    """Use every core for intra-op work unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class LoadedTarget:
+    """A target model ready to decode, with its tokenizer (None for weight-only directories)."""
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any | None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.model.args.eos_token_ids)
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.tokenizer.fingerprint() if self.tokenizer is not None else None
+
+
+def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedTarget:
+    """Resolve a model id (fetched on first use) or a Hugging Face directory and load it."""
+    from refspec.assets import resolve_model
+    from refspec.models import load_model
+
+    path = resolve_model(name, progress=progress)
+    model = load_model(path, dtype=dtype, device=device)
+    tok = None
+    if (path / "tokenizer.json").exists():
+        from refspec.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+    return LoadedTarget(name=name, path=path, model=model, tokenizer=tok)
+
+
+def encode_prompt(target: LoadedTarget, text: str, *, chat: bool) -> list[int]:
+    """Token ids of a user prompt, through the chat template when asked and available."""
+    tok = target.tokenizer
+    if tok is None:
+        raise UsageError(f"{target.path} has no tokenizer.json; pass token ids instead of text")
+    if chat and tok.has_chat_template:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(rendered, add_special_tokens=False)
+    return tok.encode(text)

@@ -1,0 +1,159 @@
+"""DVFS with a fake GPU (locks always reset) and operating-point choice under latency targets."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from refspec import dvfs
+from refspec.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
+from refspec.latency import choose_config, cost_of_tighter_target, format_targets
+from refspec.meters import NoGPUError
+
+
+class FakeGPU:
+    """A GPU backend that records calls; ``overshoot`` makes the lock not take effect."""
+
+    def __init__(self, default_mhz: int = 1980, overshoot: int = 0) -> None:
+        self.default_mhz = default_mhz
+        self.clock = default_mhz
+        self.overshoot = overshoot
+        self.calls: list[tuple] = []
+
+    def set_locked_clocks(self, gpu: int, min_mhz: int, max_mhz: int) -> None:
+        self.calls.append(("set", gpu, min_mhz, max_mhz))
+        self.clock = max_mhz + self.overshoot
+
+    def reset_locked_clocks(self, gpu: int) -> None:
+        self.calls.append(("reset", gpu))
+        self.clock = self.default_mhz
+
+    def sm_clock_mhz(self, gpu: int) -> int:
+        return self.clock
+
+    def supported_sm_clocks(self, gpu: int) -> list[int]:
+        return list(range(345, 1981, 15))
+
+
+def test_lock_and_reset_on_normal_exit():
+    gpu = FakeGPU()
+    with lock_sm_clocks(0, 1410, backend=gpu) as lock:
+        assert (lock.mhz, lock.observed_mhz) == (1410, 1410)
+        assert gpu.clock == 1410
+    assert gpu.calls == [("set", 0, 1410, 1410), ("reset", 0)]
+    assert gpu.clock == 1980
+
+
+def test_clock_is_reset_when_the_body_raises():
+    gpu = FakeGPU()
+    with pytest.raises(RuntimeError, match="boom"):
+        with lock_sm_clocks(0, 990, backend=gpu):
+            raise RuntimeError("boom")
+    assert gpu.calls[-1] == ("reset", 0) and gpu.clock == 1980
+    assert not dvfs._LOCKED  # nothing left for atexit
+
+
+def test_lock_that_does_not_apply_raises_and_still_resets():
+    gpu = FakeGPU(overshoot=200)
+    with pytest.raises(ClockLockError, match="did not apply"):
+        with lock_sm_clocks(1, 1200, backend=gpu):
+            pytest.fail("the body must not run")
+    assert gpu.calls[-1] == ("reset", 1)
+
+
+def test_sigint_handler_resets_then_interrupts_and_is_restored():
+    gpu = FakeGPU()
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with lock_sm_clocks(0, 1200, backend=gpu):
+            handler = signal.getsignal(signal.SIGINT)
+            assert handler is not before
+            handler(signal.SIGINT, None)  # what Ctrl-C would do
+    assert ("reset", 0) in gpu.calls and gpu.clock == 1980
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_atexit_path_resets_pending_locks():
+    gpu = FakeGPU()
+    ctx = lock_sm_clocks(0, 1100, backend=gpu)
+    ctx.__enter__()
+    assert dvfs._LOCKED
+    reset_all_locked_clocks()  # registered with atexit; simulate interpreter exit
+    assert gpu.calls[-1] == ("reset", 0) and not dvfs._LOCKED
+    ctx.__exit__(None, None, None)
+
+
+def test_locks_do_not_nest():
+    gpu = FakeGPU()
+    with lock_sm_clocks(0, 1500, backend=gpu):
+        with pytest.raises(ClockLockError, match="already locked"):
+            with lock_sm_clocks(0, 1200, backend=gpu):
+                pass
+        assert gpu.clock == 1500  # the outer lock still holds
+    assert gpu.clock == 1980
+
+
+def test_sweep_finds_latency_preserving_headroom():
+    gpu = FakeGPU()
+
+    def run():
+        # memory-bound decode: TPOT barely moves until the clock drops below 1400 MHz
+        mhz = gpu.clock
+        tpot = 0.010 * max(1.0, 1400 / mhz)
+        energy = 0.2 * (0.6 + 0.4 * (mhz / 1980) ** 2) * (tpot / 0.010)
+        return {"energy_per_token_j": energy, "tpot_p99_s": tpot}
+
+    sweep = dvfs_sweep(run, [1980, 1600, 1400, 1200, 900], backend=gpu, tolerance=0.05)
+    assert sweep.baseline.clock_mhz is None and sweep.baseline.tpot_p99_s == pytest.approx(0.010)
+    assert [p.clock_mhz for p in sweep.points] == [1980, 1600, 1400, 1200, 900]
+    assert sweep.headroom_mhz == 1400
+    assert sweep.best.clock_mhz == 1400
+    assert sweep.energy_saving == pytest.approx(1 - (0.6 + 0.4 * (1400 / 1980) ** 2))
+    assert gpu.clock == 1980 and gpu.calls.count(("reset", 0)) == 5
+
+
+def test_sweep_rejects_results_without_the_metrics():
+    with pytest.raises(ValueError, match="tpot_p99_s"):
+        dvfs_sweep(lambda: {"energy_per_token_j": 1.0}, [1000], backend=FakeGPU())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_without_gpu_a_clear_error_and_cli_exits_zero(capsys):
+    with pytest.raises(NoGPUError):
+        with lock_sm_clocks(0, 1200):
+            pass
+    assert dvfs.main([]) == 0
+    assert "no GPU" in capsys.readouterr().out
+
+
+# ---- latency targets --------------------------------------------------------------------------
+SWEEP = [
+    dict(batch=64, drafter="none", k=0, tpot_p99_s=0.030, energy_per_token_j=0.10),
+    dict(batch=16, drafter="none", k=0, tpot_p99_s=0.018, energy_per_token_j=0.16),
+    dict(batch=16, drafter="eagle", k=3, tpot_p99_s=0.012, energy_per_token_j=0.14),
+    dict(batch=4, drafter="eagle", k=3, tpot_p99_s=0.008, energy_per_token_j=0.30),
+    dict(batch=1, drafter="eagle", k=7, tpot_p99_s=0.006, energy_per_token_j=0.90),
+]
+
+
+def test_choose_lowest_energy_meeting_target():
+    assert choose_config(SWEEP, 0.050)["batch"] == 64
+    assert choose_config(SWEEP, 0.015)["drafter"] == "eagle"
+    assert choose_config(SWEEP, 0.007)["k"] == 7
+    assert choose_config(SWEEP, 0.005) is None
+    with pytest.raises(ValueError, match="lacks"):
+        choose_config([{"batch": 1}], 1.0)
+
+
+def test_cost_of_tighter_target_table():
+    rows = cost_of_tighter_target(SWEEP, [0.012, 0.050, 0.005, 0.020])
+    assert [r["target_s"] for r in rows] == [0.050, 0.020, 0.012, 0.005]
+    assert rows[0]["extra_vs_loosest"] == 0.0 and rows[0]["speculation_premium"] == 0.0
+    assert rows[1]["batch"] == 16 and rows[1]["drafter"] == "eagle"
+    assert rows[1]["extra_vs_loosest"] == pytest.approx(0.4)
+    assert rows[1]["speculation_premium"] == pytest.approx(0.14 / 0.16 - 1)  # beats plain batch 16
+    assert rows[2]["plain_energy_per_token_j"] is None and rows[2]["speculation_premium"] is None
+    assert not rows[3]["feasible"]
+    text = format_targets(rows)
+    assert "infeasible" in text and "+40.0%" in text

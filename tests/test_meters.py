@@ -1,0 +1,209 @@
+"""Energy meters with fake clocks and counters: exact windows, nesting, warnings, sources."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from refspec import meters
+from refspec.config import ModelArgs
+from refspec.meters import FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter, make_meter
+from refspec.phases import ForwardShape
+from refspec.roofline import HardwareProfile, forward_cost
+
+
+class World:
+    """A fake clock (s) and cumulative energy counter (J) that tests advance by hand."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.e = 5000.0
+
+    def clock(self) -> float:
+        return self.t
+
+    def energy(self) -> float:
+        return self.e
+
+    def advance(self, dt: float, de: float) -> None:
+        self.t += dt
+        self.e += de
+
+
+def test_fake_meter_reports_exact_deltas():
+    w = World()
+    m = FakeMeter(w.clock, w.energy)
+    m.begin("verify")
+    w.advance(0.25, 40.0)
+    out = m.end("verify")
+    assert (out.time_s, out.energy_j, out.source) == (0.25, 40.0, "measured:fake-counter")
+    assert out.measured
+
+
+def test_windows_nest_and_overlap():
+    w = World()
+    m = FakeMeter(w.clock, w.energy)
+    m.begin("step")
+    w.advance(0.5, 10.0)
+    m.begin("draft")
+    w.advance(0.25, 3.0)
+    draft = m.end("draft")
+    w.advance(0.125, 1.0)
+    step = m.end("step")
+    assert (draft.time_s, draft.energy_j) == (0.25, 3.0)
+    assert (step.time_s, step.energy_j) == (0.875, 14.0)
+
+
+def test_same_name_windows_nest_lifo():
+    w = World()
+    m = FakeMeter(w.clock, w.energy)
+    m.begin("other")
+    w.advance(1.0, 1.0)
+    m.begin("other")
+    w.advance(2.0, 2.0)
+    assert m.end("other").energy_j == 2.0  # inner first
+    assert m.end("other").energy_j == 3.0
+
+
+def test_end_without_begin_is_an_error():
+    m = FakeMeter(World().clock, World().energy)
+    with pytest.raises(MeterError, match="without a matching begin"):
+        m.end("verify")
+
+
+def test_zero_delta_and_short_window_warn_once_per_name(caplog):
+    w = World()
+    m = FakeMeter(w.clock, w.energy, counter_period_s=0.1)
+    with caplog.at_level(logging.DEBUG, logger="refspec.meters"):
+        for _ in range(3):
+            m.begin("draft")
+            w.advance(0.004, 0.0)
+            assert m.end("draft").energy_j == 0.0
+        m.begin("long")
+        w.advance(1.0, 300.0)
+        m.end("long")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "read 0 J" in warnings[0].getMessage() and "shorter than the counter period" in warnings[0].getMessage()
+    assert m.short_windows.counts == {"draft": 3}
+
+
+def test_time_meter_syncs_and_has_no_energy():
+    ticks = iter([1.0, 1.5, 3.0, 4.0])
+    syncs = []
+    m = TimeMeter(sync=lambda: syncs.append(1), clock=lambda: next(ticks))
+    m.begin("a")
+    m.begin("b")
+    b = m.end("b")
+    a = m.end("a")
+    assert (b.time_s, b.energy_j, b.source) == (1.5, None, "none:time-only")
+    assert a.time_s == 3.0
+    assert len(syncs) == 4
+
+
+class FakeMonitor:
+    """ZeusMonitor's window API over a World (Zeus returns time and per-GPU energy)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.open: dict[str, tuple[float, float]] = {}
+
+    def begin_window(self, key: str) -> None:
+        assert key not in self.open, "Zeus keys must be unique"
+        self.open[key] = (self.world.t, self.world.e)
+
+    def end_window(self, key: str) -> SimpleNamespace:
+        t0, e0 = self.open.pop(key)
+        return SimpleNamespace(time=self.world.t - t0, gpu_energy={0: self.world.e - e0})
+
+
+def test_zeus_meter_with_fake_monitor(caplog):
+    w = World()
+    m = ZeusMeter(0, monitor=FakeMonitor(w), counter_period_s=0.1)
+    assert m.source == "measured:nvml-total-energy(gpu0)"
+    m.begin("verify")
+    m.begin("verify")  # same name nested: distinct Zeus keys
+    w.advance(0.5, 150.0)
+    inner = m.end("verify")
+    w.advance(0.5, 100.0)
+    outer = m.end("verify")
+    assert (inner.time_s, inner.energy_j) == (0.5, 150.0)
+    assert (outer.time_s, outer.energy_j) == (1.0, 250.0)
+    with caplog.at_level(logging.WARNING, logger="refspec.meters"):
+        m.begin("draft")
+        w.advance(0.003, 0.0)
+        m.end("draft")
+    assert "read 0 J" in caplog.text
+
+
+def test_zeus_idle_power():
+    w = World()
+    m = ZeusMeter(0, monitor=FakeMonitor(w))
+    assert m.measure_idle_w(4.0, sleep=lambda s: w.advance(s, 4.0 * 70.0)) == 70.0
+    assert m.idle_w == 70.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_zeus_meter_without_gpu_is_a_clear_error():
+    with pytest.raises(NoGPUError, match="torch.cuda.is_available"):
+        ZeusMeter(0)
+    with pytest.raises(NoGPUError):
+        make_meter("zeus")
+
+
+TOY = HardwareProfile(name="toy", peak_flops=1e6, bandwidth_Bps=1e5, static_w=10.0, pj_per_flop=1e6,
+                      pj_per_byte=1e7, idle_w=2.0, overhead_s=0.001)
+TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     tie_word_embeddings=True))
+
+
+def test_roofline_meter_model_time():
+    shape = ForwardShape(args=TINY, rows=2, tokens_per_row=1, context_tokens=8, dtype_bytes=2)
+    c = forward_cost(shape)
+    m = RooflineMeter(TOY)
+    m.begin("verify")
+    out = m.end("verify", (shape, shape))
+    t = 2 * (max(c.flops / 1e6, c.bytes / 1e5) + 0.001)
+    assert out.time_s == pytest.approx(t)
+    assert out.energy_j == pytest.approx(10.0 * t + 2 * (1e-6 * c.flops + 1e-5 * c.bytes))
+    assert out.source == "modelled:roofline(toy)"
+    m.begin("commit")
+    empty = m.end("commit")
+    assert (empty.time_s, empty.energy_j) == (0.0, 0.0)
+
+
+def test_roofline_meter_wall_time():
+    ticks = iter([10.0, 10.5])
+    shape = ForwardShape(args=TINY, rows=1, tokens_per_row=1, context_tokens=3, dtype_bytes=4)
+    c = forward_cost(shape)
+    m = RooflineMeter(TOY, time_source="measured", clock=lambda: next(ticks))
+    m.begin("verify")
+    out = m.end("verify", (shape,))
+    assert out.time_s == 0.5
+    assert out.energy_j == pytest.approx(10.0 * 0.5 + 1e-6 * c.flops + 1e-5 * c.bytes)
+    assert out.source == "modelled:roofline(toy,wall-time)" and not out.measured
+    with pytest.raises(ValueError):
+        RooflineMeter(TOY, time_source="guess")  # type: ignore[arg-type]
+
+
+def test_make_meter_kinds(monkeypatch):
+    w = World()
+    assert make_meter("fake", clock=w.clock, energy=w.energy, source="measured:x").source == "measured:x"
+    assert make_meter("time").source == "none:time-only"
+    h200 = make_meter("roofline", profile="h200")
+    assert h200.source == "modelled:roofline(h200-sxm)" and h200.time_source == "model"
+    monkeypatch.setattr(meters, "cpu_profile", lambda dtype_bytes=2: HardwareProfile(
+        name="cpu-test", peak_flops=1e9, bandwidth_Bps=1e9, static_w=1, pj_per_flop=1, pj_per_byte=1, idle_w=1,
+        measured=True))
+    monkeypatch.setattr(meters, "nvml_energy_counter_available", lambda gpu_index=0: False)
+    monkeypatch.setattr(meters, "_cuda_sync", lambda: None)
+    auto = make_meter("auto")
+    assert isinstance(auto, RooflineMeter)
+    assert auto.source == "modelled:roofline(cpu-test,wall-time)" and auto.idle_w == 1
+    with pytest.raises(ValueError):
+        make_meter("fake")
+    with pytest.raises(ValueError, match="unknown meter kind"):
+        make_meter("rapl")  # type: ignore[arg-type]

@@ -1,0 +1,150 @@
+"""Roofline cost model: FLOP and byte counts against hand arithmetic, balance point, CLI."""
+from __future__ import annotations
+
+import pytest
+
+from refspec.config import ModelArgs
+from refspec.phases import ForwardShape
+from refspec.roofline import (ARCHS, EAGLE_HEAD, H100_SXM, H200_SXM, Cost, DrafterModel, HardwareProfile, arch,
+                              compute_bound_batch, cpu_profile, expected_tokens_per_step, forward_cost, main,
+                              predict_step, total_cost)
+
+# E=64, I=128, L=2, H=4, Hkv=2, D=16, V=96, tied, no bias
+TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     tie_word_embeddings=True))
+
+
+def test_forward_cost_matches_hand_arithmetic():
+    # 2 rows x 3 query tokens, each row attends 10 keys (cache length after the write), bf16
+    c = forward_cost(ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2))
+    n = 6
+    attn_matrices = 64 * 16 * (2 * 4 + 2 * 2)  # q, o: E x H D; k, v: E x Hkv D -> 12288
+    mlp = 3 * 64 * 128  # gate, up, down -> 24576
+    norms = 2 * 64
+    assert c.linear_flops == 2 * n * 2 * (attn_matrices + mlp) == 884_736
+    assert c.attention_flops == 4 * 4 * 16 * 3 * (2 * 20) == 30_720  # 4 H D x S x keys, 2 layers
+    assert c.lm_head_flops == 2 * n * 96 * 64 == 73_728
+    assert c.extra_flops == 0
+    # weights: 2 layers, final norm, 6 gathered embedding rows, the (tied) head matrix once
+    assert c.weight_bytes == 2 * (2 * (attn_matrices + mlp + norms) + 64 + 6 * 64 + 96 * 64) == 161_152
+    kv_per_key_layer = 2 * 2 * 16 * 2  # K and V, Hkv heads of D, 2 bytes
+    assert c.kv_read_bytes == 2 * 20 * kv_per_key_layer == 5_120
+    assert c.kv_write_bytes == n * 2 * kv_per_key_layer == 1_536
+    assert c.activation_bytes == 2 * (n * 2 * 2 * 64 + n * 64 + n * 96) == 4_992
+    assert c.flops == 884_736 + 30_720 + 73_728
+    assert c.bytes == 161_152 + 5_120 + 1_536 + 4_992
+
+
+def test_qwen2_bias_and_sliding_window_caps_keys():
+    qwen = ModelArgs.from_hf_config(dict(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    c = forward_cost(ForwardShape(args=qwen, rows=1, tokens_per_row=1, context_tokens=5, dtype_bytes=4))
+    bias = 16 * (4 + 2 * 2)
+    assert c.weight_bytes == 4 * (64 * 16 * 12 + 3 * 64 * 128 + 2 * 64 + bias + 64 + 64 + 96 * 64)
+    gemma = ModelArgs.from_hf_config(dict(model_type="gemma3_text", vocab_size=96, hidden_size=64,
+                                          intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                                          num_key_value_heads=1, head_dim=32, sliding_window=8,
+                                          layer_types=["sliding_attention"] * 5 + ["full_attention"]))
+    c = forward_cost(ForwardShape(args=gemma, rows=2, tokens_per_row=1, context_tokens=40, dtype_bytes=2))
+    keys = 5 * 2 * 8 + 40  # sliding layers read 8 keys per row, the global layer all 20 per row
+    assert c.attention_flops == 4 * 4 * 32 * 1 * keys
+    assert c.kv_read_bytes == keys * 2 * 1 * 32 * 2
+
+
+def test_overrides_layers_lm_head_and_extras():
+    shape = ForwardShape(args=TINY, rows=1, tokens_per_row=1, context_tokens=4, dtype_bytes=2, layers=1,
+                         lm_head_rows=10, lm_head_tokens=0, extra_weight_bytes=100, extra_flops=7)
+    c = forward_cost(shape)
+    assert c.lm_head_flops == 0
+    assert c.weight_bytes == 2 * (12288 + 24576 + 128 + 64 + 64) + 100  # no head matrix: no token reaches it
+    assert c.extra_flops == 7
+    assert total_cost([shape, shape]) == c + c
+
+
+def test_llama_8b_matches_reference_figures():
+    a = arch("llama-3.1-8b")
+    c = forward_cost(ForwardShape(args=a, rows=1, tokens_per_row=1, context_tokens=1, dtype_bytes=2))
+    assert c.flops == pytest.approx(15e9, rel=0.03)  # REFERENCE: 15 GFLOP per token
+    assert c.weight_bytes == pytest.approx(15e9, rel=0.03)  # ~15 GB of weights
+    assert a.kv_bytes_per_token(2) == 131_072
+
+
+def test_every_arch_builds():
+    for name in ARCHS:
+        a = arch(name)
+        assert a.num_parameters() > 0, name
+    assert arch("gemma-3-1b").num_parameters() == 999_885_952  # Keras-hub's published count
+
+
+@pytest.mark.parametrize("profile", [H100_SXM, H200_SXM])
+@pytest.mark.parametrize("k", [0, 1, 3, 7])
+def test_verify_turns_compute_bound_near_ridge(profile, k):
+    b = compute_bound_batch(arch("llama-3.1-8b"), profile, k=k, context=0)
+    assert b is not None
+    assert abs(b * (k + 1) - profile.ridge) / profile.ridge < 0.1  # B (k+1) ~ ridge at short context
+
+
+def test_context_raises_the_crossover():
+    a = arch("llama-3.1-8b")
+    short = compute_bound_batch(a, H200_SXM, k=3, context=0)
+    long = compute_bound_batch(a, H200_SXM, k=3, context=2048)
+    assert short is not None and (long is None or long > short)
+    assert compute_bound_batch(a, H200_SXM, k=0, context=2048) is None  # T=1 never beats its own KV reads
+
+
+def test_profile_time_and_energy_formula():
+    p = HardwareProfile(name="toy", peak_flops=100.0, bandwidth_Bps=10.0, static_w=2.0, pj_per_flop=1e12,
+                        pj_per_byte=2e12, idle_w=1.0, overhead_s=0.5)
+    c = Cost(linear_flops=300.0, weight_bytes=20.0)
+    assert p.ridge == 10.0
+    assert p.time_s(c) == max(300 / 100, 20 / 10) + 0.5 == 3.5
+    assert p.energy_j(c, 3.5) == 2.0 * 3.5 + 1.0 * 300 + 2.0 * 20
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(0.8, 3) == pytest.approx((1 - 0.8**4) / 0.2)
+    assert expected_tokens_per_step(1.0, 3) == 4
+    assert expected_tokens_per_step(0.0, 5) == 1
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(1.5, 1)
+
+
+def test_speculation_saves_at_small_batch_and_costs_at_large():
+    a = arch("llama-3.1-8b")
+
+    def saving(batch, k, acc):
+        base = predict_step(a, H100_SXM, batch=batch, k=0, context=512, acceptance=acc)
+        spec = predict_step(a, H100_SXM, batch=batch, k=k, context=512, acceptance=acc)
+        return 1 - spec.j_per_token / base.j_per_token
+
+    assert saving(1, 3, 0.8) > 0.3
+    assert saving(256, 7, 0.6) < 0  # compute-bound verify with low acceptance: a loss
+    assert saving(1, 7, 0.8) > saving(256, 7, 0.8)  # the saving shrinks as the batch grows
+
+
+def test_predict_step_parts_add_up():
+    a = arch("smollm2-135m")
+    p = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5, drafter=EAGLE_HEAD)
+    assert p.step_time_s == pytest.approx(p.draft_time_s + p.verify_time_s)
+    assert p.step_energy_j == pytest.approx(p.draft_energy_j + p.verify_energy_j)
+    assert p.j_per_token == pytest.approx(p.step_energy_j / (4 * expected_tokens_per_step(0.5, 3)))
+    free = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5,
+                        drafter=DrafterModel(name="ngram", fraction=0.0))
+    assert free.draft_energy_j == pytest.approx(3 * H200_SXM.static_w * H200_SXM.overhead_s)
+
+
+def test_cpu_profile_is_measured():
+    p = cpu_profile(4, weight_mib=8)  # small matrix: fast (a real profile streams 64 MiB)
+    assert p.measured and p.peak_flops > 1e8 and p.bandwidth_Bps > 1e8
+    assert p.name.startswith("cpu-fp32-")
+
+
+def test_cli_prints_table_and_writes_plot(tmp_path, capsys):
+    rc = main(["--model", "smollm2-135m", "--gpu", "h200", "--batch", "1,64", "--k", "0,3",
+               "--acceptance", "0.7", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "modelled:roofline(h200-sxm)" in out and "compute-bound" in out
+    assert len(list(tmp_path.glob("*.png"))) == 1 and len(list(tmp_path.glob("*.csv"))) == 1
+    assert main(["--model", "no-such-model"]) == 2

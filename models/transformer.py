@@ -95,7 +95,9 @@ class Attention(nn.Module):
         q = q.reshape(b, self.hkv, g * s, self.d)  # [B, Hkv, G*S, D]
         if g > 1:
             mask = mask[:, :, None].expand(b, 1, g, s, num_keys).reshape(b, 1, g * s, num_keys)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G*S, Tk]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, G*S, D]
         out = out.reshape(b, self.h, s, self.d).transpose(1, 2).reshape(b, s, self.h * self.d)
         return self.wo(out)
 

@@ -1,0 +1,318 @@
+"""``python -m refspec.bench``: benchmark scripts that print figures (not timed tests).
+
+Two benchmarks, each measured in one process so ratios are comparable (absolute times on a
+shared machine are noisy; compare the ratios):
+
+``decode``: refspec plain decoding against ``transformers.generate`` (with its KV cache) on
+the same converted weights, at batch 1 and 8, fp32 and bf16, plus the memory-bandwidth floor
+of a decode step (weight bytes / bandwidth measured in the same run)::
+
+    python -m refspec.bench decode --model smollm2-135m --json
+
+``spec``: refspec plain, refspec with a drafter, and transformers' own speculative method on
+the same prompts (prompt lookup for ``ngram``, assisted generation for ``draft-model``)::
+
+    python -m refspec.bench spec --model smollm2-135m --drafter ngram --corpus-file prompts.jsonl --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from refspec.eval.runtime import UsageError, load_target, parse_dtype, pick_device, set_threads
+
+log = logging.getLogger(__name__)
+
+# Code-completion prompts written for this benchmark (prompt lookup shines when the output
+# repeats identifiers and structure from the prompt).
+CODE_PROMPTS = [
+    "def add_user(users, name, email):\n    \"\"\"Add a user dict with name and email to users.\"\"\"\n"
+    "    users.append({'name': name, 'email': email})\n    return users\n\n\n"
+    "def remove_user(users, name):\n    \"\"\"Remove every user dict whose name matches.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n",
+    "import numpy as np\n\n\ndef normalize_rows(matrix: np.ndarray) -> np.ndarray:\n"
+    "    norms = np.linalg.norm(matrix, axis=1, keepdims=True)\n    return matrix / norms\n\n\n"
+    "def normalize_columns(matrix: np.ndarray) -> np.ndarray:\n",
+    "SELECT customers.name, orders.total\nFROM customers\nJOIN orders ON orders.customer_id = customers.id\n"
+    "WHERE orders.total > 100;\n\n-- the same query for orders above 500, sorted by total\n",
+    "for (let i = 0; i < rows.length; i++) {\n  const row = rows[i];\n  if (row.active) {\n"
+    "    activeRows.push(row);\n  }\n}\n// now collect the inactive rows the same way\n",
+    "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+    "        elif i % 3 == 0:\n            print('Fizz')\n",
+    "struct Point {\n    double x;\n    double y;\n};\n\ndouble point_distance(struct Point a, struct Point b) {\n",
+    "# Configuration\nDATABASE_HOST = 'localhost'\nDATABASE_PORT = 5432\nDATABASE_USER = 'admin'\n"
+    "CACHE_HOST = 'localhost'\nCACHE_PORT = 6379\n",
+]
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Best wall time of ``repeats`` runs (after one warm-up) and the last result."""
+    fn()
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def measure_bandwidth(dtype: torch.dtype, mib: int = 128, repeats: int = 5) -> float:
+    """Bytes/s of a matrix-vector product streaming ``mib`` MiB of weights (the decode kernel)."""
+    elem = torch.finfo(dtype).bits // 8
+    cols = 1024
+    rows = mib * 2**20 // (cols * elem)
+    w = torch.randn(rows, cols).to(dtype)
+    x = torch.randn(1, cols).to(dtype)
+    t, _ = _timed(lambda: torch.nn.functional.linear(x, w), repeats)
+    return rows * cols * elem / t
+
+
+def weight_bytes(model) -> int:
+    """Bytes of distinct parameters read by one decode step (tied head counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _refspec_decode(model, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    from refspec.engine import Engine
+
+    engine = Engine(model)  # no EOS: every row decodes the full budget
+
+    def run():
+        return engine.generate(prompts, max_new_tokens=new_tokens)
+
+    wall, gen = _timed(run, 2)
+    steps = [e.measurement.time_s for e in gen.events if e.phase in ("draft", "verify", "commit")]
+    n_steps = gen.steps
+    step_s = sum(steps) / n_steps
+    return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * step_s, "wall_s": wall}
+
+
+def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> tuple[float, list[list[int]]]:
+    """transformers.generate on left-padded prompts; returns best wall time and new tokens per row."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+
+    def run():
+        with torch.inference_mode():
+            return hf.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+
+    wall, out = _timed(run, 2)
+    return wall, [row[width:].tolist() for row in out]
+
+
+def _load_hf(path: Path, dtype: torch.dtype):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.generation_config.eos_token_id = None  # decode the whole budget, as refspec does here
+    return model.eval()
+
+
+def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Sequence[str] = ("fp32", "bf16"),
+                 prompt_len: int = 32, new_tokens: int = 48) -> dict[str, Any]:
+    """refspec vs transformers decode speed and the bandwidth floor, in one run."""
+    set_threads()
+    device = torch.device("cpu")
+    results: dict[str, Any] = {"model": model_name, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                               "threads": torch.get_num_threads(), "rows": []}
+    g = torch.Generator().manual_seed(0)
+    for dname in dtypes:
+        dtype = parse_dtype(dname)
+        target = load_target(model_name, dtype=dtype, device=device)
+        vocab = target.model.args.vocab_size
+        hf = _load_hf(target.path, dtype)
+        bw = measure_bandwidth(dtype)
+        floor_ms = 1000 * weight_bytes(target.model) / bw
+        for b in batches:
+            prompts = [torch.randint(100, vocab - 100, (prompt_len - (i % 4),), generator=g).tolist()
+                       for i in range(b)]
+            ours = _refspec_decode(target.model, prompts, new_tokens)
+            hf_wall, _ = _hf_generate(hf, prompts, new_tokens, pad_id=0)
+            # transformers' step time: compare like with like by subtracting a 1-token run (prefill)
+            hf_prefill, _ = _hf_generate(hf, prompts, 1, pad_id=0)
+            hf_step_ms = 1000 * (hf_wall - hf_prefill) / (new_tokens - 1)
+            row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
+                   "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
+                   "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
+                   "weight_bytes": weight_bytes(target.model)}
+            row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
+            row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
+            results["rows"].append(row)
+            log.info("%s batch %d: refspec %.1f tok/s (step %.1f ms), transformers %.1f tok/s, floor %.1f ms",
+                     dname, b, row["refspec_tokens_per_s"], row["refspec_step_ms"], row["hf_tokens_per_s"], floor_ms)
+        del hf
+    return results
+
+
+def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
+    texts: list[str]
+    if path is None:
+        texts = CODE_PROMPTS
+    else:
+        try:
+            raw = path.read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+        texts = []
+        for i, line in enumerate(raw.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UsageError(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+    return [tokenizer.encode(t) for t in texts]
+
+
+def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, k: int, batches: Sequence[int],
+               dtype_name: str, new_tokens: int, draft_model: str | None = None) -> dict[str, Any]:
+    """refspec plain vs refspec + drafter vs transformers' equivalent, same prompts, one run."""
+    from refspec.drafters import registry
+    from refspec.engine import Engine, EngineConfig
+
+    set_threads()
+    device = torch.device("cpu")
+    dtype = parse_dtype(dtype_name)
+    target = load_target(model_name, dtype=dtype, device=device)
+    if target.tokenizer is None:
+        raise UsageError(f"{target.path} has no tokenizer.json")
+    prompts = _read_prompt_file(corpus_file, target.tokenizer)
+    opts = {"draft_model": draft_model} if draft_model else {}
+    ctx = registry.DrafterContext(target=target.model, target_name=model_name,
+                                  tokenizer_fingerprint=target.fingerprint, dtype=dtype, device=device, options=opts)
+    drafter = registry.build(drafter_name, ctx)
+    hf = _load_hf(target.path, dtype)
+    hf_extra: dict[str, Any]
+    if drafter_name == "ngram":
+        hf_extra, hf_method = {"prompt_lookup_num_tokens": k}, "prompt lookup"
+    elif drafter_name == "draft-model":
+        hf_extra = {"assistant_model": _load_hf(drafter_path(drafter_name, opts, model_name), dtype)}
+        hf_extra["assistant_model"].generation_config.num_assistant_tokens = k
+        hf_extra["assistant_model"].generation_config.num_assistant_tokens_schedule = "constant"
+        hf_method = "assisted generation"
+    else:
+        hf_extra, hf_method = {}, None
+    out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "k": k, "dtype": dtype_name,
+                           "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
+                           "rows": []}
+    plain_engine = Engine(target.model)
+    spec_engine = Engine(target.model, drafter, config=EngineConfig(k=k))
+    for b in batches:
+        batches_of = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+        t_plain, plain_tokens = 0.0, []
+        t_spec, spec_tokens, taus = 0.0, [], []
+        for chunk in batches_of:
+            t, g = _timed(lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens), 1)
+            t_plain += t
+            plain_tokens += g.tokens
+            t, g = _timed(lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens), 1)
+            t_spec += t
+            spec_tokens += g.tokens
+            taus += [a + 1 for step in g.accepted_per_step for a in step if a >= 0]
+        n_tok = sum(map(len, plain_tokens))
+        row = {"batch": b, "plain_tokens_per_s": n_tok / t_plain, "spec_tokens_per_s": sum(map(len, spec_tokens)) / t_spec,
+               "tau": statistics.fmean(taus), "spec_matches_plain": spec_tokens == plain_tokens}
+        row["spec_speedup_vs_plain"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
+        if hf_method is not None:
+            # transformers' speculative methods run one sequence at a time: batch 1 per prompt
+            t_hf, hf_tokens = 0.0, []
+            for p in prompts:
+                t, toks = _hf_generate(hf, [p], new_tokens, pad_id=0, **hf_extra)
+                t_hf += t
+                hf_tokens += toks
+            row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
+            row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
+            row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
+            row["hf_matches_plain"] = hf_tokens == plain_tokens
+        out["rows"].append(row)
+        log.info("batch %d: plain %.1f tok/s, %s %.1f tok/s (tau %.2f), transformers %s", b,
+                 row["plain_tokens_per_s"], drafter_name, row["spec_tokens_per_s"], row["tau"],
+                 f"{row.get('hf_tokens_per_s', float('nan')):.1f} tok/s")
+    return out
+
+
+def drafter_path(drafter_name: str, opts: dict, model_name: str) -> Path:
+    from refspec.assets import resolve_model
+
+    spec = opts.get("draft_model") or "qwen2.5-coder-0.5b"
+    if str(spec).startswith("self:"):
+        raise UsageError("transformers' assisted generation needs a separate draft model, not self:N")
+    return resolve_model(str(spec))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refspec.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("decode", help="refspec vs transformers decode speed and the bandwidth floor")
+    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    d.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
+    d.add_argument("--new-tokens", type=int, default=48)
+    d.add_argument("--json", action="store_true", help="print the figures as JSON")
+    s = sub.add_parser("spec", help="refspec plain vs speculative vs transformers' speculative method")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--drafter", default="ngram")
+    s.add_argument("--draft-model", default=None, help="for draft-model: model id or directory")
+    s.add_argument("--corpus-file", type=Path, default=None,
+                   help="JSONL with a 'prompt' field (default: built-in code-completion prompts)")
+    s.add_argument("--k", type=int, default=4)
+    s.add_argument("--batch", default="1,8")
+    s.add_argument("--dtype", default="bf16")
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--json", action="store_true")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise UsageError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if args.cmd == "decode":
+            res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
+                               new_tokens=args.new_tokens)
+        else:
+            res = bench_spec(args.model, args.drafter, corpus_file=args.corpus_file, k=args.k,
+                             batches=_ints(args.batch), dtype_name=args.dtype, new_tokens=args.new_tokens,
+                             draft_model=args.draft_model)
+    except (UsageError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        for row in res["rows"]:
+            print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

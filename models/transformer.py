@@ -63,6 +63,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Grouped-query attention without copying K/V; softmax in fp32.
+
+    Args:
+        q: ``[B, H, S, D]`` queries.
+        keys: ``[B, Hkv, Tk, D]``.
+        values: ``[B, Hkv, Tk, D]``.
+        mask: ``[B, 1, S, Tk]`` bool, True where visible.
+        scale: score scale.
+
+    Returns:
+        ``[B, S, H*D]``.
+    """
+    b, h, s, d = q.shape
+    hkv, tk = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    # fold the query heads of a group into the query axis so K/V are never copied
+    q = q.reshape(b, hkv, g * s, d)  # [B, Hkv, G*S, D]
+    if g > 1:
+        mask = mask[:, :, None].expand(b, 1, g, s, tk).reshape(b, 1, g * s, tk)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G*S, Tk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, G*S, D]
+    return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -90,16 +117,7 @@ class Attention(nn.Module):
         cache.write(self.layer, slots, k, v)
         keys = cache.k[self.layer, :, :, :num_keys]  # [B, Hkv, Tk, D]
         values = cache.v[self.layer, :, :, :num_keys]
-        g = self.h // self.hkv
-        # fold the query heads of a group into the query axis so K/V are never copied
-        q = q.reshape(b, self.hkv, g * s, self.d)  # [B, Hkv, G*S, D]
-        if g > 1:
-            mask = mask[:, :, None].expand(b, 1, g, s, num_keys).reshape(b, 1, g * s, num_keys)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G*S, Tk]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, G*S, D]
-        out = out.reshape(b, self.h, s, self.d).transpose(1, 2).reshape(b, s, self.h * self.d)
-        return self.wo(out)
+        return self.wo(grouped_attention(q, keys, values, mask, self.scale))
 
 
 class MLP(nn.Module):

@@ -132,8 +132,9 @@ def test_tokenizer_encodes_and_decodes_like_transformers(real):
 def test_chat_template_renders_like_transformers(real):
     model_id, _, ours, ref = real
     assert ours.has_chat_template == (ref.chat_template is not None)
-    if not ours.has_chat_template:
-        pytest.skip(f"{model_id}'s GGUF carries no chat template")
+    if model_id == "gemma3-270m":  # the base model's GGUF carries no chat template
+        assert not ours.has_chat_template
+        return
     for messages in (CHAT, CHAT[1:]):
         for gen in (True, False):
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \

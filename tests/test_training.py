@@ -1,0 +1,180 @@
+"""Drafter training plumbing: datasets of target features, the loop, checkpoints and resume."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from refspec.drafters import training as T
+
+
+def _sequences(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(4, 20, (1,), generator=g))
+        out.append(T.TrainingSequence(tokens=torch.randint(3, 96, (length,), generator=g).tolist(),
+                                      train_from=i % 3, source="test"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_models):
+    return T.collect_features(tiny_models["llama"], _sequences(), (1, 3), batch_tokens=40, progress=False,
+                              description={"what": "random"})
+
+
+def test_collected_features_are_the_targets_hidden_states_and_argmax(tiny_models, dataset):
+    m = tiny_models["llama"]
+    seq = _sequences()[2]
+    n = len(seq.tokens)
+    toks = torch.tensor([seq.tokens])
+    pos = torch.arange(n)[None]
+    logits, (h1, h3) = m(toks, pos, m.new_cache(1, n), hidden_layers=(1, 3))
+    a, b = int(dataset.offsets[2]), int(dataset.offsets[3])
+    assert dataset.tokens[a:b].tolist() == seq.tokens
+    torch.testing.assert_close(dataset.hidden[1][a:b].float(), h1[0], atol=0.05, rtol=0.02)  # stored in bf16
+    torch.testing.assert_close(dataset.hidden[3][a:b].float(), h3[0], atol=0.05, rtol=0.02)
+    assert dataset.labels[a:b].tolist() == logits[0].argmax(-1).tolist()
+    mask = dataset.loss_mask[a:b].tolist()
+    assert mask == [seq.train_from <= i < n - 1 for i in range(n)], "trained from train_from, never the last token"
+
+
+def test_dataset_save_load_round_trip(dataset, tmp_path):
+    dataset.save(tmp_path / "f.safetensors")
+    back = T.FeatureDataset.load(tmp_path / "f.safetensors")
+    assert back.layers == dataset.layers and back.description == {"what": "random"}
+    for name in ("tokens", "labels", "loss_mask", "offsets"):
+        assert torch.equal(getattr(back, name), getattr(dataset, name)), name
+    assert torch.equal(back.hidden[3], dataset.hidden[3])
+
+
+def test_sample_batch_windows_are_contiguous_and_masked(dataset):
+    g = torch.Generator().manual_seed(0)
+    batch = dataset.sample_batch(16, 12, g)
+    assert batch.tokens.shape == (16, 12) and batch.of(3).shape == (16, 12, 64)
+    assert batch.layers == (1, 3)
+    flat = dataset.tokens.tolist()
+    for row, valid in zip(batch.tokens.tolist(), batch.valid.tolist()):
+        n = sum(valid)
+        assert valid == [True] * n + [False] * (12 - n), "padding only at the end"
+        window = row[:n]
+        assert any(flat[i:i + n] == window for i in range(len(flat) - n + 1)), "a window is a slice of one sequence"
+    assert not (batch.loss_mask & ~batch.valid).any()
+    assert (batch.of(1)[~batch.valid] == 0).all()
+
+
+def test_learning_rate_warms_up_then_decays_by_steps_or_time():
+    cfg = T.TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert cfg.lr_at(0) == pytest.approx(0.1) and cfg.lr_at(9) == pytest.approx(1.0)
+    assert cfg.lr_at(10) == pytest.approx(1.0) and cfg.lr_at(100) == pytest.approx(0.1)
+    timed = dataclasses.replace(cfg, max_time_s=60.0)
+    assert timed.lr_at(20, elapsed_s=60.0) == pytest.approx(0.1), "a time-limited run ends at the low rate"
+
+
+class _Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 96)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProbeTrainer:
+    """Minimal trainer: a linear probe from the final state to the target's greedy label."""
+
+    name: str = "probe"
+    description: str = "test probe"
+    defaults: dict = dataclasses.field(default_factory=dict)
+
+    def feature_layers(self, target):
+        return (target.num_layers,)
+
+    def build(self, target, dataset, options):
+        return _Probe()
+
+    def loss(self, module, batch, target):
+        h = batch.of(target.num_layers)[batch.loss_mask]
+        loss = nn.functional.cross_entropy(module.lin(h), batch.labels[batch.loss_mask])
+        return loss, {"n": float(h.shape[0])}
+
+    def export(self, module, out_dir, provenance):
+        torch.save(module.state_dict(), out_dir / "probe.pt")
+        (out_dir / "provenance.json").write_text(json.dumps(provenance, default=str))
+        return out_dir
+
+
+def _cfg(steps):
+    return T.TrainConfig(steps=steps, batch_size=4, seq_len=12, lr=1e-2, warmup_steps=2, checkpoint_every=5,
+                         log_every=5)
+
+
+def test_training_lowers_the_loss_and_records_provenance(tiny_models, dataset, tmp_path):
+    m = tiny_models["llama"]
+    ds = T.collect_features(m, _sequences(12, seed=1), (m.num_layers,), progress=False)
+    res = T.train(_ProbeTrainer(), m, ds, _cfg(60), tmp_path, progress=False, provenance={"target": "tiny"})
+    assert res.final_loss < 0.7 * res.first_loss
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["target"] == "tiny" and prov["steps"] == 60 and prov["final_loss"] == pytest.approx(res.final_loss,
+                                                                                                   abs=1e-4)
+    assert prov["train_time_s"] >= 0 and prov["data"]["sequences"] == 12
+    lines = (tmp_path / T.TRAIN_LOG).read_text().strip().split("\n")
+    assert len(lines) == 12 and json.loads(lines[-1])["step"] == 60
+
+
+def test_resume_continues_exactly_where_an_interrupted_run_stopped(tiny_models, tmp_path):
+    m = tiny_models["llama"]
+    ds = T.collect_features(m, _sequences(8, seed=2), (m.num_layers,), progress=False)
+    straight = T.train(_ProbeTrainer(), m, ds, _cfg(20), tmp_path / "a", progress=False)
+
+    def stop_at_10(record):
+        if record["step"] == 10:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.train(_ProbeTrainer(), m, ds, _cfg(20), tmp_path / "b", progress=False, on_log=stop_at_10)
+    state = torch.load(tmp_path / "b" / T.CHECKPOINT, weights_only=True)
+    assert state["step"] == 10 and "optimizer" in state and "rng_data" in state
+    resumed = T.train(_ProbeTrainer(), m, ds, _cfg(20), tmp_path / "b", progress=False, resume=True)
+    assert resumed.steps == straight.steps == 20
+    a = torch.load(tmp_path / "a" / "probe.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "probe.pt", weights_only=True)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=f"{k} differs after resume")
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tiny_models, tmp_path):
+    m = tiny_models["llama"]
+    ds = T.collect_features(m, _sequences(4), (m.num_layers,), progress=False)
+    T.train(_ProbeTrainer(), m, ds, _cfg(5), tmp_path, progress=False)
+    with pytest.raises(T.TrainingError, match="different run"):
+        T.train(_ProbeTrainer(), m, ds, dataclasses.replace(_cfg(5), lr=5e-3), tmp_path, progress=False, resume=True)
+    with pytest.raises(T.TrainingError, match="no checkpoint"):
+        T.train(_ProbeTrainer(), m, ds, _cfg(5), tmp_path / "empty", progress=False, resume=True)
+
+
+def test_self_distill_returns_the_targets_greedy_replies(tiny_models):
+    from refspec.engine import Engine
+
+    m = tiny_models["qwen2"]
+    prompts = [[5, 6, 7], [9] * 7, [11, 3]]
+    seqs = T.self_distill(m, prompts, max_new_tokens=6, batch_size=2, progress=False)
+    for p, s in zip(prompts, seqs):
+        reply = Engine(m).generate([p], max_new_tokens=6).tokens[0]
+        assert s.tokens == p + reply and s.train_from == len(p) - 1
+
+
+def test_trainers_register_through_drafter_modules():
+    trainers = T.load_trainers()
+    assert {"eagle", "eagle3"} <= set(trainers)
+    assert all(t.name == n for n, t in trainers.items())
+
+
+def test_cli_help_lists_the_drafters(capsys):
+    from refspec.drafters import train
+
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--drafter" in out and "eagle3" in out and "--resume" in out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 
 def pytest_addoption(parser):

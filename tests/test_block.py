@@ -31,9 +31,9 @@ def test_greedy_block_equals_plain(tiny_models, family, k, layers):
     """Random-weight heads draft junk; verification must still reproduce plain decoding exactly."""
     m = tiny_models[family]
     for prompts in (_prompts(1), _prompts(10)):
-        plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=24)
+        plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
         drafter = BlockDrafter(_head(m, layers=layers), m)
-        spec = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS).generate(prompts, max_new_tokens=24)
+        spec = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
         for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)):
             assert a == b, f"{family}/k={k} row {i} (batch {len(prompts)}): block {b} != plain {a}"
 
@@ -251,4 +251,4 @@ def test_smollm2_block_head_is_lossless_and_accepts():
         spec = Engine(target, drafter, config=EngineConfig(k=8), eos_token_ids=eos).generate(batch, max_new_tokens=32)
         assert spec.tokens == plain.tokens
     # the shipped head comes from a short CPU run (tau ~1.1 on the eval corpora): some drafts must land
-    assert spec.steps < plain.steps, f"the trained head should be accepted now and then (tau {spec.tau:.2f})"
+    assert spec.tau > 1.0, f"the trained head should be accepted now and then (tau {spec.tau:.2f})"

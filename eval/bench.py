@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from refspec.eval.runtime import UsageError, load_target, parse_dtype, pick_device, set_threads
+from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 
 log = logging.getLogger(__name__)
 

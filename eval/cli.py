@@ -40,7 +40,7 @@ DEFAULT_CORPUS = "conversation"
 DEFAULT_DRAFTER = "ngram"
 """The default drafter: prompt lookup needs no trained head (EAGLE / block heads must be trained first)."""
 DEFAULT_BATCH = 8
-DEFAULT_NUM_PROMPTS = 8
+DEFAULT_NUM_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 64
 CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
 """What ``--corpus all`` means: one corpus of each kind of text the paper compares."""
@@ -105,9 +105,10 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                         "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
     h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
-    h.add_argument("--threads", type=int, default=None,
-                   help="intra-op CPU threads (default: OMP_NUM_THREADS, else every core); on a busy machine "
-                        "--threads 1 avoids threads spinning against each other")
+    h.add_argument("--threads", default="auto",
+                   help="intra-op CPU threads: a number, or auto (OMP_NUM_THREADS if set; else 1 when the load "
+                        "average already reaches the core count, where threads spin against each other and a "
+                        "step slows down several-fold; else every core). Each record states its threads")
     h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
     a = p.add_argument_group("acceptance injection")
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
@@ -417,6 +418,7 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
             task_argv = _strip(argv, ("--print-sbatch",), ("--task-index", "--out", "--export-acceptance"))
             task_argv += ["--out", str(out_dir.resolve()), "--no-progress"]
             path = out_dir / SBATCH
+            (out_dir / "slurm").mkdir(exist_ok=True)  # Slurm opens --output before the script runs
             path.write_text(sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
                                           time_limit=args.slurm_time, partition=args.slurm_partition,
                                           gpus=args.slurm_gpus))
@@ -542,25 +544,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _threads(requested: int | None) -> None:
-    """Set intra-op threads; warn when the machine is already busier than its cores."""
+def _threads(requested: str) -> None:
+    """Set intra-op threads from ``--threads`` (see its help); print what ``auto`` chose on a busy machine."""
     import os
 
-    if requested is not None:
-        if requested < 1:
-            raise UsageError(f"--threads must be >= 1, got {requested}")
-        torch.set_num_threads(requested)
-    else:
-        set_threads()
+    if requested != "auto":
+        try:
+            n = int(requested)
+        except ValueError:
+            raise UsageError(f"--threads expects a number or auto, got {requested!r}") from None
+        if n < 1:
+            raise UsageError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+        return
+    if "OMP_NUM_THREADS" in os.environ:
+        set_threads()  # keeps the user's setting
+        return
     cores = os.cpu_count() or 1
     try:
         load = os.getloadavg()[0]
     except OSError:
-        return
-    if torch.get_num_threads() > 1 and load > cores:
-        print(f"note: load average {load:.1f} on {cores} cores: other jobs compete for the CPU, timings will be "
-              f"noisy, and {torch.get_num_threads()} threads may wait on each other (try --threads 1)",
-              file=sys.stderr)
+        load = 0.0
+    if cores > 1 and load >= cores:
+        torch.set_num_threads(1)
+        print(f"note: load average {load:.1f} on {cores} cores: other jobs compete for the CPU, so timings are "
+              f"noisy; running 1 thread (threads spinning against each other would be several times slower). "
+              f"Pass --threads {cores} to override.", file=sys.stderr)
+    else:
+        set_threads()
 
 
 @contextlib.contextmanager

@@ -256,6 +256,8 @@ def test_report_command_renders_from_a_run_directory(run_dir, capsys):
     (["--dtype", "int3"], "unknown dtype"),
     (["--k", "-1"], "k >= 0"),
     (["--latency-target", "0"], "--latency-target must be > 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "many"], "--threads expects a number or auto"),
 ])
 def test_bad_flags_exit_2_without_traceback(tiny, extra, message, capsys):
     rc = cli.main([*_base(tiny), *extra])

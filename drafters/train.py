@@ -183,7 +183,8 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter-specific training option (repeatable), e.g. ttt_steps=3 or draft_vocab_size=8192")
     p.add_argument("--dtype", default="fp32",
-                   help="target dtype for self-distillation and features (bf16 matmuls are slower on CPUs without AMX)")
+                   help="target dtype for self-distillation and features (bf16 is emulated, hence slower than fp32, "
+                        "on CPUs without AVX512_BF16 or AMX)")
     p.add_argument("--chat-prompts", type=int, default=DataSpec.chat_prompts)
     p.add_argument("--math-prompts", type=int, default=DataSpec.math_prompts)
     p.add_argument("--code-prompts", type=int, default=DataSpec.code_prompts)

@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bf16", help="fp32 or bf16 (tau and speed are measured in this dtype)")
+    p.add_argument("--dtype", default="bf16",
+                   help="fp32 or bf16 (tau and speed are measured in this dtype; bf16 is emulated, hence slower "
+                        "than fp32, on CPUs without AVX512_BF16 or AMX)")
     p.add_argument("--prompts", type=int, default=8, help="eval prompts per corpus for tau")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--k", type=int, default=4, help="chain length")

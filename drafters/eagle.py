@@ -63,7 +63,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
-from refspec.models.transformer import RMSNorm, apply_rope, rope_inv_freq
+from refspec.models.transformer import RMSNorm, apply_rope, grouped_attention, rope_inv_freq
 from refspec.phases import ForwardShape
 from refspec.sampling import probs_from_logits, sample
 
@@ -190,13 +190,7 @@ class _HeadAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``q [B, H, S, D]`` over ``keys, values [B, Hkv, Tk, D]`` with ``mask [B, 1, S, Tk]`` -> ``[B, S, E]``."""
-        b, _, s, _ = q.shape
-        g = self.h // self.hkv
-        q = q.reshape(b, self.hkv, g * s, self.d)  # query heads of a group share K/V without copies
-        if g > 1:
-            mask = mask[:, :, None].expand(b, 1, g, s, mask.shape[-1]).reshape(b, 1, g * s, mask.shape[-1])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(self.d))
-        return self.wo(out.reshape(b, self.h, s, self.d).transpose(1, 2).reshape(b, s, self.h * self.d))
+        return self.wo(grouped_attention(q, keys, values, mask, 1.0 / math.sqrt(self.d)))
 
 
 class _HeadMLP(nn.Module):

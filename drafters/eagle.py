@@ -775,10 +775,6 @@ def shipped_heads_dir() -> Path:
     return Path(__file__).resolve().parent / "heads"
 
 
-def _home() -> Path:
-    return Path(os.environ.get("REFSPEC_HOME") or Path.home() / ".cache" / "refspec").expanduser()
-
-
 def head_dir_name(target_name: str, kind: str) -> str:
     """``<model-id>-<kind>``; a path target uses its directory name as the id."""
     model_id = Path(target_name).name if ("/" in target_name or os.sep in target_name) else target_name
@@ -792,7 +788,9 @@ def find_head(target_name: str, kind: str) -> Path:
         DrafterError: none found; the message gives the exact command that trains one.
     """
     name = head_dir_name(target_name, kind)
-    places = [shipped_heads_dir() / name, _home() / "heads" / name]
+    from refspec.assets import refspec_home
+
+    places = [shipped_heads_dir() / name, refspec_home() / "heads" / name]
     for p in places:
         if (p / CONFIG).exists():
             return p

@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle-head", type=Path, default=None)
     p.add_argument("--eagle3-head", type=Path, default=None)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-tau", action="store_true")
     return p
 
 
@@ -75,8 +76,9 @@ def main(argv=None) -> int:
         k = args.k if t is None else t.budget
         return Engine(m, EagleDrafter(heads[kind], m, tree=t), config=EngineConfig(k=k), eos_token_ids=eos)
 
-    prompts = {name: corpora.build_prompts(corpora.load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
-               for name in CORPORA}
+    prompts = {} if args.skip_tau else {
+        name: corpora.build_prompts(corpora.load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
+        for name in CORPORA}
     tau: dict[str, dict[str, float]] = {}
     for corpus, ps in prompts.items():
         tau[corpus] = {}
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
                 print(f"speed batch {b} {name or 'plain':12s} {gen.num_emitted / dt:.1f} tok/s", file=sys.stderr,
                       flush=True)
     checks = {name: {"conversation<code": tau["conversation"][name] < tau["code"][name],
-                     "romansh<english": tau["romansh"][name] < tau["english"][name]} for name in configs}
+                     "romansh<english": tau["romansh"][name] < tau["english"][name]} for name in configs} if tau else {}
     print(json.dumps({"model": args.model, "dtype": args.dtype, "prompts_per_corpus": args.prompts,
                       "new_tokens": args.new_tokens, "k": args.k, "tree": dataclasses.asdict(tree), "tau": tau, "checks": checks, "tokens_per_s": speed,
                       "speedup": {b: {n: round(v / s["plain"], 3) for n, v in s.items() if n != "plain"}

@@ -1,6 +1,6 @@
 """``python -m refspec.bench``: benchmark scripts that print figures (not timed tests).
 
-Two benchmarks, each measured in one process so ratios are comparable (absolute times on a
+Three benchmarks, each measured in one process so ratios are comparable (absolute times on a
 shared machine are noisy; compare the ratios):
 
 ``decode``: refspec plain decoding against ``transformers.generate`` (with its KV cache) on
@@ -13,6 +13,11 @@ of a decode step (weight bytes / bandwidth measured in the same run)::
 the same prompts (prompt lookup for ``ngram``, assisted generation for ``draft-model``)::
 
     python -m refspec.bench spec --model smollm2-135m --drafter ngram --corpus-file prompts.jsonl --json
+
+``roofline``: the roofline model's predicted target-forward time against the measured one for
+batch 1..64 and K 0..8 on this CPU (see :mod:`refspec.eval.roofline_check`)::
+
+    python -m refspec.bench roofline --model smollm2-135m --plot roofline_cpu.png
 """
 from __future__ import annotations
 
@@ -282,6 +287,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bf16")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--json", action="store_true")
+    r = sub.add_parser("roofline", help="roofline-predicted vs measured target step times on this CPU")
+    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--batch", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    r.add_argument("--k", default="0,1,2,4,8", help="comma-separated draft lengths (0 = plain decoding)")
+    r.add_argument("--dtype", default="fp32")
+    r.add_argument("--new-tokens", type=int, default=12, help="tokens per row; the first 2 steps are not timed")
+    r.add_argument("--plot", type=Path, default=None, help="write measured vs predicted to this PNG")
+    r.add_argument("--json", action="store_true")
     return p
 
 
@@ -292,10 +305,25 @@ def _ints(text: str) -> list[int]:
         raise UsageError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _roofline(args) -> int:
+    from refspec.eval.roofline_check import check_roofline, format_check, plot_check
+
+    set_threads()
+    target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"))
+    res = check_roofline(target.model, batches=_ints(args.batch), ks=_ints(args.k), new_tokens=args.new_tokens)
+    res["model"] = args.model
+    if args.plot is not None:
+        res["plot"] = str(plot_check(res, args.plot))
+    print(json.dumps(res, indent=2) if args.json else format_check(res))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        if args.cmd == "roofline":
+            return _roofline(args)
         if args.cmd == "decode":
             res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
                                new_tokens=args.new_tokens)

@@ -5,6 +5,15 @@ token) of length ``max_n`` down to ``min_n`` that also occurs earlier in the row
 K tokens that followed its most recent earlier occurrence. Rows without a match propose a
 repeat of the pending token (verified, and almost always rejected, like any draft). All rows
 are matched at once with tensor ops; the only Python loop runs over n.
+
+Trimming (option ``trim``): a draft position that no row can fill from a match is still a
+position the target computes. Where verification is compute-bound at a handful of tokens (a
+CPU: its balance point is a few FLOP per byte) those positions cost nearly as much as useful
+ones, so with ``trim`` the draft is cut to the longest continuation any row of the batch
+found (0 when no row matched: that step is a plain decoding step). The cut length is read on
+the host (one extra sync per step) and varies from step to step, so the verify shape does
+too; on a GPU, where verify is memory-bound and shapes should stay static for CUDA graphs,
+``trim`` is off by default (``auto``: on for CPU tensors, off otherwise).
 """
 from __future__ import annotations
 
@@ -20,15 +29,17 @@ class NgramDrafter:
     Args:
         max_n: longest suffix to match.
         min_n: shortest suffix to match.
+        trim: cut the draft to the longest continuation found in the batch: True, False, or
+            None for "on CPU tensors only" (see the module docstring).
     """
 
     name = "ngram"
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, *, max_n: int = 3, min_n: int = 1) -> None:
+    def __init__(self, *, max_n: int = 3, min_n: int = 1, trim: bool | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise DrafterError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.trim = max_n, min_n, trim
 
     def reset(self, state: DecodeState) -> None:
         return None
@@ -60,7 +71,12 @@ class NgramDrafter:
         cont = tokens.gather(1, idx)  # [B, K]
         # continuation entries beyond the row's known tokens are unknown: repeat the pending token
         known = idx <= end[:, None]
-        draft = torch.where(found[:, None] & known, cont, state.pending[:, None].expand(b, k))
+        useful = found[:, None] & known  # [B, K]
+        draft = torch.where(useful, cont, state.pending[:, None].expand(b, k))
+        trim = self.trim if self.trim is not None else tokens.device.type == "cpu"
+        if trim:
+            longest = int((useful & ~state.done[:, None]).sum(1).max())  # host sync; known is a prefix
+            draft = draft[:, :longest]
         return Draft(tokens=draft, probs=None)
 
     def commit(self, state: DecodeState) -> None:
@@ -74,9 +90,13 @@ class NgramDrafter:
 
 
 def register_builtin(register) -> None:
-    """Register ``ngram`` (options: ``max_n``, ``min_n``)."""
+    """Register ``ngram`` (options: ``max_n``, ``min_n``, ``trim`` = auto|true|false)."""
 
     def build(ctx):
-        return NgramDrafter(max_n=int(ctx.options.get("max_n", 3)), min_n=int(ctx.options.get("min_n", 1)))
+        trim = str(ctx.options.get("trim", "auto")).lower()
+        if trim not in ("auto", "true", "false", "1", "0", "yes", "no"):
+            raise DrafterError(f"ngram option trim must be auto, true or false, got {trim!r}")
+        return NgramDrafter(max_n=int(ctx.options.get("max_n", 3)), min_n=int(ctx.options.get("min_n", 1)),
+                            trim=None if trim == "auto" else trim in ("true", "1", "yes"))
 
     register("ngram", build, help="prompt lookup: copy what followed the row's last matching n-gram", default_k=4)

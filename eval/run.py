@@ -383,6 +383,8 @@ class Session:
             options: dict[str, Any] = dict(cfg.drafter_options)
             if cfg.tree:
                 options.update(tree="true", tree_budget=str(cfg.k))
+            if cfg.accept_model and cfg.drafter == "ngram":
+                options.setdefault("trim", "false")  # an injected acceptance distribution is per full K
             ctx = registry.DrafterContext(target=self.target.model, target_name=self.model_name,
                                           tokenizer_fingerprint=self.target.fingerprint, dtype=self.torch_dtype,
                                           device=self.device, options=options)

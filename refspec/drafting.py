@@ -40,7 +40,9 @@ class Draft:
     """What a drafter proposes for one step.
 
     Attributes:
-        tokens: ``[B, K]`` drafted tokens (K may be 0; for trees, N nodes).
+        tokens: ``[B, K']`` drafted tokens; a chain has ``K' <= K`` (a drafter may cut the
+            whole batch's draft short, e.g. n-gram trimming; 0 makes a plain step); for
+            trees, N nodes.
         probs: ``[B, K, V]`` the drafter's processed distribution per draft when sampling, or
             None for deterministic drafts (one-hot q) and for greedy decoding.
         tree: tree topology, or None for a chain.

@@ -281,7 +281,11 @@ class Engine:
                 d_work = ()
             m_draft = self.meter.end("draft", d_work)
             n = draft.tokens.shape[1]
-            assert n == cfg.k or draft.tree is not None, f"drafter returned {n} tokens for k={cfg.k}"
+            # a chain drafter may cut its draft below K for the whole batch (n-gram trimming)
+            assert n <= cfg.k or draft.tree is not None, f"drafter returned {n} tokens for k={cfg.k}"
+            if n != cfg.k and self.acceptance_fn is not None and draft.tree is None:
+                raise GenerationError(f"injected acceptance needs full drafts of K={cfg.k}; the drafter cut its draft "
+                                      f"to {n} (turn off the n-gram option trim)")
 
             # 2. verify: pending + drafts, one target forward
             self.meter.begin("verify")

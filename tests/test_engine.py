@@ -22,11 +22,12 @@ def _prompts(n=8, seed=0):
 
 def _drafters(model):
     return {"ngram": lambda: NgramDrafter(max_n=3),
+            "ngram-untrimmed": lambda: NgramDrafter(max_n=3, trim=False),
             "draft-model": lambda: DraftModelDrafter(model.truncated(1), target_vocab_size=model.args.vocab_size)}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+@pytest.mark.parametrize("drafter", ["ngram", "ngram-untrimmed", "draft-model"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_equals_plain(tiny_models, family, drafter, k):
     m = tiny_models[family]
@@ -128,9 +129,63 @@ def test_bad_input_errors(tiny_models):
 def test_phase_events_count_tokens(tiny_models):
     m = tiny_models["qwen2"]
     seen = []
-    gen = Engine(m, NgramDrafter(), config=EngineConfig(k=2), observers=[seen.append]).generate(
+    gen = Engine(m, NgramDrafter(trim=False), config=EngineConfig(k=2), observers=[seen.append]).generate(
         _prompts(5), max_new_tokens=10)
     assert [e.phase for e in seen[:4]] == ["prefill", "draft", "verify", "commit"]
     assert sum(e.emitted for e in seen) == gen.num_emitted, "events account for every emitted token"
     verify = [e for e in seen if e.phase == "verify"]
     assert all(e.verified == e.rows_active * 3 for e in verify)
+
+
+def _ngram_state(rows, done=None):
+    from refspec.drafting import DecodeState
+
+    t = max(map(len, rows)) + 8
+    tokens = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) - 1 for r in rows])  # the last token of each row is pending
+    z = torch.zeros(len(rows), dtype=torch.long)
+    return DecodeState(tokens=tokens, lengths=lengths, prev_lengths=lengths, pending=tokens[torch.arange(len(rows)),
+                       lengths], prompt_lengths=lengths, done=torch.zeros(len(rows), dtype=torch.bool)
+                       if done is None else torch.tensor(done), hidden=[], num_accepted=z, sampling=SamplingConfig(),
+                       generator=None, step=0, max_length_bound=int(lengths.max()) + 1, target_args=None,
+                       dtype_bytes=4)
+
+
+def test_ngram_trim_cuts_the_draft_to_the_longest_continuation_in_the_batch():
+    # row 0: suffix "7 8" occurred before, followed by "9 1" then the suffix itself: 4 known tokens
+    # row 1: suffix "3" occurred before, followed by "4" only (then the pending token): 2 known
+    rows = [[7, 8, 9, 1, 7, 8], [5, 3, 4, 3]]
+    full = NgramDrafter(max_n=2, trim=False).propose(_ngram_state(rows), 6).tokens
+    assert full.tolist() == [[9, 1, 7, 8, 8, 8], [4, 3, 3, 3, 3, 3]]
+    assert NgramDrafter(max_n=2, trim=True).propose(_ngram_state(rows), 6).tokens.tolist() == [[9, 1, 7, 8],
+                                                                                            [4, 3, 3, 3]]
+    # a finished row does not keep the draft long; no match anywhere gives an empty draft (a plain step)
+    assert NgramDrafter(max_n=2, trim=True).propose(_ngram_state(rows, done=[True, False]), 6).tokens.shape == (2, 2)
+    assert NgramDrafter(trim=True).propose(_ngram_state([[1, 2, 3], [4, 5, 6]]), 4).tokens.shape == (2, 0)
+
+
+def test_ngram_trimming_changes_no_token_and_verifies_fewer_positions(tiny_models):
+    m = tiny_models["llama"]
+    prompts = _prompts(6)
+    runs = {}
+    for trim in (True, False):
+        seen = []
+        gen = Engine(m, NgramDrafter(max_n=3, trim=trim), config=EngineConfig(k=4), observers=[seen.append],
+                     eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+        runs[trim] = (gen, [e.work[0].tokens_per_row for e in seen if e.phase == "verify"])
+    (trimmed, w_trim), (full, w_full) = runs[True], runs[False]
+    assert trimmed.tokens == full.tokens
+    assert set(w_full) == {5} and all(1 <= w <= 5 for w in w_trim) and min(w_trim) < 5
+
+
+def test_injected_acceptance_refuses_a_trimmed_draft(tiny_models):
+    from refspec.engine import GenerationError
+    from refspec.injection import geometric_model, make_acceptance_fn
+
+    m = tiny_models["llama"]
+    fn = make_acceptance_fn(geometric_model(0.5, 4), torch.Generator().manual_seed(0))
+    with pytest.raises(GenerationError, match="trim"):
+        Engine(m, NgramDrafter(trim=True), config=EngineConfig(k=4), acceptance_fn=fn).generate(
+            [[20, 21, 22, 23, 24, 25]], max_new_tokens=4)

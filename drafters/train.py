@@ -225,11 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
         from refspec.assets import refspec_home
+        from refspec.drafters.head_files import head_dir_name, user_heads_dir
         from refspec.eval.runtime import load_target, parse_dtype, set_threads
 
         set_threads()
         trainer = trainers[args.drafter]
-        out = args.out or refspec_home() / "heads" / f"{Path(args.model).name}-{args.drafter}"
+        out = args.out or user_heads_dir() / head_dir_name(args.model, args.drafter)
         overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                                        "lr": args.lr, "warmup_steps": args.warmup}.items() if v is not None}
         cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}

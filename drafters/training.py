@@ -18,10 +18,11 @@ here and used by every trainer:
    Ctrl-C, resumes from it, and finally hands the module to the trainer's ``export`` with a
    provenance record (target, data, steps, final loss, wall time).
 
-Trainers register in :data:`TRAINERS` through a module hook: a drafter module defines
-``register_trainers(register)`` and calls ``register(Trainer(...))``; :func:`load_trainers`
-imports the drafter modules and calls their hooks, so ``python -m refspec.drafters.train
---drafter NAME`` dispatches without the CLI knowing any drafter.
+Trainers register in :data:`TRAINERS` through a module hook: a drafter's training module
+(``eagle_training``, ``block_training``) defines ``register_trainers(register)`` and calls
+``register(Trainer(...))``; :func:`load_trainers` imports those modules and calls their hooks,
+so ``python -m refspec.drafters.train --drafter NAME`` dispatches without the CLI knowing any
+drafter.
 
 Out directory layout (``train(out_dir=...)``): ``checkpoint.pt`` (resume state),
 ``train_log.jsonl`` (one line per logged step), ``features.safetensors`` (the dataset cache,
@@ -358,7 +359,7 @@ class Trainer(Protocol):
 TRAINERS: dict[str, Trainer] = {}
 """Registered trainers by drafter name (fill with :func:`load_trainers`)."""
 
-_TRAINER_MODULES = ("eagle", "block")
+_TRAINER_MODULES = ("eagle_training", "block_training")
 _trainers_loaded = False
 
 

@@ -1,6 +1,6 @@
 """Reports of evaluation records: text tables, Markdown and PNG plots (matplotlib, Agg).
 
-Input: configuration records (:data:`refspec.eval.run.RECORD_FIELDS`) from ``records.jsonl``
+Input: configuration records (:data:`refspec.eval.records.RECORD_FIELDS`) from ``records.jsonl``
 and any Slurm task files (:func:`refspec.eval.sweep.read_records`). Output, in the sweep
 directory: ``report.md`` and four plots:
 

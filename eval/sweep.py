@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from refspec.eval.run import (ConfigResult, RunConfig, Session, compare_with_baseline, ensure_line_end,
-                              prepare_configuration, run_configuration)
+from refspec.eval.records import compare_with_baseline, ensure_line_end
+from refspec.eval.run import ConfigResult, RunConfig, Session, prepare_configuration, run_configuration
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="rehearse on a CPU: toy model, no CUDA, modelled energy")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")),
                    help="output folder (default: $OUT)")
-    p.add_argument("--arch", default="llama-3.1-8b", help="architecture of refspec.roofline.ARCHS for the target")
+    p.add_argument("--arch", default="llama-3.1-8b", help="architecture of refspec.architectures.ARCHS for the target")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64])
     p.add_argument("--ks", type=_ints, default=[0, 3, 7, 15])
     p.add_argument("--accept-model", default="vllm-eagle3-llama3.1-8b",

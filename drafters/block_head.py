@@ -1,0 +1,344 @@
+"""The block drafter's head and its checkpoint (the drafter is :mod:`refspec.drafters.block`).
+
+The head is a small transformer conditioned on the target's own hidden features:
+
+* **context**: for every committed position the outputs of a few target layers (low, middle,
+  high; ``feature_layers``) are concatenated and projected to E by ``fc`` (then RMS-normed).
+  Each head layer turns these projected features into keys and values with its own ``wk``/
+  ``wv`` (rotated to the position), kept in the drafter's static context cache
+  ``[Lh, B, Hkv, T, D]``, a :class:`~refspec.cache.StaticKVCache` indexed like the target's;
+* **block**: K + 1 queries per row: the embedding of the pending token (the last emitted
+  token, position ``L``) followed by K learned mask embeddings at positions ``L+1 .. L+K``;
+* **attention**: every block query sees the row's context slots ``< L`` and the whole block
+  (non-causal inside it). The block's own keys are written at slots ``L .. L+K`` of the same
+  cache; those slots are overwritten with true context features as soon as the target has
+  committed them, exactly like rejected target KV entries;
+* **output**: the head's final norm and the target's (frozen) LM head turn the K mask slots
+  into K next-token distributions; slot ``i`` predicts the token at position ``L+i``.
+
+Checkpoints: :meth:`BlockHead.save` writes ``head.safetensors`` and a ``config.json`` (format
+``refspec-block-head``, version 1) recording the head's shape, the architecture of the target
+it was trained for and the training provenance; :meth:`BlockHead.load` refuses a head trained
+for another target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from refspec.cache import StaticKVCache
+from refspec.config import ModelArgs
+from refspec.drafting import DrafterError
+from refspec.models.transformer import Block, RMSNorm, apply_rope, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+HEAD_FORMAT = "refspec-block-head"
+HEAD_VERSION = 1
+WEIGHTS_FILE = "head.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers (EAGLE-3's choice: 2, L/2, L-3), clamped and sorted.
+
+    Args:
+        num_target_layers: L of the target.
+
+    Returns:
+        Layer indices as ``Transformer.forward(hidden_layers=...)`` takes them.
+    """
+    n = num_target_layers
+    return tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)}))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockHeadConfig:
+    """Shape of a block head (the target's architecture supplies everything else).
+
+    Attributes:
+        feature_layers: target layers whose outputs are fused into the context features.
+        block_size: K_max, the most drafts one forward proposes (one mask embedding each).
+        num_layers: Lh, decoder layers of the head.
+        intermediate_size: MLP width of the head layers (None: the target's).
+        input_fusion: every block input is ``in_fc(cat(embedding, c))`` where ``c`` is the
+            projected feature of the position just before the block (as EAGLE fuses token and
+            feature), so each slot sees the most informative feature without an attention hop;
+            False feeds plain embeddings (context only through attention, as DFlash).
+    """
+
+    feature_layers: tuple[int, ...]
+    block_size: int = 16
+    num_layers: int = 1
+    intermediate_size: int | None = None
+    input_fusion: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.feature_layers:
+            raise DrafterError("a block head needs at least one target feature layer")
+        if self.block_size < 1:
+            raise DrafterError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_layers < 1:
+            raise DrafterError(f"num_layers must be >= 1, got {self.num_layers}")
+
+
+def head_args(target_args: ModelArgs, config: BlockHeadConfig) -> ModelArgs:
+    """Architecture of the head's decoder layers: the target's family, norms, heads and rope,
+    with ``config.num_layers`` full-attention layers and the head's MLP width."""
+    return dataclasses.replace(
+        target_args, num_layers=config.num_layers, layer_types=(), sliding_window=None,
+        intermediate_size=config.intermediate_size or target_args.intermediate_size)
+
+
+class BlockHead(nn.Module):
+    """The trainable part of the block drafter (the target's embedding and LM head are reused).
+
+    Args:
+        target_args: architecture of the target the head drafts for.
+        config: head shape.
+
+    Attributes:
+        fc: ``[E, F*E]`` projection of the concatenated features of F target layers.
+        ctx_norm: RMSNorm of the projected context features.
+        mask_embed: ``[K_max, E]`` learned input of mask slot ``1..K_max``.
+        in_fc: ``[E, 2E]`` fusion of each block input with the last context feature (only
+            with ``config.input_fusion``; initialised to pass the embedding through).
+        layers: Lh refspec decoder :class:`~refspec.models.transformer.Block` s.
+        norm: final RMSNorm before the target's LM head.
+    """
+
+    def __init__(self, target_args: ModelArgs, config: BlockHeadConfig) -> None:
+        super().__init__()
+        bad = [i for i in config.feature_layers if not 0 <= i <= target_args.num_layers]
+        if bad:
+            raise DrafterError(f"feature layers {bad} are out of range for a target of {target_args.num_layers} "
+                               "layers (valid: 0..L, L being the final-normed state)")
+        self.config = config
+        self.target_args = target_args
+        self.args = head_args(target_args, config)
+        a, e = self.args, target_args.hidden_size
+        self.fc = nn.Linear(len(config.feature_layers) * e, e, bias=False)
+        self.ctx_norm = RMSNorm(e, a.rms_norm_eps, a.norm_plus_one)
+        self.mask_embed = nn.Parameter(torch.randn(config.block_size, e) * 0.02)
+        self.in_fc = None
+        if config.input_fusion:
+            self.in_fc = nn.Linear(2 * e, e, bias=False)
+            with torch.no_grad():
+                self.in_fc.weight[:, :e].copy_(torch.eye(e))
+                self.in_fc.weight[:, e:].normal_(0.0, 0.02 / math.sqrt(e))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(e, a.rms_norm_eps, a.norm_plus_one)
+        self.register_buffer("inv_freq", rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), persistent=False)
+
+    # ---- pieces shared by inference and training ----------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> StaticKVCache:
+        """A context cache ``[Lh, B, Hkv, T, D]`` for this head."""
+        a = self.args
+        return StaticKVCache(num_layers=a.num_layers, batch=batch, num_kv_heads=a.num_kv_heads, max_len=max_len,
+                             head_dim=a.head_dim, dtype=dtype, device=device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables ``(cos, sin)``, each ``[B, 1, S, D]``, for ``positions [B, S]``."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def project(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Fuse target features into context features.
+
+        Args:
+            features: one ``[B, S, E]`` per feature layer, in ``config.feature_layers`` order.
+
+        Returns:
+            ``[B, S, E]`` projected, normed context features.
+        """
+        assert len(features) == len(self.config.feature_layers), "one feature tensor per feature layer"
+        assert all(f.shape[-1] == self.target_args.hidden_size for f in features), "features are [B, S, E]"
+        return self.ctx_norm(self.fc(torch.cat(list(features), dim=-1)))
+
+    def write_context(self, cache, ctx: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Turn context features into every head layer's keys/values and store them.
+
+        Args:
+            cache: the context cache.
+            ctx: ``[B, S, E]`` projected context features.
+            positions: ``[B, S]`` rotary position of each feature.
+            slots: ``[B, S]`` cache slot of each feature.
+        """
+        b, s, _ = ctx.shape
+        assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
+        cos, sin = self.rope(positions, ctx.dtype)
+        for i, blk in enumerate(self.layers):
+            attn = blk.attn
+            k = attn.wk(ctx).view(b, s, attn.hkv, attn.d).transpose(1, 2)  # [B, Hkv, S, D]
+            v = attn.wv(ctx).view(b, s, attn.hkv, attn.d).transpose(1, 2)
+            if attn.k_norm is not None:
+                k = attn.k_norm(k)
+            cache.write(i, slots, apply_rope(k, cos, sin), v)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, cache, slots: torch.Tensor,
+            mask: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """The head's decoder layers over block queries (their K/V are written at ``slots``).
+
+        Args:
+            x: ``[B, S, E]`` block inputs.
+            positions: ``[B, S]`` rotary positions.
+            cache: the context cache (holds the context K/V).
+            slots: ``[B, S]`` slots the block's own K/V go to.
+            mask: ``[B, 1, S, Tk]`` bool visibility of key slots.
+            num_keys: Tk.
+
+        Returns:
+            ``[B, S, E]`` final-normed hidden states.
+        """
+        b, s, _ = x.shape
+        assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
+        assert mask.shape == (b, 1, s, num_keys), f"mask must be [B, 1, S, Tk], got {tuple(mask.shape)}"
+        rope = self.rope(positions, x.dtype)
+        for blk in self.layers:
+            x = blk(x, rope, cache, slots, mask, num_keys)
+        return self.norm(x)
+
+    def block_inputs(self, target, first: torch.Tensor, k: int, last_ctx: torch.Tensor) -> torch.Tensor:
+        """Inputs of blocks: the first token's embedding then ``k`` mask embeddings, each fused
+        with the block's last context feature when ``config.input_fusion``.
+
+        Args:
+            target: the target (its embedding is used, frozen).
+            first: ``[B, M]`` first token of each block.
+            k: mask slots per block.
+            last_ctx: ``[B, M, E]`` projected context feature of the position before each block.
+
+        Returns:
+            ``[B, M, k+1, E]``.
+        """
+        b, m = first.shape
+        masks = self.mask_embed[:k]
+        e = masks.shape[-1]
+        assert last_ctx.shape == (b, m, e), "last_ctx is [B, M, E]"
+        emb = target.embed_tokens(first).to(masks.dtype)  # [B, M, E]
+        x = torch.cat([emb[:, :, None], masks.expand(b, m, k, e)], dim=2)  # [B, M, K+1, E]
+        if self.in_fc is None:
+            return x
+        return self.in_fc(torch.cat([x, last_ctx[:, :, None].to(x.dtype).expand(b, m, k + 1, e)], dim=-1))
+
+    def init_from_target(self, target) -> None:
+        """Start from the target's last ``Lh`` layers and final norm (same shapes required),
+        the mask embeddings from the mean token embedding: a warm start for short training."""
+        if self.args.intermediate_size != target.args.intermediate_size:
+            raise DrafterError("init_from_target needs the target's MLP width (intermediate_size=None)")
+        with torch.no_grad():
+            src = list(target.layers)[-self.num_layers:]
+            for dst, blk in zip(self.layers, src):
+                dst.load_state_dict(blk.state_dict())
+            self.norm.load_state_dict(target.norm.state_dict())
+            mean = target.embed.weight.float().mean(0)
+            std = target.embed.weight.float().std()
+            self.mask_embed.copy_(mean + std * torch.randn_like(self.mask_embed))
+
+    # ---- persistence ------------------------------------------------------------------------
+    def save(self, path: str | Path, *, provenance: dict[str, Any] | None = None,
+             dtype: torch.dtype | None = torch.bfloat16) -> Path:
+        """Write ``config.json`` and ``head.safetensors`` into the directory ``path``.
+
+        Args:
+            path: directory (created).
+            provenance: free-form facts about training (command, data, loss, time).
+            dtype: storage dtype of the weights (None keeps theirs).
+
+        Returns:
+            The directory.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {n: (p.detach().to(dtype) if dtype is not None else p.detach()).contiguous().cpu()
+                   for n, p in self.state_dict().items()}
+        tmp = out / (WEIGHTS_FILE + ".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out / WEIGHTS_FILE)
+        meta = {
+            "format": HEAD_FORMAT, "version": HEAD_VERSION,
+            "head": {**dataclasses.asdict(self.config), "feature_layers": list(self.config.feature_layers)},
+            "target_args": _args_to_json(self.target_args),
+            "provenance": provenance or {},
+        }
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        log.info("saved block head (%d parameters) to %s", sum(p.numel() for p in self.parameters()), out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, *, target_args: ModelArgs | None = None, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> "BlockHead":
+        """Read a head written by :meth:`save`.
+
+        Args:
+            path: the head directory.
+            target_args: the target it will serve; a head trained for another architecture is
+                refused (hidden size, vocabulary or layer count differ).
+            dtype: parameter dtype.
+            device: parameter device.
+
+        Raises:
+            DrafterError: missing files, another format, a mismatched target, or bad keys.
+        """
+        from safetensors.torch import load_file
+
+        folder = Path(path)
+        cfg_file, w_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+        if not cfg_file.is_file() or not w_file.is_file():
+            raise DrafterError(f"{folder} is not a block head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        meta = json.loads(cfg_file.read_text())
+        if meta.get("format") != HEAD_FORMAT or meta.get("version") != HEAD_VERSION:
+            raise DrafterError(f"{cfg_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} config "
+                               f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+        trained_for = _args_from_json(meta["target_args"])
+        if target_args is not None:
+            fields = ("hidden_size", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "family")
+            diff = {f: (getattr(trained_for, f), getattr(target_args, f)) for f in fields
+                    if getattr(trained_for, f) != getattr(target_args, f)}
+            if diff:
+                raise DrafterError(f"block head {folder} was trained for another target: "
+                                   + ", ".join(f"{f} {a} (head) vs {b} (target)" for f, (a, b) in diff.items()))
+        h = meta["head"]
+        config = BlockHeadConfig(feature_layers=tuple(h["feature_layers"]), block_size=int(h["block_size"]),
+                                 num_layers=int(h["num_layers"]), intermediate_size=h.get("intermediate_size"),
+                                 input_fusion=bool(h.get("input_fusion", False)))
+        head = cls(trained_for if target_args is None else target_args, config)
+        state = load_file(str(w_file))
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterError(f"block head {w_file} does not match its config: missing {sorted(missing)[:6]}, "
+                               f"unexpected {sorted(unexpected)[:6]}")
+        head.provenance = meta.get("provenance", {})
+        return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _args_to_json(args: ModelArgs) -> dict[str, Any]:
+    return dataclasses.asdict(args)
+
+
+def _args_from_json(d: dict[str, Any]) -> ModelArgs:
+    d = dict(d)
+    for key in ("layer_types", "eos_token_ids"):
+        d[key] = tuple(d.get(key) or ())
+    return ModelArgs(**d)
+

@@ -1,0 +1,175 @@
+"""``python -m refspec.roofline``: the batch x k prediction table, plots and CSV of the roofline model.
+
+The model itself (hardware profiles, forward costs, one speculative step) is :mod:`refspec.roofline`;
+this module only turns its predictions into a table, PNG plots and a CSV. Every energy it shows is
+modelled, never measured.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from refspec.architectures import ARCHS, arch
+from refspec.config import ModelArgs
+from refspec.roofline import EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, get_profile, predict_step
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _drafter(text: str) -> DrafterModel:
+    if text == "eagle":
+        return EAGLE_HEAD
+    if text == "eagle3":
+        return DrafterModel(name="eagle3-1layer", layers=1, fc_inputs=3)
+    if text.startswith("fraction:"):
+        f = float(text.split(":", 1)[1])
+        return DrafterModel(name=f"fraction-{f:g}", fraction=f)
+    if text.startswith("block:"):
+        return DrafterModel(name=f"block-{text[6:]}", args=arch(text[6:]), parallel=True)
+    return DrafterModel(name=text, args=arch(text))
+
+
+def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Sequence[int], ks: Sequence[int],
+                     acceptances: Sequence[float], context: int, drafter: DrafterModel = EAGLE_HEAD,
+                     dtype_bytes: int = 2) -> list[dict[str, Any]]:
+    """Predictions for every (acceptance, k, batch), each with its saving vs k = 0 at that batch.
+
+    Returns:
+        Rows with keys acceptance, k, batch, tokens_per_row, tpot_ms, j_per_token, saving
+        (1 - J/token / J/token at k = 0; negative = speculation costs energy), speedup
+        (k = 0 TPOT / TPOT), verify_intensity, bound ("memory" or "compute").
+    """
+    rows = []
+    for a in acceptances:
+        for b in batches:
+            base = predict_step(target, profile, batch=b, k=0, context=context, acceptance=a,
+                                drafter=drafter, dtype_bytes=dtype_bytes)
+            for k in ks:
+                p = base if k == 0 else predict_step(target, profile, batch=b, k=k, context=context, acceptance=a,
+                                                     drafter=drafter, dtype_bytes=dtype_bytes)
+                rows.append(dict(acceptance=a, k=k, batch=b, tokens_per_row=p.tokens_per_row, tpot_ms=p.tpot_s * 1e3,
+                                 j_per_token=p.j_per_token, saving=1.0 - p.j_per_token / base.j_per_token,
+                                 speedup=base.tpot_s / p.tpot_s, verify_intensity=p.verify_cost.intensity,
+                                 bound="compute" if p.verify_compute_bound else "memory"))
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ks = sorted({r["k"] for r in rows})
+    for i, k in enumerate(ks):
+        sel = sorted((r for r in rows if r["k"] == k), key=lambda r: r["batch"])
+        color = f"C{i}"
+        bs = [r["batch"] for r in sel]
+        ax_t.plot(bs, [r["tpot_ms"] for r in sel], "o-", color=color, label=f"k={k}")
+        ax_e.plot(bs, [r["j_per_token"] for r in sel], "o-", color=color, label=f"k={k}")
+        cross = profile.ridge / (k + 1)  # naive balance point: B (k + 1) = ridge
+        for ax in (ax_t, ax_e):
+            ax.axvline(cross, color=color, ls=":", lw=1)
+    for ax, label in ((ax_t, "time per output token per user (ms)"), (ax_e, "energy per output token (J, modelled)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_e.legend(title="dotted: B(k+1) = ridge", fontsize=8, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'a':>5} {'k':>3} {'batch':>6} {'tok/step':>8} {'TPOT ms':>9} {'J/token':>10} {'saving':>8} " \
+           f"{'speedup':>7} {'FLOP/B':>7} {'verify':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['acceptance']:>5.2f} {r['k']:>3d} {r['batch']:>6d} {r['tokens_per_row']:>8.2f} "
+                     f"{r['tpot_ms']:>9.3f} {r['j_per_token']:>10.4g} {100 * r['saving']:>7.1f}% "
+                     f"{r['speedup']:>7.2f} {r['verify_intensity']:>7.1f} {r['bound']:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: print a prediction table, optionally write plots and a CSV."""
+    parser = argparse.ArgumentParser(
+        prog="python -m refspec.roofline",
+        description="Roofline prediction of time and energy per output token of speculative decoding "
+                    "against batch size, for each draft length k. All energies are MODELLED from a hardware "
+                    "profile (data-sheet peak and bandwidth, prior energy coefficients), never measured.",
+        epilog="Model: a step is K draft forwards of the drafter plus one verify forward of K+1 tokens per row; "
+               "each forward takes max(FLOPs/peak, bytes/bandwidth) + a launch overhead; energy = static W x time "
+               "+ pJ/FLOP x FLOPs + pJ/byte x bytes. Tokens per step per row = (1 - a^(k+1)) / (1 - a) "
+               "(Leviathan et al. 2023). 'saving' compares J/token with k=0 at the same batch (negative = loss); "
+               "'verify' says whether the verify forward is memory- or compute-bound; the plots mark the naive "
+               "balance point B(k+1) = ridge with dotted lines. Default drafter: an EAGLE-1/2-like head (one target "
+               "decoder layer + 2E x E fc + the target's LM head, k sequential forwards).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help=f"target architecture: {', '.join(ARCHS)}, or a config.json path")
+    parser.add_argument("--gpu", default="h200", help="hardware profile: h100, h200 or cpu (measured now)")
+    parser.add_argument("--batch", default="1,2,4,8,16,32,64,128,256", help="comma-separated batch sizes")
+    parser.add_argument("--k", default="0,1,3,7,15", help="comma-separated draft lengths (0 = no speculation)")
+    parser.add_argument("--acceptance", default="0.6,0.8", help="comma-separated per-token acceptance rates a")
+    parser.add_argument("--context", type=int, default=512, help="tokens in each row's KV cache")
+    parser.add_argument("--drafter", default="eagle",
+                        help="eagle (1-layer head + fc + LM head), eagle3 (3E fc), fraction:F (each draft forward "
+                             "costs F x a target decode forward), an architecture name (draft model, k forwards), "
+                             "or block:ARCH (one forward drafts k tokens)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
+    args = parser.parse_args(argv)
+    try:
+        target = arch(args.model)
+        profile = get_profile(args.gpu, args.dtype_bytes)
+        drafter = _drafter(args.drafter)
+        batches, ks, accs = _ints(args.batch), _ints(args.k), _floats(args.acceptance)
+        if 0 not in ks:
+            ks = [0, *ks]
+        rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
+                                drafter=drafter, dtype_bytes=args.dtype_bytes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
+          f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
+          f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
+    print(f"energy source: modelled:roofline({profile.name}) (static {profile.static_w:g} W, "
+          f"{profile.pj_per_flop:g} pJ/FLOP, {profile.pj_per_byte:g} pJ/B)")
+    for k in ks:
+        b = compute_bound_batch(target, profile, k=k, context=args.context, dtype_bytes=args.dtype_bytes)
+        print(f"  k={k}: verify turns compute-bound at batch {b if b else '> 65536'} "
+              f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
+    print(_format_table(rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
+        with open(args.out / f"{stem}.csv", "w") as fh:
+            fh.write(",".join(rows[0]) + "\n")
+            for r in rows:
+                fh.write(",".join(str(v) for v in r.values()) + "\n")
+        for a in accs:
+            path = args.out / f"{stem}_a{a:g}.png"
+            _plot([r for r in rows if r["acceptance"] == a], profile,
+                  f"{args.model} on {profile.name} (modelled), context {args.context}, acceptance {a:g}, "
+                  f"drafter {drafter.name}", path)
+            print(f"wrote {path}")
+        print(f"wrote {args.out / f'{stem}.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

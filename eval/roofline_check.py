@@ -36,7 +36,7 @@ def _median_phase_times(gen, skip: int) -> tuple[float, float, Any]:
     """Median verify time, median step time (draft + verify + commit) and one verify shape."""
     verify: dict[int, float] = {}
     step: dict[int, float] = {}
-    shape = None
+    shape = None  # the verify forward's shape at the last timed step (the context grows by a few tokens)
     for e in gen.events:
         if e.step < skip:
             continue
@@ -105,7 +105,8 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     for b in batches:
         prompts = [torch.randint(lo, vocab - lo, (prompt_len,), generator=gen_).tolist() for _ in range(b)]
         for k in ks:
-            engine = Engine(model, NgramDrafter() if k else None, config=EngineConfig(k=k))
+            # untrimmed: every step verifies K + 1 positions per row whatever the drafter found
+            engine = Engine(model, NgramDrafter(trim=False) if k else None, config=EngineConfig(k=k))
             engine.generate(prompts, max_new_tokens=skip + 2)  # warm-up: allocations, first-touch pages
             gen = engine.generate(prompts, max_new_tokens=new_tokens)
             verify_s, step_s, shape = _median_phase_times(gen, skip)

@@ -394,7 +394,7 @@ def test_registry_finds_heads_in_refspec_home_and_reads_tree_options(target, hea
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kind", ["eagle"])  # the shipped heads; eagle3 for SmolLM2 is not shipped yet
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])  # the shipped heads
 def test_smollm2_heads_are_lossless_and_accepted(kind):
     """The shipped SmolLM2 heads in fp32: greedy equality at batch 1 and a ragged batch, chain and tree."""
     from refspec.assets import resolve_model

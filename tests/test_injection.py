@@ -113,7 +113,7 @@ def test_injected_engine_run_reproduces_mean_tau(tiny_models):
     fn = make_acceptance_fn(model, torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (6,), generator=g).tolist() for _ in range(32)]
-    gen = Engine(target, NgramDrafter(), config=EngineConfig(k=4), acceptance_fn=fn).generate(
+    gen = Engine(target, NgramDrafter(trim=False), config=EngineConfig(k=4), acceptance_fn=fn).generate(
         prompts, max_new_tokens=40)
     n = sum(1 for step in gen.accepted_per_step for a in step if a >= 0)
     se = model.std_tau / math.sqrt(n)

@@ -7,7 +7,7 @@ is not registered is a clear error that lists the available ones.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from refspec.drafting import DrafterError
 
@@ -65,20 +65,29 @@ def build(name: str, ctx: DrafterContext):
 _loaded = False
 
 
-def _load_builtin() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+def call_hooks(modules: Sequence[str], hook_name: str, register: Callable) -> None:
+    """Import ``refspec.drafters.<module>`` for each module that exists and call its ``hook_name(register)``.
+
+    A module that is absent is skipped (the CLI lists only what exists); an import error
+    inside a present module propagates.
+    """
     import importlib
 
-    for module in ("ngram", "draft_model", "eagle", "block"):
+    for module in modules:
         try:
             mod = importlib.import_module(f"refspec.drafters.{module}")
         except ModuleNotFoundError as exc:
             if exc.name != f"refspec.drafters.{module}":
                 raise
             continue
-        hook = getattr(mod, "register_builtin", None)
+        hook = getattr(mod, hook_name, None)
         if hook is not None:
             hook(register)
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    call_hooks(("ngram", "draft_model", "eagle", "block"), "register_builtin", register)

@@ -373,18 +373,9 @@ def load_trainers() -> dict[str, Trainer]:
     global _trainers_loaded
     if not _trainers_loaded:
         _trainers_loaded = True
-        import importlib
+        from refspec.drafters.registry import call_hooks
 
-        for module in _TRAINER_MODULES:
-            try:
-                mod = importlib.import_module(f"refspec.drafters.{module}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"refspec.drafters.{module}":
-                    raise
-                continue
-            hook = getattr(mod, "register_trainers", None)
-            if hook is not None:
-                hook(register_trainer)
+        call_hooks(_TRAINER_MODULES, "register_trainers", register_trainer)
     return TRAINERS
 
 

@@ -62,7 +62,16 @@ def test_lock_that_does_not_apply_raises_and_still_resets():
     assert gpu.calls[-1] == ("reset", 1)
 
 
-def test_sigint_handler_resets_then_interrupts_and_is_restored():
+@pytest.fixture
+def sigint_handler():
+    """Runs the test under Python's default SIGINT handler (a background job may start with SIGINT ignored)."""
+    saved = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def test_sigint_handler_resets_then_interrupts_and_is_restored(sigint_handler):
     gpu = FakeGPU()
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
@@ -72,6 +81,15 @@ def test_sigint_handler_resets_then_interrupts_and_is_restored():
             handler(signal.SIGINT, None)  # what Ctrl-C would do
     assert ("reset", 0) in gpu.calls and gpu.clock == 1980
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_sigint_ignored_before_stays_ignored_but_still_resets(sigint_handler):
+    gpu = FakeGPU()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with lock_sm_clocks(0, 1200, backend=gpu):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # no KeyboardInterrupt: it was ignored
+        assert ("reset", 0) in gpu.calls and gpu.clock == 1980
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_atexit_path_resets_pending_locks():

@@ -44,7 +44,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.drafting import DrafterError
-from refspec.models.transformer import RMSNorm, apply_rope, grouped_attention, rope_inv_freq
+from refspec.models.transformer import MLP, RMSNorm, apply_rope, grouped_attention, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +168,6 @@ class _HeadAttention(nn.Module):
         return self.wo(grouped_attention(q, keys, values, mask, 1.0 / math.sqrt(self.d)))
 
 
-class _HeadMLP(nn.Module):
-    def __init__(self, cfg: HeadConfig) -> None:
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gelu = cfg.hidden_act == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate(x)
-        return self.down((F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)) * self.up(x))
-
-
 class EagleHead(nn.Module):
     """Shared body of the EAGLE-1 and EAGLE-3 heads (one decoder layer with rotary attention).
 
@@ -195,7 +182,7 @@ class EagleHead(nn.Module):
         self.config = cfg
         self.attn = _HeadAttention(cfg, attn_in)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=False)
-        self.mlp = _HeadMLP(cfg)
+        self.mlp = MLP(cfg)  # reads hidden_size, intermediate_size, hidden_act, which HeadConfig has
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
 

@@ -37,7 +37,7 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.models.transformer import Block, RMSNorm, apply_rope, rope_inv_freq
+from refspec.models.transformer import Block, RMSNorm, apply_rope, attention_bias, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +211,12 @@ class BlockHead(nn.Module):
         b, s, _ = x.shape
         assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
         assert mask.shape == (b, 1, s, num_keys), f"mask must be [B, 1, S, Tk], got {tuple(mask.shape)}"
-        rope = self.rope(positions, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
+        rope = (cos.transpose(1, 2), sin.transpose(1, 2))  # blocks take [B, S, 1, D] tables
+        attn = self.layers[0].attn
+        bias = attention_bias(mask, attn.hkv, attn.h // attn.hkv, x.dtype)
         for blk in self.layers:
-            x = blk(x, rope, cache, slots, mask, num_keys)
+            x = blk(x, rope, cache, slots, bias, num_keys)
         return self.norm(x)
 
     def block_inputs(self, target, first: torch.Tensor, k: int, last_ctx: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,21 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
+    """Best wall time and last result of each function, after one warm-up each, running the
+    functions in turn ``repeats`` times so a slow spell of a shared machine hits them alike."""
+    for fn in fns.values():
+        fn()
+    best: dict[str, tuple[float, Any]] = {name: (float("inf"), None) for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = fn()
+            wall = time.perf_counter() - t0
+            best[name] = (min(best[name][0], wall), out)
+    return best
+
+
 def measure_bandwidth(dtype: torch.dtype, mib: int = 128, repeats: int = 5) -> float:
     """Bytes/s of a matrix-vector product streaming ``mib`` MiB of weights (the decode kernel)."""
     elem = torch.finfo(dtype).bits // 8
@@ -92,23 +107,21 @@ def weight_bytes(model) -> int:
     return total
 
 
-def _refspec_decode(model, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+def _refspec_run(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
     from refspec.engine import Engine
 
     engine = Engine(model)  # no EOS: every row decodes the full budget
+    return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
 
-    def run():
-        return engine.generate(prompts, max_new_tokens=new_tokens)
 
-    wall, gen = _timed(run, 2)
+def _refspec_figures(wall: float, gen) -> dict[str, float]:
+    """tokens/s over the whole call and the mean decode step (draft + verify + commit)."""
     steps = [e.measurement.time_s for e in gen.events if e.phase in ("draft", "verify", "commit")]
-    n_steps = gen.steps
-    step_s = sum(steps) / n_steps
-    return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * step_s, "wall_s": wall}
+    return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * sum(steps) / gen.steps, "wall_s": wall}
 
 
-def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> tuple[float, list[list[int]]]:
-    """transformers.generate on left-padded prompts; returns best wall time and new tokens per row."""
+def _hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> Callable[[], list[list[int]]]:
+    """A call of transformers.generate on left-padded prompts returning the new tokens per row."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
@@ -118,11 +131,11 @@ def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **e
 
     def run():
         with torch.inference_mode():
-            return hf.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+            out = hf.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+        return [row[width:].tolist() for row in out]
 
-    wall, out = _timed(run, 2)
-    return wall, [row[width:].tolist() for row in out]
+    return run
 
 
 def _load_hf(path: Path, dtype: torch.dtype):
@@ -135,12 +148,13 @@ def _load_hf(path: Path, dtype: torch.dtype):
 
 
 def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Sequence[str] = ("fp32", "bf16"),
-                 prompt_len: int = 32, new_tokens: int = 48) -> dict[str, Any]:
-    """refspec vs transformers decode speed and the bandwidth floor, in one run."""
+                 prompt_len: int = 32, new_tokens: int = 48, repeats: int = 3) -> dict[str, Any]:
+    """refspec vs transformers decode speed and the bandwidth floor, in one run (each figure is
+    the best of ``repeats`` interleaved runs)."""
     set_threads()
     device = torch.device("cpu")
     results: dict[str, Any] = {"model": model_name, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                               "threads": torch.get_num_threads(), "rows": []}
+                               "threads": torch.get_num_threads(), "repeats": repeats, "rows": []}
     g = torch.Generator().manual_seed(0)
     for dname in dtypes:
         dtype = parse_dtype(dname)
@@ -152,10 +166,12 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
         for b in batches:
             prompts = [torch.randint(100, vocab - 100, (prompt_len - (i % 4),), generator=g).tolist()
                        for i in range(b)]
-            ours = _refspec_decode(target.model, prompts, new_tokens)
-            hf_wall, _ = _hf_generate(hf, prompts, new_tokens, pad_id=0)
             # transformers' step time: compare like with like by subtracting a 1-token run (prefill)
-            hf_prefill, _ = _hf_generate(hf, prompts, 1, pad_id=0)
+            best = _interleaved({"refspec": _refspec_run(target.model, prompts, new_tokens),
+                                 "hf": _hf_run(hf, prompts, new_tokens, pad_id=0),
+                                 "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0)}, repeats)
+            ours = _refspec_figures(*best["refspec"])
+            hf_wall, hf_prefill = best["hf"][0], best["hf_prefill"][0]
             hf_step_ms = 1000 * (hf_wall - hf_prefill) / (new_tokens - 1)
             row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
@@ -191,8 +207,9 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 
 
 def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, k: int, batches: Sequence[int],
-               dtype_name: str, new_tokens: int, draft_model: str | None = None) -> dict[str, Any]:
-    """refspec plain vs refspec + drafter vs transformers' equivalent, same prompts, one run."""
+               dtype_name: str, new_tokens: int, draft_model: str | None = None, repeats: int = 2) -> dict[str, Any]:
+    """refspec plain vs refspec + drafter vs transformers' equivalent, same prompts, one run
+    (each chunk of prompts timed as the best of ``repeats`` interleaved runs)."""
     from refspec.drafters import registry
     from refspec.engine import Engine, EngineConfig
 
@@ -227,25 +244,32 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
         batches_of = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         t_plain, plain_tokens = 0.0, []
         t_spec, spec_tokens, taus = 0.0, [], []
+        t_hf, hf_tokens = 0.0, []
         for chunk in batches_of:
-            t, g = _timed(lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens), 1)
-            t_plain += t
-            plain_tokens += g.tokens
-            t, g = _timed(lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens), 1)
-            t_spec += t
-            spec_tokens += g.tokens
-            taus += [a + 1 for step in g.accepted_per_step for a in step if a >= 0]
+            fns = {"plain": lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens),
+                   "spec": lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens)}
+            if hf_method is not None and b == 1:  # transformers' speculative generate: batch 1 only
+                fns["hf"] = _hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
+            best = _interleaved(fns, repeats)
+            t_plain += best["plain"][0]
+            plain_tokens += best["plain"][1].tokens
+            t_spec += best["spec"][0]
+            spec_tokens += best["spec"][1].tokens
+            taus += [a + 1 for step in best["spec"][1].accepted_per_step for a in step if a >= 0]
+            if "hf" in best:
+                t_hf += best["hf"][0]
+                hf_tokens += best["hf"][1]
         n_tok = sum(map(len, plain_tokens))
         row = {"batch": b, "plain_tokens_per_s": n_tok / t_plain, "spec_tokens_per_s": sum(map(len, spec_tokens)) / t_spec,
                "tau": statistics.fmean(taus), "spec_matches_plain": spec_tokens == plain_tokens}
         row["spec_speedup_vs_plain"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
-        if hf_method is not None:
+        if hf_method is not None and b != 1:
             # transformers' speculative methods run one sequence at a time: batch 1 per prompt
-            t_hf, hf_tokens = 0.0, []
             for p in prompts:
-                t, toks = _hf_generate(hf, [p], new_tokens, pad_id=0, **hf_extra)
-                t_hf += t
-                hf_tokens += toks
+                best = _interleaved({"hf": _hf_run(hf, [p], new_tokens, pad_id=0, **hf_extra)}, repeats)
+                t_hf += best["hf"][0]
+                hf_tokens += best["hf"][1]
+        if hf_method is not None:
             row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
             row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
             row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
@@ -275,6 +299,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     d.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
     d.add_argument("--new-tokens", type=int, default=48)
+    d.add_argument("--repeats", type=int, default=3,
+                   help="interleaved timed runs of refspec and transformers; the best of each is kept")
     d.add_argument("--json", action="store_true", help="print the figures as JSON")
     s = sub.add_parser("spec", help="refspec plain vs speculative vs transformers' speculative method")
     s.add_argument("--model", default="smollm2-135m")
@@ -286,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", default="1,8")
     s.add_argument("--dtype", default="bf16")
     s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=2,
+                   help="interleaved timed runs of plain, speculative and transformers; the best of each is kept")
     s.add_argument("--json", action="store_true")
     r = sub.add_parser("roofline", help="roofline-predicted vs measured target step times on this CPU")
     r.add_argument("--model", default="smollm2-135m")
@@ -326,11 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _roofline(args)
         if args.cmd == "decode":
             res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
-                               new_tokens=args.new_tokens)
+                               new_tokens=args.new_tokens, repeats=args.repeats)
         else:
             res = bench_spec(args.model, args.drafter, corpus_file=args.corpus_file, k=args.k,
                              batches=_ints(args.batch), dtype_name=args.dtype, new_tokens=args.new_tokens,
-                             draft_model=args.draft_model)
+                             draft_model=args.draft_model, repeats=args.repeats)
     except (UsageError, ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -158,6 +158,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         model.lm_head.weight = model.embed.weight
     model.init_buffers(device)
     model.eval().requires_grad_(False)
+    model.fuse_projections()
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
 

@@ -37,6 +37,33 @@ def test_incremental_cache_equals_full_forward(name, tiny_models):
     assert (inc - full[:, 10:]).abs().max().item() < 1e-4, "cached one-token steps must equal the full forward"
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+def test_fused_projections_equal_the_split_ones(name, tmp_path):
+    """load_model fuses q/k/v and gate/up into one GEMM each (views, no copy); the split path,
+    which a replaced parameter falls back to, gives the same logits."""
+    from tiny import save_hf
+
+    save_hf(name, tmp_path)
+    fused, split = load_model(tmp_path), load_model(tmp_path)
+    for blk in split.layers:  # undo the fusion: give every projection its own storage again
+        for lin in (blk.attn.wq, blk.attn.wk, blk.attn.wv, blk.mlp.gate, blk.mlp.up):
+            lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    attn = fused.layers[0].attn
+    assert attn.wk.weight.data_ptr() == attn._qkv[0][attn.h * attn.d:].data_ptr(), "wk is a view of the fused weight"
+    toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(12)[None].expand(2, 12)
+    a, _ = fused(toks, pos, fused.new_cache(2, 16))
+    b, _ = split(toks, pos, split.new_cache(2, 16))
+    assert (a - b).abs().max().item() < 1e-5
+    # a parameter replaced after fusion is used (the stale fused tensor is not)
+    wv = fused.layers[0].attn.wv
+    wv.weight = torch.nn.Parameter(torch.zeros_like(wv.weight), requires_grad=False)
+    split.layers[0].attn.wv.weight.zero_()
+    c, _ = fused(toks, pos, fused.new_cache(2, 16))
+    d, _ = split(toks, pos, split.new_cache(2, 16))
+    assert (c - a).abs().max().item() > 1e-3 and (c - d).abs().max().item() < 1e-5
+
+
 def test_hidden_layers_returned(tiny_models):
     m = tiny_models["llama"]
     toks = torch.randint(3, 96, (2, 5))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -137,6 +138,10 @@ def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirro
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
+    The model comes back frozen, with fused q/k/v and gate/up projections; on a CPU in fp32 it
+    also keeps column-major copies of its matrices for batch-1 decoding when they take at most
+    ``REFSPEC_CPU_COLUMN_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
+
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
         dtype: parameter dtype (float32, bfloat16, float16).
@@ -159,6 +164,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     model.init_buffers(device)
     model.eval().requires_grad_(False)
     model.fuse_projections()
+    if model.device.type == "cpu" and dtype == torch.float32:
+        # batch-1 decoding on CPUs streams column-major copies faster (see ColumnCopy)
+        limit = int(float(os.environ.get("REFSPEC_CPU_COLUMN_COPIES_GIB", "2")) * 2**30)
+        if model.add_column_copies(limit):
+            log.info("kept column-major copies of the weights for one-row products (REFSPEC_CPU_COLUMN_COPIES_GIB)")
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
 

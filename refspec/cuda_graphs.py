@@ -101,6 +101,7 @@ class CacheView(StaticKVCache):
         self.k = pool.k[:, :batch, :, :max_len]  # [L, B, Hkv, T, D]
         self.v = pool.v[:, :batch, :, :max_len]  # [L, B, Hkv, T, D]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=pool.device)  # [B]
+        self._rows = pool._rows[:batch]  # [B, 1]
         self.max_len = max_len
         self.batch = batch
 

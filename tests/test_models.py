@@ -55,6 +55,24 @@ def test_fused_projections_equal_the_split_ones(name, tmp_path):
     a, _ = fused(toks, pos, fused.new_cache(2, 16))
     b, _ = split(toks, pos, split.new_cache(2, 16))
     assert (a - b).abs().max().item() < 1e-5
+    # one-row steps use the column-major copies load_model keeps on CPU in fp32
+    assert fused.lm_head._col is not None and attn._qkv_col is not None
+    cf, cs = fused.new_cache(1, 16), split.new_cache(1, 16)
+    for i in range(12):
+        one_f, _ = fused(toks[:1, i:i + 1], pos[:1, i:i + 1], cf, num_keys=16)
+        one_s, _ = split(toks[:1, i:i + 1], pos[:1, i:i + 1], cs, num_keys=16)
+        assert (one_f - one_s).abs().max().item() < 1e-5 and (one_f[0, 0] - a[0, i]).abs().max().item() < 1e-4
+    # an in-place change of a weight is seen by one-row steps (the stale column copy is not used)
+    nudge = 0.5 * torch.randn(fused.layers[0].attn.wo.weight.shape, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        fused.layers[0].attn.wo.weight.add_(nudge)
+        split.layers[0].attn.wo.weight.add_(nudge)
+    one, _ = fused(toks[:1, :1], pos[:1, :1], fused.new_cache(1, 16), num_keys=16)
+    ref, _ = split(toks[:1, :1], pos[:1, :1], split.new_cache(1, 16), num_keys=16)
+    assert (one - ref).abs().max().item() < 1e-5 and (one[0, 0] - a[0, 0]).abs().max().item() > 1e-3
+    with torch.no_grad():
+        fused.layers[0].attn.wo.weight.sub_(nudge)
+        split.layers[0].attn.wo.weight.sub_(nudge)
     # a parameter replaced after fusion is used (the stale fused tensor is not)
     wv = fused.layers[0].attn.wv
     wv.weight = torch.nn.Parameter(torch.zeros_like(wv.weight), requires_grad=False)

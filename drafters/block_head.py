@@ -37,7 +37,7 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.models.transformer import Block, RMSNorm, apply_rope, attention_bias, rope_inv_freq
+from refspec.models.transformer import Block, Linear, RMSNorm, apply_rope, attention_bias, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,12 @@ class BlockHead(nn.Module):
         self.target_args = target_args
         self.args = head_args(target_args, config)
         a, e = self.args, target_args.hidden_size
-        self.fc = nn.Linear(len(config.feature_layers) * e, e, bias=False)
+        self.fc = Linear(len(config.feature_layers) * e, e, bias=False)
         self.ctx_norm = RMSNorm(e, a.rms_norm_eps, a.norm_plus_one)
         self.mask_embed = nn.Parameter(torch.randn(config.block_size, e) * 0.02)
         self.in_fc = None
         if config.input_fusion:
-            self.in_fc = nn.Linear(2 * e, e, bias=False)
+            self.in_fc = Linear(2 * e, e, bias=False)
             with torch.no_grad():
                 self.in_fc.weight[:, :e].copy_(torch.eye(e))
                 self.in_fc.weight[:, e:].normal_(0.0, 0.02 / math.sqrt(e))

@@ -39,12 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.drafting import DrafterError
-from refspec.models.transformer import MLP, RMSNorm, apply_rope, grouped_attention, rope_inv_freq
+from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, grouped_attention, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +149,10 @@ class _HeadAttention(nn.Module):
         super().__init__()
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.h, self.hkv, self.d = h, hkv, d
-        self.wq = nn.Linear(in_dim, h * d, bias=False)
-        self.wk = nn.Linear(in_dim, hkv * d, bias=False)
-        self.wv = nn.Linear(in_dim, hkv * d, bias=False)
-        self.wo = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.wq = Linear(in_dim, h * d, bias=False)
+        self.wk = Linear(in_dim, hkv * d, bias=False)
+        self.wv = Linear(in_dim, hkv * d, bias=False)
+        self.wo = Linear(h * d, cfg.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x [B, S, in]`` -> rotated ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]``."""
@@ -285,7 +284,7 @@ class Eagle1Head(EagleHead):
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg, cfg.hidden_size)
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
 
     def prepare(self, feats: list[torch.Tensor]) -> torch.Tensor:
         return feats[0]
@@ -295,8 +294,7 @@ class Eagle1Head(EagleHead):
         return x, x
 
     def draft_logits(self, out: torch.Tensor, target) -> torch.Tensor:
-        w = target.lm_head.weight
-        logits = F.linear(out.to(w.dtype), w).float()
+        logits = target.lm_head(out.to(target.lm_head.weight.dtype)).float()  # refspec's CPU GEMM layouts
         cap = target.args.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -308,11 +306,11 @@ class Eagle3Head(EagleHead):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__(cfg, 2 * cfg.hidden_size)
         e = cfg.hidden_size
-        self.fc = nn.Linear(3 * e, e, bias=cfg.fc_bias)
+        self.fc = Linear(3 * e, e, bias=cfg.fc_bias)
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, plus_one=False)
         self.hidden_norm = RMSNorm(e, cfg.rms_norm_eps, plus_one=False)
         self.norm = RMSNorm(e, cfg.rms_norm_eps, plus_one=False)
-        self.lm_head = nn.Linear(e, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(e, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
 

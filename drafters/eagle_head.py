@@ -43,7 +43,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.drafting import DrafterError
-from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, grouped_attention, rope_inv_freq
+from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, attend, attention_bias, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class _HeadAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``q [B, H, S, D]`` over ``keys, values [B, Hkv, Tk, D]`` with ``mask [B, 1, S, Tk]`` -> ``[B, S, E]``."""
-        return self.wo(grouped_attention(q, keys, values, mask, 1.0 / math.sqrt(self.d)))
+        bias = attention_bias(mask, self.hkv, self.h // self.hkv, q.dtype)
+        return self.wo(attend(q.transpose(1, 2), keys, values, bias, 1.0 / math.sqrt(self.d)))
 
 
 class EagleHead(nn.Module):

@@ -121,33 +121,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Grouped-query attention without copying K/V; softmax in fp32.
-
-    Args:
-        q: ``[B, H, S, D]`` queries.
-        keys: ``[B, Hkv, Tk, D]``.
-        values: ``[B, Hkv, Tk, D]``.
-        mask: ``[B, 1, S, Tk]`` bool, True where visible.
-        scale: score scale.
-
-    Returns:
-        ``[B, S, H*D]``.
-    """
-    b, h, s, d = q.shape
-    hkv, tk = keys.shape[1], keys.shape[2]
-    g = h // hkv
-    # fold the query heads of a group into the query axis so K/V are never copied
-    q = q.reshape(b, hkv, g * s, d)  # [B, Hkv, G*S, D]
-    if g > 1:
-        mask = mask[:, :, None].expand(b, 1, g, s, tk).reshape(b, 1, g * s, tk)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G*S, Tk]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, G*S, D]
-    return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
-
-
 def attention_bias(mask: torch.Tensor, num_kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention bias laid out for :func:`attend`, built once per forward.
 

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-tokens", type=int, default=64, help="tokens per row in the timed runs")
     p.add_argument("--eagle-head", type=Path, default=None)
     p.add_argument("--eagle3-head", type=Path, default=None)
+    p.add_argument("--corpora", default=",".join(CORPORA), help="comma-separated corpora for tau")
+    p.add_argument("--configs", default="eagle-chain,eagle-tree,eagle3-chain,eagle3-tree",
+                   help="comma-separated configurations (head kind - chain or tree)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-tau", action="store_true")
     return p
@@ -68,6 +71,10 @@ def main(argv=None) -> int:
     for kind, path in (("eagle", args.eagle_head), ("eagle3", args.eagle3_head)):
         heads[kind], _ = load_head(path or find_head(args.model, kind), m.args, dtype=dtype)
     configs = {f"{kind}-{mode}": (kind, tree if mode == "tree" else None) for kind in heads for mode in ("chain", "tree")}
+    unknown = set(args.configs.split(",")) - configs.keys() | set(args.corpora.split(",")) - set(CORPORA)
+    if unknown:
+        raise SystemExit(f"unknown configurations or corpora: {sorted(unknown)}")
+    configs = {name: configs[name] for name in args.configs.split(",")}
 
     def engine(name: str | None) -> Engine:
         if name is None:
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
 
     prompts = {} if args.skip_tau else {
         name: corpora.build_prompts(corpora.load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
-        for name in CORPORA}
+        for name in args.corpora.split(",")}
     tau: dict[str, dict[str, float]] = {}
     for corpus, ps in prompts.items():
         tau[corpus] = {}
@@ -107,7 +114,8 @@ def main(argv=None) -> int:
                 print(f"speed batch {b} {name or 'plain':12s} {gen.num_emitted / dt:.1f} tok/s", file=sys.stderr,
                       flush=True)
     checks = {name: {"conversation<code": tau["conversation"][name] < tau["code"][name],
-                     "romansh<english": tau["romansh"][name] < tau["english"][name]} for name in configs} if tau else {}
+                     "romansh<english": tau["romansh"][name] < tau["english"][name]}
+              for name in configs} if set(CORPORA) <= tau.keys() else {}
     print(json.dumps({"model": args.model, "dtype": args.dtype, "prompts_per_corpus": args.prompts,
                       "new_tokens": args.new_tokens, "k": args.k, "tree": dataclasses.asdict(tree), "tau": tau, "checks": checks, "tokens_per_s": speed,
                       "speedup": {b: {n: round(v / s["plain"], 3) for n, v in s.items() if n != "plain"}

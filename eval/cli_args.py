@@ -1,0 +1,325 @@
+"""Arguments of ``python -m refspec.eval``: the parser, its defaults, and the checks that run
+before anything heavy (corpora, drafters, dtypes, devices), ending in a :class:`Plan` of
+configurations. :mod:`refspec.eval.cli` runs the plan.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from refspec.eval.runtime import UsageError, pick_device
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("run", "sweep", "report")
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORPUS = "conversation"
+DEFAULT_DRAFTER = "ngram"
+"""The default drafter: prompt lookup needs no trained head (EAGLE / block heads must be trained first)."""
+DEFAULT_BATCH = 8
+DEFAULT_NUM_PROMPTS = 16
+DEFAULT_MAX_NEW_TOKENS = 64
+CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
+"""What ``--corpus all`` means: one corpus of each kind of text the paper compares."""
+METERS = ("auto", "zeus", "roofline", "time")
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+# ---- argument parsing ---------------------------------------------------------------------------
+def _epilog() -> str:
+    from refspec.eval.corpora import licence_text
+
+    return (f"--corpus all means: {', '.join(CORE_CORPORA)} (name other built-ins explicitly).\n"
+            "Energy: on a GPU with NVML the energy is MEASURED (Zeus, total-energy counter); elsewhere it is "
+            "MODELLED by the roofline profile of the hardware, and every output says which.\n\n" + licence_text())
+
+
+def _drafter_help() -> str:
+    from refspec.drafters import registry
+
+    names = ", ".join(registry.available()) or "(none registered)"
+    return f"none, or a registered drafter: {names}"
+
+
+def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
+    g = p.add_argument_group("what to run")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model id (python -m refspec.assets list) or a Hugging Face directory with tokenizer.json")
+    if sweep:
+        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help="comma-separated drafters; " + _drafter_help())
+        g.add_argument("--k", default=None,
+                       help="comma-separated draft lengths; 0 is the baseline (run once per corpus and batch); "
+                            "default: each drafter's own K")
+        g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+        g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
+    else:
+        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help())
+        g.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
+        g.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows decoded together")
+        g.add_argument("--corpus", default=DEFAULT_CORPUS,
+                       help="corpus name, comma-separated names, a prompt .jsonl file, or all")
+    g.add_argument("--tree", action="store_true",
+                   help="EAGLE-2 dynamic tree drafting (eagle, eagle3); K is then the tree's node budget")
+    g.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter option, e.g. head=/path/to/head or max_n=4 (repeatable)")
+    g.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
+    g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
+                   help="prompts from each corpus's eval split; fewer than --batch repeat cyclically to fill it")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per row")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
+    g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
+    h = p.add_argument_group("hardware and measurement")
+    h.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32), fp32, bf16 or fp16")
+    h.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    h.add_argument("--meter", default="auto",
+                   help="auto (Zeus on a GPU with NVML, else the roofline model), zeus, roofline, "
+                        "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
+    h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
+    h.add_argument("--threads", default="auto",
+                   help="intra-op CPU threads: a number, or auto (OMP_NUM_THREADS if set; else 1 when the load "
+                        "average already reaches the core count, where threads spin against each other and a "
+                        "step slows down several-fold; else every core). Each record states its threads")
+    h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
+    a = p.add_argument_group("acceptance injection")
+    a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
+                   help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "
+                        "a refspec.acceptance JSON file): outputs are then labelled INJECTED")
+    a.add_argument("--export-acceptance", type=Path, default=None, metavar="FILE",
+                   help="write the measured acceptance distribution of each drafter configuration to FILE")
+    o = p.add_argument_group("output")
+    o.add_argument("--latency-target", type=float, default=None, metavar="SECONDS",
+                   help="p99 TPOT target: the report marks the lowest-energy configuration meeting it")
+    o.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="write summary.json, records.jsonl, ledger.jsonl, report.md and plots here")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's and epilog's line breaks and shows every default."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    fmt = _Formatter
+    p = argparse.ArgumentParser(prog="python -m refspec.eval", description=__doc__, epilog=_epilog(),
+                                formatter_class=fmt)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,sweep,report}")
+    run = sub.add_parser("run", help="one drafter configuration against the baseline (default command)",
+                         description="Run one drafter configuration and the no-drafter baseline at the same batch "
+                                     "on each corpus; print one table. Other commands: sweep, report "
+                                     "(python -m refspec.eval sweep --help).",
+                         epilog=_epilog(), formatter_class=fmt)
+    _add_common(run, sweep=False)
+    sw = sub.add_parser("sweep", help="a grid of configurations, resumable, Slurm-ready",
+                        description="Run every (corpus, batch, drafter, k) configuration; one record per "
+                                    "configuration in DIR/records.jsonl; a rerun skips finished ones.",
+                        epilog=_epilog(), formatter_class=fmt)
+    _add_common(sw, sweep=True)
+    s = sw.add_argument_group("cluster")
+    s.add_argument("--print-sbatch", action="store_true",
+                   help="write DIR/sweep.sbatch, a Slurm array running one configuration per task, and exit")
+    s.add_argument("--task-index", type=int, default=None, help="run only configuration i of the plan (Slurm)")
+    s.add_argument("--slurm-time", default="04:00:00", help="Slurm --time per task")
+    s.add_argument("--slurm-partition", default=None, help="Slurm partition")
+    s.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per task")
+    rep = sub.add_parser("report", help="Markdown and plots from a directory of records",
+                         description="Merge DIR/records.jsonl and DIR/records/*.jsonl (Slurm tasks) and write "
+                                     "DIR/report.md, DIR/summary.json and PNG plots.",
+                         epilog=_epilog(), formatter_class=fmt)
+    rep.add_argument("dir", type=Path, help="a run or sweep directory")
+    rep.add_argument("--latency-target", type=float, default=None, metavar="SECONDS",
+                     help="p99 TPOT target (default: the sweep's)")
+    rep.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _normalise_argv(argv: Sequence[str]) -> list[str]:
+    """``run`` is the default command: insert it unless a command (or top-level help) is given."""
+    argv = list(argv)
+    return argv if argv and argv[0] in COMMANDS else ["run", *argv]
+
+
+# ---- validation (before anything heavy) -----------------------------------------------------------
+def _csv(text: str, what: str) -> list[str]:
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"--{what} is empty")
+    return items
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in _csv(text, what)]
+    except ValueError:
+        raise UsageError(f"--{what} expects comma-separated integers, got {text!r}") from None
+
+
+def _check_corpora(names: Sequence[str]) -> list[str]:
+    from refspec.eval.corpora import CORPORA
+
+    out: list[str] = []
+    for name in names:
+        if name == "all":
+            out += [c for c in CORE_CORPORA if c not in out]
+            continue
+        if name in CORPORA or name.startswith("hf:"):
+            out.append(name)
+            continue
+        path = Path(name).expanduser()
+        if path.suffix in (".jsonl", ".json") or "/" in name:
+            try:
+                with open(path, "rb") as fh:
+                    fh.read(1)
+            except OSError as exc:
+                raise UsageError(f"cannot read prompt file {name}: {exc.strerror or exc}") from None
+            out.append(str(path))
+            continue
+        raise UsageError(f"unknown corpus {name!r}; built-in corpora: {', '.join(CORPORA)}, all "
+                         f"({', '.join(CORE_CORPORA)}), or a .jsonl file with a 'prompt' field per line")
+    return list(dict.fromkeys(out))
+
+
+def _check_drafters(names: Sequence[str]) -> list[str]:
+    from refspec.drafters import registry
+
+    known = registry.available()
+    for name in names:
+        if name != "none" and name not in known:
+            raise UsageError(f"unknown drafter {name!r}; available in this installation: none, "
+                             f"{', '.join(known) or '(no drafter modules)'}")
+    return list(dict.fromkeys(names))
+
+
+def _drafter_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    opts: dict[str, str] = {}
+    for item in args.drafter_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--drafter-option expects KEY=VALUE, got {item!r}")
+        opts[key.strip()] = value.strip()
+    if args.draft_model:
+        opts["draft_model"] = args.draft_model
+    return tuple(sorted(opts.items()))
+
+
+def _check_accept_model(spec: str | None) -> None:
+    if spec is None:
+        return
+    from refspec.injection import BUILTIN, load_acceptance_models
+
+    if spec in BUILTIN or spec.startswith("geometric:"):
+        return
+    path = Path(spec)
+    if not path.exists():
+        raise UsageError(f"--accept-model {spec!r}: not a built-in ({', '.join(BUILTIN)}, geometric:A) and no such "
+                         f"file")
+    try:
+        load_acceptance_models(path)
+    except OSError as exc:
+        raise UsageError(f"cannot read acceptance model file {spec}: {exc.strerror or exc}") from None
+
+
+def _resolve_dtype(name: str, device: torch.device) -> str:
+    from refspec.eval.run import auto_dtype
+
+    name = name.lower()
+    if name == "auto":
+        return auto_dtype(device)
+    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    name = aliases.get(name, name)
+    if name not in ("fp32", "bf16", "fp16"):
+        raise UsageError(f"unknown dtype {name!r}; use auto, fp32, bf16 or fp16")
+    return name
+
+
+def _cuda_graphs(flag: bool | None, device: torch.device) -> bool:
+    """Resolve ``--cuda-graphs``: refspec.cuda_graphs decides where present; eager where absent."""
+    import importlib.util
+
+    if importlib.util.find_spec("refspec.cuda_graphs") is None:
+        if flag:
+            raise UsageError("--cuda-graphs: refspec.cuda_graphs is not available in this installation")
+        return False
+    from refspec.cuda_graphs import cuda_graphs_enabled
+
+    return cuda_graphs_enabled(flag, device)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A validated invocation: the session settings and the configurations to run."""
+
+    session_kwargs: dict[str, Any]
+    configs: list[Any]
+    out_dir: Path | None
+
+
+def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
+    from refspec.drafters import registry
+    from refspec.eval.run import RunConfig
+    from refspec.eval.sweep import SweepGrid, plan
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.latency_target is not None and args.latency_target <= 0:
+        raise UsageError(f"--latency-target must be > 0 seconds, got {args.latency_target}")
+    kind = args.meter.partition(":")[0]
+    if kind not in METERS:
+        raise UsageError(f"unknown meter {args.meter!r}; use {', '.join(METERS)} or roofline:PROFILE")
+    device = pick_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device)
+    corpora = _check_corpora(_csv(args.corpus, "corpus"))
+    drafters = _check_drafters(_csv(args.drafter, "drafter"))
+    if sweep:
+        batches = _ints(args.batch, "batch")
+        ks = _ints(args.k, "k") if args.k is not None else None
+    else:
+        batches = [args.batch]
+        ks = None if args.k is None else [args.k]
+        if drafters == ["none"] and ks not in (None, [0]):
+            raise UsageError(f"--drafter none is plain decoding; --k {args.k} needs a drafter")
+        if drafters != ["none"] and ks == [0]:
+            drafters = ["none"]  # k = 0 is the baseline
+    if any(b < 1 for b in batches) or (ks is not None and any(k < 0 for k in ks)):
+        raise UsageError("batch sizes must be >= 1 and k >= 0")
+    if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
+        raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
+    if args.tree and args.temperature > 0:
+        raise UsageError("--tree supports greedy decoding only (temperature 0)")
+    _check_accept_model(args.accept_model)
+    if args.accept_model and args.export_acceptance:
+        raise UsageError("--export-acceptance with --accept-model would export the injected distribution; "
+                         "export from a run without injection")
+    if args.accept_model and all(d == "none" for d in drafters):
+        raise UsageError("--accept-model needs a drafter (k >= 1)")
+    graphs = _cuda_graphs(args.cuda_graphs, device)
+    default_k = {d: (16 if args.tree else registry.default_k(d)) for d in drafters if d != "none"}
+    base = RunConfig(model=args.model, drafter="none", k=0, batch=batches[0], corpus=corpora[0],
+                     num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
+                     device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
+                     top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat)
+    grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
+                     ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
+                     default_k=default_k)
+    configs = plan(grid)
+    extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=_drafter_options(args))
+    configs = [c if c.is_baseline else dataclasses.replace(c, **extra) for c in configs]
+    if not configs:
+        raise UsageError("nothing to run: --no-baseline with no drafter configuration")
+    session_kwargs = dict(model=args.model, dtype=dtype, device=device, meter=args.meter, cuda_graphs=args.cuda_graphs,
+                          warmup=not args.no_warmup, chat=not args.no_chat, progress=not args.no_progress)
+    return Plan(session_kwargs=session_kwargs, configs=configs, out_dir=args.out)

@@ -62,3 +62,26 @@ def test_qwen_pair_greedy_speculative_equals_plain():
     plain = Engine(target.model, eos_token_ids=eos).generate(prompts, max_new_tokens=24)
     spec = Engine(target.model, d, config=EngineConfig(k=4), eos_token_ids=eos).generate(prompts, max_new_tokens=24)
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.real
+def test_bench_scripts_print_their_figures(capsys):
+    """`bench decode` and `bench spec` run end to end on SmolLM2 (tiny budgets; the figures are
+    not checked against targets here, only that they are there, finite and consistent)."""
+    import json
+    import math
+
+    from refspec.eval.bench import main
+
+    assert main(["decode", "--batch", "1,2", "--dtype", "fp32", "--new-tokens", "3", "--repeats", "1", "--json"]) == 0
+    dec = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in dec["rows"]] == [1, 2]
+    for r in dec["rows"]:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("refspec_tokens_per_s", "hf_tokens_per_s", "floor_step_ms"))
+        assert r["speedup_vs_hf"] == pytest.approx(r["refspec_tokens_per_s"] / r["hf_tokens_per_s"])
+    assert main(["spec", "--batch", "1,2", "--dtype", "fp32", "--new-tokens", "6", "--repeats", "1", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["transformers_method"] == "prompt lookup"
+    for r in spec["rows"]:
+        assert r["spec_matches_plain"] and r["hf_matches_plain"], "greedy outputs must agree"
+        assert r["tau"] >= 1.0 and r["spec_tokens_per_s"] > 0

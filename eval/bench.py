@@ -352,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "roofline":
             return _roofline(args)
+        if getattr(args, "repeats", 1) < 1:
+            raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
         if args.cmd == "decode":
             res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
                                new_tokens=args.new_tokens, repeats=args.repeats)

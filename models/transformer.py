@@ -30,12 +30,16 @@ class ColumnCopy:
     __slots__ = ("ptr", "version", "t")
 
     def __init__(self, weight: torch.Tensor) -> None:  # noqa: D107
+        if weight.is_inference():
+            raise ValueError("an inference-mode tensor has no version counter to guard a copy with")
         self.ptr, self.version = weight.data_ptr(), weight._version
         self.t = weight.detach().t().contiguous()  # [in, out]
 
     def of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy if ``weight`` is unchanged since it was made, else None."""
-        return self.t if weight.data_ptr() == self.ptr and weight._version == self.version else None
+        if weight.data_ptr() != self.ptr or weight.is_inference():
+            return None
+        return self.t if weight._version == self.version else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -379,8 +383,8 @@ class Transformer(nn.Module):
             if mlp._gate_up is not None:
                 mats.append((mlp, "_gate_up_col", mlp._gate_up[0]))
         extra = sum(w.numel() * w.element_size() for _, _, w in mats)
-        if extra > max_bytes:
-            return False
+        if extra > max_bytes or any(w.is_inference() for _, _, w in mats):
+            return False  # too big, or weights made under inference_mode (no version counter)
         for owner, attr, weight in mats:
             setattr(owner, attr, ColumnCopy(weight))
         return True
@@ -391,8 +395,11 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`attention_bias` for this model's head layout."""
+        """:func:`attention_bias` for this model's head layout (fp32 on CPUs, where
+        :func:`attend` computes in fp32 whatever the model dtype)."""
         a = self.args
+        if mask.device.type == "cpu":
+            dtype = torch.float32
         return attention_bias(mask, a.num_kv_heads, a.num_heads // a.num_kv_heads, dtype)
 
     # ---- forward ------------------------------------------------------------------------------

@@ -254,7 +254,8 @@ def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     corpora = _corpora(recs)
     names = sorted({series_label(r) for r in recs})
     colors = _colors(recs)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(corpora) * max(1, len(names)) * 0.5 + 3), 4))
+    # width grows with the bars but stays readable; the legend goes beside the axes
+    fig, ax = plt.subplots(figsize=(min(13.0, max(5.0, 0.25 * len(corpora) * len(names) + 4)), 4.5))
     width = 0.8 / len(names)
     for j, name in enumerate(names):
         vals = []
@@ -269,7 +270,7 @@ def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     ax.set_ylabel("tau (accepted + 1 per verify step)")
     injected = " (includes INJECTED acceptance)" if any(r.get("acceptance_injected") for r in recs) else ""
     ax.set_title("Acceptance length per corpus" + injected, fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(names) // 16)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.eval.runtime import UsageError, pick_device
+from refspec.eval.runtime import UsageError, add_sampling_args, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                    help="prompts from each corpus's eval split; fewer than --batch repeat cyclically to fill it")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per row")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
     h = p.add_argument_group("hardware and measurement")

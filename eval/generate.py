@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from refspec.eval.runtime import (UsageError, encode_prompt, load_target, parse_dtype, pick_device, set_threads)
+from refspec.eval.runtime import (UsageError, add_sampling_args, encode_prompt, load_target, parse_dtype, pick_device,
+                                  set_threads)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,10 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
     p.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_args(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")

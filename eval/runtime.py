@@ -40,6 +40,14 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+def add_sampling_args(group) -> None:
+    """The sampling flags every decoding CLI takes (``--temperature`` 0 is greedy)."""
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=0)
+
+
 def set_threads() -> None:
     """Use every core for intra-op work unless the user set OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" not in os.environ:

@@ -132,11 +132,13 @@ def attention_bias(mask: torch.Tensor, num_kv_heads: int, groups: int, dtype: to
         mask: ``[B, 1, S, Tk]`` bool, True where visible.
         num_kv_heads: Hkv.
         groups: query heads per K/V head (G = H / Hkv).
-        dtype: score dtype.
+        dtype: score dtype (fp32 on CPUs, where :func:`attend` computes in fp32).
 
     Returns:
         ``[B*Hkv, G*S, Tk]``: 0 where visible, -inf elsewhere.
     """
+    if mask.device.type == "cpu":
+        dtype = torch.float32
     b, _, s, tk = mask.shape
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias[:, None].expand(b, num_kv_heads, groups, s, tk).reshape(b * num_kv_heads, groups * s, tk)
@@ -163,7 +165,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # CPUs without bf16/fp16 matrix units emulate these GEMMs several times slower than
         # fp32; the attended K/V are small next to the weights, so compute in fp32 there
-        q, keys, values, bias = q.float(), keys.float(), values.float(), bias.float()
+        q, keys, values = q.float(), keys.float(), values.float()  # the bias is fp32 on CPUs
     # query head i uses K/V head i // G; fold a group's heads into the query axis
     qg = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * s, d)
     scores = torch.baddbmm(bias, qg, keys.reshape(b * hkv, tk, d).transpose(1, 2), alpha=scale)
@@ -395,11 +397,8 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """:func:`attention_bias` for this model's head layout (fp32 on CPUs, where
-        :func:`attend` computes in fp32 whatever the model dtype)."""
+        """:func:`attention_bias` for this model's head layout."""
         a = self.args
-        if mask.device.type == "cpu":
-            dtype = torch.float32
         return attention_bias(mask, a.num_kv_heads, a.num_heads // a.num_kv_heads, dtype)
 
     # ---- forward ------------------------------------------------------------------------------

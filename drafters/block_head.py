@@ -37,7 +37,7 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.models.transformer import Block, Linear, RMSNorm, apply_rope, attention_bias, rope_inv_freq
+from refspec.models.transformer import Block, Linear, RMSNorm, apply_rope, attention_bias, rope_inv_freq, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +154,9 @@ class BlockHead(nn.Module):
                              head_dim=a.head_dim, dtype=dtype, device=device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables ``(cos, sin)``, each ``[B, 1, S, D]``, for ``positions [B, S]``."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """Rotary tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, 1, S, D]``, for ``positions [B, S]``."""
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        return cos[:, None], sin[:, None]
 
     def project(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
         """Fuse target features into context features.
@@ -187,11 +186,10 @@ class BlockHead(nn.Module):
         cos, sin = self.rope(positions, ctx.dtype)
         for i, blk in enumerate(self.layers):
             attn = blk.attn
-            k = attn.wk(ctx).view(b, s, attn.hkv, attn.d).transpose(1, 2)  # [B, Hkv, S, D]
-            v = attn.wv(ctx).view(b, s, attn.hkv, attn.d).transpose(1, 2)
+            k, v = attn.project_kv(ctx)  # [B, S, Hkv, D]
             if attn.k_norm is not None:
                 k = attn.k_norm(k)
-            cache.write(i, slots, apply_rope(k, cos, sin), v)
+            cache.write(i, slots, apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2), v)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, cache, slots: torch.Tensor,
             mask: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -71,34 +71,28 @@ def sample_blocks(loss_mask: torch.Tensor, block_size: int, config: BlockLossCon
     return anchors, lens, row_ok
 
 
-class _LayerView:
-    """``cache.k[layer, ...]`` indexing over a list of per-layer tensors."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def __getitem__(self, idx: tuple) -> torch.Tensor:
-        return self.tensors[idx[0]][idx[1:]]
-
-
 class _AutogradCache:
     """A training stand-in for :class:`StaticKVCache` with the interface the decoder layers use
-    (``write`` and ``k``/``v[layer, ...]``): one tensor per layer, written out of place, so a
-    later layer's write does not invalidate what autograd saved of an earlier layer's read."""
+    (``write`` and ``read``): one tensor per layer, written out of place, so a later layer's
+    write does not invalidate what autograd saved of an earlier layer's read."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch, num_kv_heads, max_len, head_dim)
         self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k, self.v = _LayerView(self._k), _LayerView(self._v)
         self.max_len = max_len
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Same contract as :meth:`StaticKVCache.write` (``slots [B, S]``, ``k, v [B, Hkv, S, D]``)."""
+        """Same contract as :meth:`StaticKVCache.write` (``slots [B, S]``, ``k, v [B, S, Hkv, D]``)."""
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D], the buffers' layout
         idx = slots[:, None, :, None].expand_as(k)
         self._k[layer] = self._k[layer].scatter(2, idx, k)
         self._v[layer] = self._v[layer].scatter(2, idx, v)
+
+    def read(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`StaticKVCache.read`."""
+        return self._k[layer][:, :, :num_keys], self._v[layer][:, :, :num_keys]
 
 
 def block_training_states(head: BlockHead, target, features: Sequence[torch.Tensor], tokens: torch.Tensor,

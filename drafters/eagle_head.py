@@ -43,7 +43,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.drafting import DrafterError
-from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, attend, attention_bias, rope_inv_freq
+from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, attend, attention_bias, rope_inv_freq, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ class _HeadAttention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``q [B, H, S, D]`` over ``keys, values [B, Hkv, Tk, D]`` with ``mask [B, 1, S, Tk]`` -> ``[B, S, E]``."""
         bias = attention_bias(mask, self.hkv, self.h // self.hkv, q.dtype)
-        return self.wo(attend(q.transpose(1, 2), keys, values, bias, 1.0 / math.sqrt(self.d)))
+        b, _, s, _ = q.shape
+        return self.wo(attend(q.transpose(1, 2), keys, values, bias, 1.0 / math.sqrt(self.d)).view(b, s, -1))
 
 
 class EagleHead(nn.Module):
@@ -206,13 +207,12 @@ class EagleHead(nn.Module):
     # -- shared body ------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.mlp.up.weight.dtype
+        return self.mlp.gate_up.weight.dtype
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [B, 1, S, D]`` for ``positions [B, S]``."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """``cos, sin [B, 1, S, D]`` (:func:`rope_tables`) for ``positions [B, S]``."""
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        return cos[:, None], sin[:, None]
 
     def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         x = residual + attn_out
@@ -237,8 +237,8 @@ class EagleHead(nn.Module):
         x, residual = self._attn_input(emb, h)
         cos, sin = self.rope(positions, x.dtype)
         q, k, v = self.attn.project(x, cos, sin)
-        cache.write(0, slots, k, v)
-        out = self.attn.attend(q, cache.k[0, :, :, :num_keys], cache.v[0, :, :, :num_keys], mask)
+        cache.write(0, slots, k.transpose(1, 2), v.transpose(1, 2))
+        out = self.attn.attend(q, *cache.read(0, num_keys), mask)
         return self._finish(residual, out)
 
     def unroll(self, emb_fn, tokens: torch.Tensor, h0: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -131,15 +131,14 @@ def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirro
     """Parameter names a full :class:`Transformer` of ``args`` has (lm_head listed even if tied)."""
     with torch.device("meta"):
         model = Transformer(args)
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    return names
+    return list(model.state_dict())  # split names (wq/wk/wv, gate/up); the tied lm_head listed too
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
-    The model comes back frozen, with fused q/k/v and gate/up projections; on a CPU in fp32 it
-    also keeps column-major copies of its matrices for batch-1 decoding when they take at most
+    The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
+    :class:`~refspec.models.transformer.Attention`); on a CPU in fp32 it also keeps column-major copies of its matrices for batch-1 decoding when they take at most
     ``REFSPEC_CPU_COLUMN_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
 
     Args:
@@ -163,7 +162,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         model.lm_head.weight = model.embed.weight
     model.init_buffers(device)
     model.eval().requires_grad_(False)
-    model.fuse_projections()
     if model.device.type == "cpu" and dtype == torch.float32:
         # batch-1 decoding on CPUs streams column-major copies faster (see ColumnCopy)
         limit = int(float(os.environ.get("REFSPEC_CPU_COLUMN_COPIES_GIB", "2")) * 2**30)
@@ -181,7 +179,7 @@ def save_model(model: Transformer, path: str | Path, extra_config: dict | None =
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.args.to_hf_config() | (extra_config or {})
     tensors = {}
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
             continue
         tensors[refspec_to_hf_name(model.args.family, name)] = p.detach().contiguous().cpu()

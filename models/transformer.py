@@ -43,24 +43,34 @@ class ColumnCopy:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           column: ColumnCopy | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, with the GEMM layout chosen for fp32 on CPUs.
+           column: ColumnCopy | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias (+ residual)``, with the GEMM layout chosen for fp32 on CPUs.
 
     Measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's matrices streamed
     from memory): for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than ``F.linear``;
     for one row a column-major copy (``column``) is about 1.25x faster than either. Other
-    devices and dtypes use ``F.linear``. The result may be a column-major view; later ops
-    accept it as is.
+    devices and dtypes use ``F.linear``. ``residual`` (shaped like the output) is added in
+    the GEMM's epilogue. The result may be a column-major view; later ops accept it as is.
+    The decoder passes 2-D ``[rows, in]`` activations, which take the shortest path here.
     """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2 or x.numel() == 0:
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # [M, in]
-    wt = column.of(weight) if column is not None and rows.shape[0] == 1 else None
-    if wt is not None:
-        out = torch.mm(rows, wt) if bias is None else torch.addmm(bias, rows, wt)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    out = torch.mm(weight, rows.t()) if bias is None else torch.addmm(bias[:, None], weight, rows.t())
-    return out.t().reshape(*x.shape[:-1], weight.shape[0])
+    if x.dim() != 2:
+        lead, out = x.shape[:-1], weight.shape[0]
+        res = None if residual is None else residual.reshape(-1, out)
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, column, res).view(*lead, out)
+    if not x.is_cpu or x.dtype is not torch.float32:
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual + out
+    add = bias if residual is None else (residual if bias is None else residual + bias)
+    if column is not None and x.shape[0] == 1:
+        wt = column.of(weight)
+        if wt is not None:
+            return torch.mm(x, wt) if add is None else torch.addmm(add, x, wt)
+    # x must be row-major: with a column-major x (as this function returns) MKL takes a
+    # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
+    xt = x.contiguous().t()
+    if add is None:
+        return torch.mm(weight, xt).t()
+    return torch.addmm(add.t() if add.dim() == 2 else add[:, None], weight, xt).t()
 
 
 class Linear(nn.Linear):
@@ -84,9 +94,10 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.plus_one and self.weight.dtype == torch.float32:
-            # one fused kernel; the same arithmetic as below (x * rsqrt(mean(x^2) + eps) * w)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight
+        if x.dtype is torch.float32 and w.dtype is torch.float32 and not self.plus_one:
+            # one ATen call; the same arithmetic as below (x * rsqrt(mean(x^2) + eps) * w)
+            return torch.rms_norm(x, w.shape, w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
@@ -116,13 +127,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise NotImplementedError(f"rope scaling {kind!r} is not supported")
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables ``(cos, sin)``, each ``[B, S, D]``, for ``positions [B, S]``.
+
+    ``sin`` carries the rotate-half sign: its first half is negated, so :func:`apply_rope`
+    needs no negation or concatenation per layer."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, S, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[..., : sin.shape[-1] // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [..., D]`` by ``cos, sin`` broadcastable to it (rotate-half convention): the
-    model passes ``x [B, S, H, D]`` with tables ``[B, S, 1, D]``, heads pass ``[B, H, S, D]``
-    with ``[B, 1, S, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate ``x [..., D]`` by tables from :func:`rope_tables` made broadcastable to it (the
+    model passes ``x [B, S, H, D]`` with ``[B, S, 1, D]``, heads ``[B, H, S, D]`` with
+    ``[B, 1, S, D]``).
+
+    Rotate-half convention: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
+    (-x2, x1)``; rolling ``x`` by D/2 gives ``(x2, x1)`` and the sign lives in ``sin``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 def attention_bias(mask: torch.Tensor, num_kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -156,129 +181,147 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
         scale: score scale.
 
     Returns:
-        ``[B, S, H*D]``.
+        ``[B*S, H*D]``, rows in (B, S) order.
     """
     b, s, h, d = q.shape
     hkv, tk = keys.shape[1], keys.shape[2]
     g = h // hkv
     out_dtype = q.dtype
-    if q.device.type == "cpu" and q.dtype != torch.float32:
+    if q.is_cpu and q.dtype is not torch.float32:
         # CPUs without bf16/fp16 matrix units emulate these GEMMs several times slower than
         # fp32; the attended K/V are small next to the weights, so compute in fp32 there
         q, keys, values = q.float(), keys.float(), values.float()  # the bias is fp32 on CPUs
-    # query head i uses K/V head i // G; fold a group's heads into the query axis
-    qg = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * s, d)
+    # query head i uses K/V head i // G; fold a group's heads into the query axis (with one
+    # query per row, [B, 1, H, D] already lies as [B*Hkv, G, D])
+    if s == 1:
+        qg = q.reshape(b * hkv, g, d)
+    else:
+        qg = q.reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * s, d)
     scores = torch.baddbmm(bias, qg, keys.reshape(b * hkv, tk, d).transpose(1, 2), alpha=scale)
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)  # [B*Hkv, G*S, Tk]
+    if scores.dtype == torch.float32:
+        probs = torch.softmax(scores, dim=-1)  # [B*Hkv, G*S, Tk]
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     out = torch.bmm(probs, values.reshape(b * hkv, tk, d))  # [B*Hkv, G*S, D]
-    return out.view(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d).to(out_dtype)
+    if s == 1:
+        out = out.view(b, h * d)
+    else:
+        out = out.view(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b * s, h * d)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of linears that read the same input into one
-    tensor and make each linear's parameters views of it, so no memory is duplicated and
-    one GEMM replaces several. Inference only: the views are frozen."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
-        if has_bias:
-            lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
+class _SplitNames:
+    """Mixin for a module holding fused projections (one GEMM for several linears that read
+    the same input) whose state dict keeps the split Hugging Face-style names, so checkpoints,
+    saved heads and ``load_state_dict`` see ``wq``/``wk``/``wv`` (``gate``/``up``) while the
+    forward runs one ``wqkv`` (``gate_up``) matrix."""
+
+    def _splits(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """fused Linear name -> ((part name, output rows), ...) in order."""
+        raise NotImplementedError
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for fused, parts in self._splits().items():
+            for kind in ("weight", "bias"):
+                keys = [f"{prefix}{name}.{kind}" for name, _ in parts]
+                if all(k in state_dict for k in keys):
+                    state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for fused, parts in self._splits().items():
+            for kind in ("weight", "bias"):
+                key = f"{prefix}{fused}.{kind}"
+                if key in out:
+                    pieces = out.pop(key).split([rows for _, rows in parts])
+                    for (name, _), piece in zip(parts, pieces):
+                        out[f"{prefix}{name}.{kind}"] = piece
+        return out
 
 
-def _still_fused(fused: torch.Tensor | None, linears: tuple[nn.Linear, ...]) -> bool:
-    """Whether every linear's weight is still the view :func:`fuse_linears` made (a
-    ``.to()`` or an ``assign`` load replaces parameters; the split path is used then)."""
-    if fused is None:
-        return False
-    ptr, step = fused.data_ptr(), fused.element_size() * fused.shape[1]
-    for lin in linears:
-        if lin.weight.data_ptr() != ptr:
-            return False
-        ptr += step * lin.weight.shape[0]
-    return True
+class Attention(_SplitNames, nn.Module):
+    """Grouped-query attention with one fused q/k/v projection (saved as ``wq``/``wk``/``wv``)."""
 
-
-class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         e, d = args.hidden_size, args.head_dim
         self.layer = layer
         self.h, self.hkv, self.d = args.num_heads, args.num_kv_heads, d
-        self.wq = Linear(e, self.h * d, bias=args.attention_bias)
-        self.wk = Linear(e, self.hkv * d, bias=args.attention_bias)
-        self.wv = Linear(e, self.hkv * d, bias=args.attention_bias)
+        self.wqkv = Linear(e, (self.h + 2 * self.hkv) * d, bias=args.attention_bias)
         self.wo = Linear(self.h * d, e, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps, args.norm_plus_one) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps, args.norm_plus_one) if args.qk_norm else None
         self.scale = args.attn_scale
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._qkv_col: ColumnCopy | None = None
 
-    def fuse(self) -> None:
-        """One ``[(H + 2 Hkv) * D, E]`` projection instead of three (frozen weights)."""
-        self._qkv = fuse_linears([self.wq, self.wk, self.wv])
+    def _splits(self):
+        d = self.d
+        return {"wqkv": (("wq", self.h * d), ("wk", self.hkv * d), ("wv", self.hkv * d))}
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before q/k-norm and rope) and values of ``x [B, S, E]``, each ``[B, S, Hkv, D]``."""
+        b, s, _ = x.shape
+        rows = self.h * self.d
+        w, bias = self.wqkv.weight[rows:], (self.wqkv.bias[rows:] if self.wqkv.bias is not None else None)
+        k, v = linear(x, w, bias).view(b, s, 2 * self.hkv, self.d).split(self.hkv, dim=2)
+        return k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: StaticKVCache,
-                slots: torch.Tensor, bias: torch.Tensor, num_keys: int) -> torch.Tensor:
+                slots: torch.Tensor, bias: torch.Tensor, num_keys: int,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attend over the cache prefix after writing this step's K/V.
 
         Args:
-            x: ``[B, S, E]`` normed input.
-            rope: ``(cos, sin)``, each ``[B, S, 1, D]``.
+            x: ``[B*S, E]`` normed input, rows in (B, S) order.
+            rope: ``(cos, sin)`` from :func:`rope_tables`, each ``[B, S, 1, D]``.
             cache: static cache.
             slots: ``[B, S]`` where this step's K/V go.
             bias: ``[B*Hkv, G*S, Tk]`` from :func:`attention_bias`.
             num_keys: Tk.
+            residual: ``[B*S, E]`` added to the output projection, if given.
+
+        Returns:
+            ``[B*S, E]``.
         """
-        b, s, _ = x.shape
+        b, s = slots.shape
         h, hkv = self.h, self.hkv
-        lins = (self.wq, self.wk, self.wv)
-        if _still_fused(self._qkv[0] if self._qkv else None, lins):
-            qkv = linear(x, *self._qkv, column=self._qkv_col)
-        else:
-            qkv = torch.cat([lin(x) for lin in lins], dim=-1)
-        qkv = qkv.view(b, s, h + 2 * hkv, self.d)
+        # (functional linear, split_with_sizes and narrow rather than module calls, Tensor.split
+        # and indexing: on the
+        # project's CPU each of those costs several microseconds, ~1,000 times a decode step)
+        wqkv = self.wqkv
+        qkv = linear(x, wqkv.weight, wqkv.bias, wqkv._col).view(b, s, h + 2 * hkv, self.d)
         cos, sin = rope
         if self.q_norm is None:
-            qk = apply_rope(qkv[:, :, : h + hkv], cos, sin)  # q and k rotated together
-            q, k = qk[:, :, :h], qk[:, :, h:]
+            qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)
+            q, k = apply_rope(qk, cos, sin).split_with_sizes((h, hkv), dim=2)  # q and k rotated together
         else:
-            q = apply_rope(self.q_norm(qkv[:, :, :h]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, :, h: h + hkv]), cos, sin)
-        v = qkv[:, :, h + hkv:]
-        cache.write(self.layer, slots, k.transpose(1, 2), v.transpose(1, 2))
-        keys = cache.k[self.layer, :, :, :num_keys]  # [B, Hkv, Tk, D]
-        values = cache.v[self.layer, :, :, :num_keys]
-        return self.wo(attend(q, keys, values, bias, self.scale))
+            q, k, v = qkv.split_with_sizes((h, hkv, hkv), dim=2)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        cache.write(self.layer, slots, k, v)
+        keys, values = cache.read(self.layer, num_keys)  # [B, Hkv, Tk, D] each
+        wo = self.wo
+        return linear(attend(q, keys, values, bias, self.scale), wo.weight, wo.bias, wo._col, residual)
 
 
-class MLP(nn.Module):
+class MLP(_SplitNames, nn.Module):
+    """Gated MLP with one fused gate/up projection (saved as ``gate``/``up``)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.intermediate = args.intermediate_size
+        self.gate_up = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down = Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.gelu = args.hidden_act == "gelu_tanh"
-        self._gate_up: tuple[torch.Tensor, None] | None = None
-        self._gate_up_col: ColumnCopy | None = None
 
-    def fuse(self) -> None:
-        """One ``[2 I, E]`` projection for gate and up (frozen weights)."""
-        self._gate_up = fuse_linears([self.gate, self.up])
+    def _splits(self):
+        return {"gate_up": (("gate", self.intermediate), ("up", self.intermediate))}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _still_fused(self._gate_up[0] if self._gate_up else None, (self.gate, self.up)):
-            g, u = linear(x, self._gate_up[0], column=self._gate_up_col).chunk(2, dim=-1)
-        else:
-            g, u = self.gate(x), self.up(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))`` (+ ``residual``, added in the down projection)."""
+        gate_up, down = self.gate_up, self.down
+        g, u = linear(x, gate_up.weight, None, gate_up._col).chunk(2, dim=-1)
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down(g * u)
+        return linear(g.mul_(u), down.weight, down.bias, down._col, residual)
 
 
 class Block(nn.Module):
@@ -296,11 +339,17 @@ class Block(nn.Module):
         self.sliding = args.is_sliding(layer)
 
     def forward(self, x, rope, cache, slots, bias, num_keys):
-        """One decoder block; ``rope`` and ``bias`` as :meth:`Attention.forward` takes them."""
-        a = self.attn(self.attn_norm(x), rope, cache, slots, bias, num_keys)
-        x = x + (self.attn_post_norm(a) if self.sandwich else a)
-        m = self.mlp(self.mlp_norm(x))
-        return x + (self.mlp_post_norm(m) if self.sandwich else m)
+        """One decoder block over ``x [B, S, E]``; the other arguments as
+        :meth:`Attention.forward` takes them."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [B*S, E]: every projection is one 2-D GEMM
+        if self.sandwich:  # gemma3 norms each branch before the residual add
+            x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache, slots, bias, num_keys))
+            x = x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        else:
+            x = self.attn(self.attn_norm(x), rope, cache, slots, bias, num_keys, residual=x)
+            x = self.mlp(self.mlp_norm(x), residual=x)
+        return x.view(shape)
 
 
 class Transformer(nn.Module):
@@ -363,38 +412,18 @@ class Transformer(nn.Module):
         small.inv_freq_global, small.inv_freq_local = self.inv_freq_global, self.inv_freq_local
         return small
 
-    def fuse_projections(self) -> "Transformer":
-        """Fuse q/k/v and gate/up projections of every block for inference (no extra memory:
-        the original parameters become views). Call after the weights are on their device;
-        a later ``.to()`` silently falls back to the unfused path."""
-        for blk in self.layers:
-            blk.attn.fuse()
-            blk.mlp.fuse()
-        return self
-
     def add_column_copies(self, max_bytes: int) -> bool:
-        """Keep a column-major copy of every fused block matrix and of the LM head for
-        one-row (batch-1 decode) products on CPUs (:class:`ColumnCopy`), unless the copies
-        would take more than ``max_bytes``. Returns whether they were made."""
-        mats = [(self.lm_head, "_col", self.lm_head.weight)]
-        for blk in self.layers:
-            attn, mlp = blk.attn, blk.mlp
-            mats += [(attn.wo, "_col", attn.wo.weight), (mlp.down, "_col", mlp.down.weight)]
-            if attn._qkv is not None:
-                mats.append((attn, "_qkv_col", attn._qkv[0]))
-            if mlp._gate_up is not None:
-                mats.append((mlp, "_gate_up_col", mlp._gate_up[0]))
-        extra = sum(w.numel() * w.element_size() for _, _, w in mats)
-        if extra > max_bytes or any(w.is_inference() for _, _, w in mats):
+        """Keep a column-major copy of every block matrix and of the LM head for one-row
+        (batch-1 decode) products on CPUs (:class:`ColumnCopy`), unless the copies would take
+        more than ``max_bytes``. Returns whether they were made."""
+        lins = [self.lm_head] + [lin for blk in self.layers
+                                 for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
+        extra = sum(lin.weight.numel() * lin.weight.element_size() for lin in lins)
+        if extra > max_bytes or any(lin.weight.is_inference() for lin in lins):
             return False  # too big, or weights made under inference_mode (no version counter)
-        for owner, attr, weight in mats:
-            setattr(owner, attr, ColumnCopy(weight))
+        for lin in lins:
+            lin._col = ColumnCopy(lin.weight)
         return True
-
-    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, S, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""
@@ -451,10 +480,10 @@ class Transformer(nn.Module):
             mask = causal_mask(positions, tk)
         x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         dtype = x.dtype
-        rope_g = self._rope(positions, self.inv_freq_global, dtype)
+        rope_g = tuple(t[:, :, None] for t in rope_tables(positions, self.inv_freq_global, dtype))
         has_sliding = any(blk.sliding for blk in self.layers)
         if has_sliding:
-            rope_l = self._rope(positions, self.inv_freq_local, dtype)
+            rope_l = tuple(t[:, :, None] for t in rope_tables(positions, self.inv_freq_local, dtype))
             if sliding_mask is None:
                 sliding_mask = causal_mask(positions, tk, self.args.sliding_window)
         bias = self.attention_bias(mask, dtype)

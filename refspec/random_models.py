@@ -120,7 +120,6 @@ def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device
                 p.normal_(0.0, std, generator=gen)
     model.init_buffers(dev)
     model.eval().requires_grad_(False)
-    model.fuse_projections()
     n = sum(p.numel() for p in model.parameters())
     log.info("random %s: %.2f B parameters, %s on %s", getattr(arch, "family", arch) if not isinstance(arch, str)
              else arch, n / 1e9, dtype, dev)

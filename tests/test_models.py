@@ -38,48 +38,74 @@ def test_incremental_cache_equals_full_forward(name, tiny_models):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
-def test_fused_projections_equal_the_split_ones(name, tmp_path):
-    """load_model fuses q/k/v and gate/up into one GEMM each (views, no copy); the split path,
-    which a replaced parameter falls back to, gives the same logits."""
+def test_fused_projections_keep_split_names(name, tmp_path):
+    """q/k/v and gate/up are one matrix each (one GEMM), but state dicts, checkpoints and
+    load_state_dict keep the split names; a state-dict round trip reproduces the model."""
+    from safetensors.torch import load_file
     from tiny import save_hf
 
+    from refspec.models.loading import refspec_to_hf_name
+
     save_hf(name, tmp_path)
-    fused, split = load_model(tmp_path), load_model(tmp_path)
-    for blk in split.layers:  # undo the fusion: give every projection its own storage again
-        for lin in (blk.attn.wq, blk.attn.wk, blk.attn.wv, blk.mlp.gate, blk.mlp.up):
-            lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
-    attn = fused.layers[0].attn
-    assert attn.wk.weight.data_ptr() == attn._qkv[0][attn.h * attn.d:].data_ptr(), "wk is a view of the fused weight"
+    model = load_model(tmp_path)
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    state = model.state_dict()
+    assert not any(".wqkv." in k or ".gate_up." in k for k in state), "only split names are saved"
+    fam = model.args.family
+    for part in ("wq", "wk", "wv"):
+        key = f"layers.0.attn.{part}.weight"
+        assert torch.equal(state[key], hf[refspec_to_hf_name(fam, key)])
+    assert torch.equal(state["layers.0.mlp.up.weight"], hf[refspec_to_hf_name(fam, "layers.0.mlp.up.weight")])
+    assert attn.wqkv.weight.shape[0] == (attn.h + 2 * attn.hkv) * attn.d
+    assert mlp.gate_up.weight.shape[0] == 2 * model.args.intermediate_size
     toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(12)[None].expand(2, 12)
-    a, _ = fused(toks, pos, fused.new_cache(2, 16))
-    b, _ = split(toks, pos, split.new_cache(2, 16))
-    assert (a - b).abs().max().item() < 1e-5
-    # one-row steps use the column-major copies load_model keeps on CPU in fp32
-    assert fused.lm_head._col is not None and attn._qkv_col is not None
-    cf, cs = fused.new_cache(1, 16), split.new_cache(1, 16)
+    a, _ = model(toks, pos, model.new_cache(2, 16))
+    other = load_model(tmp_path)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    other.load_state_dict(model.state_dict())
+    b, _ = other(toks, pos, other.new_cache(2, 16))
+    assert torch.equal(a, b)
+
+
+def test_column_copies_follow_weight_changes(tmp_path):
+    """One-row steps use the column-major copies load_model keeps on CPU in fp32 and equal the
+    multi-row forward; after an in-place change or a replaced parameter the stale copy is not
+    used."""
+    from tiny import save_hf
+
+    save_hf("llama", tmp_path)
+    model = load_model(tmp_path)
+    attn = model.layers[0].attn
+    assert model.lm_head._col is not None and attn.wqkv._col is not None and attn.wo._col is not None
+    toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(12)[None].expand(2, 12)
+
+    def full():
+        return model(toks, pos, model.new_cache(2, 16))[0]
+
+    def first_step():
+        return model(toks[:1, :1], pos[:1, :1], model.new_cache(1, 16), num_keys=16)[0][0, 0]
+
+    a = full()
+    cache = model.new_cache(1, 16)
     for i in range(12):
-        one_f, _ = fused(toks[:1, i:i + 1], pos[:1, i:i + 1], cf, num_keys=16)
-        one_s, _ = split(toks[:1, i:i + 1], pos[:1, i:i + 1], cs, num_keys=16)
-        assert (one_f - one_s).abs().max().item() < 1e-5 and (one_f[0, 0] - a[0, i]).abs().max().item() < 1e-4
-    # an in-place change of a weight is seen by one-row steps (the stale column copy is not used)
-    nudge = 0.5 * torch.randn(fused.layers[0].attn.wo.weight.shape, generator=torch.Generator().manual_seed(4))
+        one, _ = model(toks[:1, i:i + 1], pos[:1, i:i + 1], cache, num_keys=16)
+        assert (one[0, 0] - a[0, i]).abs().max().item() < 1e-4
+    nudge = 0.5 * torch.randn(attn.wo.weight.shape, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        fused.layers[0].attn.wo.weight.add_(nudge)
-        split.layers[0].attn.wo.weight.add_(nudge)
-    one, _ = fused(toks[:1, :1], pos[:1, :1], fused.new_cache(1, 16), num_keys=16)
-    ref, _ = split(toks[:1, :1], pos[:1, :1], split.new_cache(1, 16), num_keys=16)
-    assert (one - ref).abs().max().item() < 1e-5 and (one[0, 0] - a[0, 0]).abs().max().item() > 1e-3
-    with torch.no_grad():
-        fused.layers[0].attn.wo.weight.sub_(nudge)
-        split.layers[0].attn.wo.weight.sub_(nudge)
-    # a parameter replaced after fusion is used (the stale fused tensor is not)
-    wv = fused.layers[0].attn.wv
-    wv.weight = torch.nn.Parameter(torch.zeros_like(wv.weight), requires_grad=False)
-    split.layers[0].attn.wv.weight.zero_()
-    c, _ = fused(toks, pos, fused.new_cache(2, 16))
-    d, _ = split(toks, pos, split.new_cache(2, 16))
-    assert (c - a).abs().max().item() > 1e-3 and (c - d).abs().max().item() < 1e-5
+        attn.wo.weight.add_(nudge)  # in place: same storage, new version
+    changed = full()
+    assert (changed[0, 0] - a[0, 0]).abs().max().item() > 1e-3
+    assert (first_step() - changed[0, 0]).abs().max().item() < 1e-4
+    zeroed = torch.zeros_like(attn.wqkv.weight)
+    attn.wqkv.weight = torch.nn.Parameter(zeroed, requires_grad=False)  # replaced: new storage
+    replaced = full()
+    assert (replaced[0, 0] - changed[0, 0]).abs().max().item() > 1e-3
+    assert (first_step() - replaced[0, 0]).abs().max().item() < 1e-4
 
 
 def test_hidden_layers_returned(tiny_models):

@@ -49,8 +49,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's matrices streamed
     from memory): for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than ``F.linear``;
     for one row a column-major copy (``column``) is about 1.25x faster than either. Other
-    devices and dtypes use ``F.linear``. ``residual`` (shaped like the output) is added in
-    the GEMM's epilogue. The result may be a column-major view; later ops accept it as is.
+    devices and dtypes use ``F.linear``. ``residual`` (shaped like the output) is added after the
+    GEMM, as ``residual + product``: passing it to ``addmm`` as the accumulator start sums in
+    another order (SmolLM2's logits then drift from transformers' by 1.2e-4 instead of 7.8e-5). The result may be a column-major view; later ops accept it as is.
     The decoder passes 2-D ``[rows, in]`` activations, which take the shortest path here.
     """
     if x.dim() != 2:
@@ -59,18 +60,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, column, res).view(*lead, out)
     if not x.is_cpu or x.dtype is not torch.float32:
         out = F.linear(x, weight, bias)
-        return out if residual is None else residual + out
-    add = bias if residual is None else (residual if bias is None else residual + bias)
-    if column is not None and x.shape[0] == 1:
-        wt = column.of(weight)
-        if wt is not None:
-            return torch.mm(x, wt) if add is None else torch.addmm(add, x, wt)
-    # x must be row-major: with a column-major x (as this function returns) MKL takes a
-    # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
-    xt = x.contiguous().t()
-    if add is None:
-        return torch.mm(weight, xt).t()
-    return torch.addmm(add.t() if add.dim() == 2 else add[:, None], weight, xt).t()
+    elif column is not None and x.shape[0] == 1 and (wt := column.of(weight)) is not None:
+        out = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    else:
+        # x must be row-major: with a column-major x (as this function returns) MKL takes a
+        # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
+        xt = x.contiguous().t()
+        out = (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
+    return out if residual is None else residual + out
 
 
 class Linear(nn.Linear):
@@ -96,13 +93,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dtype is torch.float32 and w.dtype is torch.float32 and not self.plus_one:
-            # one ATen call; the same arithmetic as below (x * rsqrt(mean(x^2) + eps) * w)
-            return torch.rms_norm(x, w.shape, w, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return torch.rms_norm(x, w.shape, w, self.eps)  # one ATen call, same arithmetic as below
+        # x * rsqrt(mean(x^2) + eps) in fp32 (one call, bit-identical to the spelled-out ops),
+        # then the weight as Hugging Face applies it: after the cast, in the input dtype
+        normed = torch.rms_norm(x.float(), w.shape, None, self.eps)
         if self.plus_one:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (normed * (1.0 + w.float())).to(x.dtype)
+        return w * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ Hugging Face checkpoint names onto them.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,31 +44,26 @@ class ColumnCopy:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           column: ColumnCopy | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias (+ residual)``, with the GEMM layout chosen for fp32 on CPUs.
+           column: ColumnCopy | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, with the GEMM layout chosen for fp32 on CPUs.
 
     Measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's matrices streamed
     from memory): for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than ``F.linear``;
     for one row a column-major copy (``column``) is about 1.25x faster than either. Other
-    devices and dtypes use ``F.linear``. ``residual`` (shaped like the output) is added after the
-    GEMM, as ``residual + product``: passing it to ``addmm`` as the accumulator start sums in
-    another order (SmolLM2's logits then drift from transformers' by 1.2e-4 instead of 7.8e-5). The result may be a column-major view; later ops accept it as is.
-    The decoder passes 2-D ``[rows, in]`` activations, which take the shortest path here.
+    devices and dtypes use ``F.linear``. The result may be a column-major view; later ops
+    accept it as is. The decoder passes 2-D ``[rows, in]`` activations, the shortest path.
     """
     if x.dim() != 2:
-        lead, out = x.shape[:-1], weight.shape[0]
-        res = None if residual is None else residual.reshape(-1, out)
-        return linear(x.reshape(-1, x.shape[-1]), weight, bias, column, res).view(*lead, out)
+        lead = x.shape[:-1]
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, column).view(*lead, weight.shape[0])
     if not x.is_cpu or x.dtype is not torch.float32:
-        out = F.linear(x, weight, bias)
-    elif column is not None and x.shape[0] == 1 and (wt := column.of(weight)) is not None:
-        out = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
-    else:
-        # x must be row-major: with a column-major x (as this function returns) MKL takes a
-        # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
-        xt = x.contiguous().t()
-        out = (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
-    return out if residual is None else residual + out
+        return F.linear(x, weight, bias)
+    if column is not None and x.shape[0] == 1 and (wt := column.of(weight)) is not None:
+        return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    # x must be row-major: with a column-major x (as this function returns) MKL takes a
+    # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
+    xt = x.contiguous().t()
+    return (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
 
 
 class Linear(nn.Linear):
@@ -81,8 +77,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self._col)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
+    """RMSNorm over the last axis, computed in fp32; gemma3 scales by ``1 + w`` instead of ``w``."""
+    if x.dtype is torch.float32 and weight.dtype is torch.float32 and not plus_one:
+        return torch.rms_norm(x, weight.shape, weight, eps)  # one ATen call, same arithmetic as below
+    # x * rsqrt(mean(x^2) + eps) in fp32 (one call, bit-identical to the spelled-out ops), then
+    # the weight as Hugging Face applies it: after the cast, in the input dtype
+    normed = torch.rms_norm(x.float(), weight.shape, None, eps)
+    if plus_one:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; gemma3 scales by ``1 + w`` instead of ``w``."""
+    """:func:`rms_norm` with its weight."""
 
     def __init__(self, dim: int, eps: float, plus_one: bool) -> None:
         super().__init__()
@@ -91,15 +99,7 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.dtype is torch.float32 and w.dtype is torch.float32 and not self.plus_one:
-            return torch.rms_norm(x, w.shape, w, self.eps)  # one ATen call, same arithmetic as below
-        # x * rsqrt(mean(x^2) + eps) in fp32 (one call, bit-identical to the spelled-out ops),
-        # then the weight as Hugging Face applies it: after the cast, in the input dtype
-        normed = torch.rms_norm(x.float(), w.shape, None, self.eps)
-        if self.plus_one:
-            return (normed * (1.0 + w.float())).to(x.dtype)
-        return w * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.plus_one)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -238,7 +238,9 @@ class _SplitNames:
 
 
 class Attention(_SplitNames, nn.Module):
-    """Grouped-query attention with one fused q/k/v projection (saved as ``wq``/``wk``/``wv``)."""
+    """Parameters of grouped-query attention: one fused q/k/v projection (saved as
+    ``wq``/``wk``/``wv``), the output projection and gemma3/qwen3's q/k norms. The block's
+    forward (:meth:`Block.forward`) runs them."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -263,41 +265,14 @@ class Attention(_SplitNames, nn.Module):
         k, v = linear(x, w, bias).view(b, s, 2 * self.hkv, self.d).split(self.hkv, dim=2)
         return k, v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: StaticKVCache,
-                slots: torch.Tensor, bias: torch.Tensor, num_keys: int,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attend over the cache prefix after writing this step's K/V.
 
-        Args:
-            x: ``[B*S, E]`` normed input, rows in (B, S) order.
-            rope: ``(cos, sin)`` from :func:`rope_tables`, each ``[B, S, 1, D]``.
-            cache: static cache.
-            slots: ``[B, S]`` where this step's K/V go.
-            bias: ``[B*Hkv, G*S, Tk]`` from :func:`attention_bias`.
-            num_keys: Tk.
-            residual: ``[B*S, E]`` added to the output projection, if given.
-
-        Returns:
-            ``[B*S, E]``.
-        """
-        b, s = slots.shape
-        h, hkv = self.h, self.hkv
-        # (functional linear, split_with_sizes and narrow rather than module calls, Tensor.split
-        # and indexing: on the
-        # project's CPU each of those costs several microseconds, ~1,000 times a decode step)
-        wqkv = self.wqkv
-        qkv = linear(x, wqkv.weight, wqkv.bias, wqkv._col).view(b, s, h + 2 * hkv, self.d)
-        cos, sin = rope
-        if self.q_norm is None:
-            qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)
-            q, k = apply_rope(qk, cos, sin).split_with_sizes((h, hkv), dim=2)  # q and k rotated together
-        else:
-            q, k, v = qkv.split_with_sizes((h, hkv, hkv), dim=2)
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        cache.write(self.layer, slots, k, v)
-        keys, values = cache.read(self.layer, num_keys)  # [B, Hkv, Tk, D] each
-        wo = self.wo
-        return linear(attend(q, keys, values, bias, self.scale), wo.weight, wo.bias, wo._col, residual)
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_col: ColumnCopy | None, down: torch.Tensor,
+              down_col: ColumnCopy | None, gelu: bool) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` with the fused ``[2 I, E]`` gate/up matrix (act: SiLU, or
+    tanh-approximated GELU for gemma3)."""
+    g, u = linear(x, gate_up, None, gate_up_col).chunk(2, dim=-1)
+    g = F.gelu(g, approximate="tanh") if gelu else F.silu(g)
+    return linear(g.mul_(u), down, None, down_col)
 
 
 class MLP(_SplitNames, nn.Module):
@@ -313,15 +288,42 @@ class MLP(_SplitNames, nn.Module):
     def _splits(self):
         return {"gate_up": (("gate", self.intermediate), ("up", self.intermediate))}
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``down(act(gate(x)) * up(x))`` (+ ``residual``, added in the down projection)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up, self.down
-        g, u = linear(x, gate_up.weight, None, gate_up._col).chunk(2, dim=-1)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return linear(g.mul_(u), down.weight, down.bias, down._col, residual)
+        return gated_mlp(x, gate_up.weight, gate_up._col, down.weight, down._col, self.gelu)
+
+
+class _StepPlan(NamedTuple):
+    """What a block's forward reads, gathered from its modules once (:meth:`Block._plan`)."""
+
+    guards: tuple  # ((dict, key, object), ...): every lookup the plan was built from
+    layer: int
+    h: int
+    hkv: int
+    d: int
+    scale: float
+    gelu: bool
+    attn_norm: tuple  # (weight, eps, plus_one), the arguments of rms_norm after x
+    mlp_norm: tuple
+    attn_post_norm: tuple | None  # gemma3's sandwich norms
+    mlp_post_norm: tuple | None
+    q_norm: tuple | None  # qwen3/gemma3
+    k_norm: tuple | None
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None  # qwen2
+    qkv_col: ColumnCopy | None
+    wo: torch.Tensor
+    wo_col: ColumnCopy | None
+    gate_up: torch.Tensor
+    gate_up_col: ColumnCopy | None
+    down: torch.Tensor
+    down_col: ColumnCopy | None
 
 
 class Block(nn.Module):
+    """One decoder block: attention and gated MLP, each behind an RMSNorm with a residual add
+    (gemma3 also norms each branch's output)."""
+
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         eps, p1 = args.rms_norm_eps, args.norm_plus_one
@@ -335,17 +337,91 @@ class Block(nn.Module):
             self.mlp_post_norm = RMSNorm(args.hidden_size, eps, p1)
         self.sliding = args.is_sliding(layer)
 
-    def forward(self, x, rope, cache, slots, bias, num_keys):
-        """One decoder block over ``x [B, S, E]``; the other arguments as
-        :meth:`Attention.forward` takes them."""
+    def _plan(self) -> _StepPlan:
+        """The tensors the forward reads, reused while every sub-module, parameter and column
+        copy they came from is still the same object (a replaced parameter or module, a
+        ``load_state_dict(assign=True)``, new column copies: the plan is rebuilt). In-place
+        changes and ``.data`` swaps need no rebuild: the plan holds the parameters themselves."""
+        plan = self.__dict__.get("_step_plan")
+        if plan is not None and all(d.get(k) is o for d, k, o in plan.guards):
+            return plan
+        guards: list = []
+
+        def sub(mod: nn.Module, name: str):
+            m = mod._modules.get(name)
+            guards.append((mod._modules, name, m))
+            return m
+
+        def param(mod: nn.Module, name: str):
+            t = mod._parameters.get(name)
+            guards.append((mod._parameters, name, t))
+            return t
+
+        def norm(mod: nn.Module | None):
+            return None if mod is None else (param(mod, "weight"), mod.eps, mod.plus_one)
+
+        def lin(mod: nn.Linear):
+            col = mod.__dict__.get("_col")
+            guards.append((mod.__dict__, "_col", col))
+            return param(mod, "weight"), param(mod, "bias"), col
+
+        attn, mlp = sub(self, "attn"), sub(self, "mlp")
+        wqkv, bqkv, qkv_col = lin(sub(attn, "wqkv"))
+        wo, _, wo_col = lin(sub(attn, "wo"))
+        gate_up, _, gate_up_col = lin(sub(mlp, "gate_up"))
+        down, _, down_col = lin(sub(mlp, "down"))
+        plan = _StepPlan(
+            guards=(), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale, gelu=mlp.gelu,
+            attn_norm=norm(sub(self, "attn_norm")), mlp_norm=norm(sub(self, "mlp_norm")),
+            attn_post_norm=norm(sub(self, "attn_post_norm")) if self.sandwich else None,
+            mlp_post_norm=norm(sub(self, "mlp_post_norm")) if self.sandwich else None,
+            q_norm=norm(sub(attn, "q_norm")), k_norm=norm(sub(attn, "k_norm")),
+            wqkv=wqkv, bqkv=bqkv, qkv_col=qkv_col, wo=wo, wo_col=wo_col,
+            gate_up=gate_up, gate_up_col=gate_up_col, down=down, down_col=down_col)
+        plan = plan._replace(guards=tuple(guards))
+        self.__dict__["_step_plan"] = plan
+        return plan
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: StaticKVCache,
+                slots: torch.Tensor, bias: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """One decoder block: write this step's K/V, attend over the cache prefix, then the MLP.
+
+        The step is spelled out here over the tensors of :meth:`_plan` rather than as calls of
+        the sub-modules: on the project's CPU every module call, attribute lookup, indexing
+        or ``Tensor.split`` costs microseconds, some 1,500 times per SmolLM2 decode step (the
+        plan saves ~12% of a batch-1 step). Forward hooks on the sub-modules therefore do not
+        fire; hooks on the block do.
+
+        Args:
+            x: ``[B, S, E]`` input.
+            rope: ``(cos, sin)`` from :func:`rope_tables`, each ``[B, S, 1, D]``.
+            cache: static cache (or anything with its ``write``/``read``).
+            slots: ``[B, S]`` where this step's K/V go.
+            bias: ``[B*Hkv, G*S, Tk]`` from :func:`attention_bias`.
+            num_keys: Tk.
+
+        Returns:
+            ``[B, S, E]``.
+        """
+        p = self._plan()
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [B*S, E]: every projection is one 2-D GEMM
-        if self.sandwich:  # gemma3 norms each branch before the residual add
-            x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache, slots, bias, num_keys))
-            x = x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        x = x.reshape(-1, shape[-1])  # [B*S, E] rows: every projection is one 2-D GEMM
+        b, s = slots.shape
+        h, hkv = p.h, p.hkv
+        qkv = linear(rms_norm(x, *p.attn_norm), p.wqkv, p.bqkv, p.qkv_col).view(b, s, h + 2 * hkv, p.d)
+        cos, sin = rope
+        if p.q_norm is None:
+            qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)
+            q, k = apply_rope(qk, cos, sin).split_with_sizes((h, hkv), dim=2)  # q and k rotated together
         else:
-            x = self.attn(self.attn_norm(x), rope, cache, slots, bias, num_keys, residual=x)
-            x = self.mlp(self.mlp_norm(x), residual=x)
+            q, k, v = qkv.split_with_sizes((h, hkv, hkv), dim=2)
+            q, k = apply_rope(rms_norm(q, *p.q_norm), cos, sin), apply_rope(rms_norm(k, *p.k_norm), cos, sin)
+        cache.write(p.layer, slots, k, v)
+        keys, values = cache.read(p.layer, num_keys)  # [B, Hkv, Tk, D] each
+        a = linear(attend(q, keys, values, bias, p.scale), p.wo, None, p.wo_col)
+        x = x + (a if p.attn_post_norm is None else rms_norm(a, *p.attn_post_norm))
+        m = gated_mlp(rms_norm(x, *p.mlp_norm), p.gate_up, p.gate_up_col, p.down, p.down_col, p.gelu)
+        x = x + (m if p.mlp_post_norm is None else rms_norm(m, *p.mlp_post_norm))
         return x.view(shape)
 
 

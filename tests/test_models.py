@@ -106,6 +106,23 @@ def test_column_copies_follow_weight_changes(tmp_path):
     replaced = full()
     assert (replaced[0, 0] - changed[0, 0]).abs().max().item() > 1e-3
     assert (first_step() - replaced[0, 0]).abs().max().item() < 1e-4
+    # a replaced sub-module is used as well (each block rebuilds the tensors it gathered)
+    from refspec.models.transformer import RMSNorm
+
+    blk = model.layers[1]
+    norm = RMSNorm(blk.attn_norm.weight.shape[0], blk.attn_norm.eps, blk.attn_norm.plus_one)
+    with torch.no_grad():
+        norm.weight.fill_(3.0)
+    blk.attn_norm = norm
+    renormed = full()
+    assert (renormed[0, 0] - replaced[0, 0]).abs().max().item() > 1e-3
+    # ... and so is a state dict loaded by assignment, which replaces every parameter
+    fresh = load_model(tmp_path)
+    before, _ = fresh(toks, pos, fresh.new_cache(2, 16))
+    assert not torch.equal(before, renormed)
+    fresh.load_state_dict(model.state_dict(), assign=True)
+    again, _ = fresh(toks, pos, fresh.new_cache(2, 16))
+    assert torch.equal(again, renormed)
 
 
 def test_hidden_layers_returned(tiny_models):

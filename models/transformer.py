@@ -341,7 +341,8 @@ class Block(nn.Module):
         """The tensors the forward reads, reused while every sub-module, parameter and column
         copy they came from is still the same object (a replaced parameter or module, a
         ``load_state_dict(assign=True)``, new column copies: the plan is rebuilt). In-place
-        changes and ``.data`` swaps need no rebuild: the plan holds the parameters themselves."""
+        changes and ``.data`` swaps need no rebuild: the plan holds the parameters themselves.
+        Plain attributes (``eps``, ``scale``, head counts) are read when the plan is built."""
         plan = self.__dict__.get("_step_plan")
         if plan is not None and all(d.get(k) is o for d, k, o in plan.guards):
             return plan

@@ -72,8 +72,10 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
-    """Best wall time and last result of each function, after one warm-up each, running the
-    functions in turn ``repeats`` times so a slow spell of a shared machine hits them alike."""
+    """Best wall time of each function and the result of that same run (so figures taken
+    from the result, such as per-step times, describe the run the wall time describes), after
+    one warm-up each, running the functions in turn ``repeats`` times so a slow spell of a
+    shared machine hits them alike."""
     for fn in fns.values():
         fn()
     best: dict[str, tuple[float, Any]] = {name: (float("inf"), None) for name in fns}
@@ -82,7 +84,8 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, t
             t0 = time.perf_counter()
             out = fn()
             wall = time.perf_counter() - t0
-            best[name] = (min(best[name][0], wall), out)
+            if wall < best[name][0]:
+                best[name] = (wall, out)
     return best
 
 

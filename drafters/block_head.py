@@ -154,9 +154,10 @@ class BlockHead(nn.Module):
                              head_dim=a.head_dim, dtype=dtype, device=device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, 1, S, D]``, for ``positions [B, S]``."""
+        """Rotary tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, S, 1, D]`` as the blocks
+        take them, for ``positions [B, S]``."""
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        return cos[:, None], sin[:, None]
+        return cos[:, :, None], sin[:, :, None]
 
     def project(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
         """Fuse target features into context features.
@@ -189,7 +190,7 @@ class BlockHead(nn.Module):
             k, v = attn.project_kv(ctx)  # [B, S, Hkv, D]
             if attn.k_norm is not None:
                 k = attn.k_norm(k)
-            cache.write(i, slots, apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2), v)
+            cache.write(i, slots, apply_rope(k, cos, sin), v)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, cache, slots: torch.Tensor,
             mask: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -209,8 +210,7 @@ class BlockHead(nn.Module):
         b, s, _ = x.shape
         assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
         assert mask.shape == (b, 1, s, num_keys), f"mask must be [B, 1, S, Tk], got {tuple(mask.shape)}"
-        cos, sin = self.rope(positions, x.dtype)
-        rope = (cos.transpose(1, 2), sin.transpose(1, 2))  # blocks take [B, S, 1, D] tables
+        rope = self.rope(positions, x.dtype)
         attn = self.layers[0].attn
         bias = attention_bias(mask, attn.hkv, attn.h // attn.hkv, x.dtype)
         for blk in self.layers:

@@ -138,7 +138,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.transformer.Attention`); on a CPU in fp32 it also keeps column-major copies of its matrices for batch-1 decoding when they take at most
+    :class:`~refspec.models.transformer.Attention`); on a CPU in fp32 it also keeps
+    column-major copies of its matrices for batch-1 decoding when they take at most
     ``REFSPEC_CPU_COLUMN_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
 
     Args:

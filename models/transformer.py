@@ -371,15 +371,14 @@ class Block(nn.Module):
         wo, _, wo_col = lin(sub(attn, "wo"))
         gate_up, _, gate_up_col = lin(sub(mlp, "gate_up"))
         down, _, down_col = lin(sub(mlp, "down"))
+        norms = {name: norm(sub(owner, name)) for owner, name in
+                 ((self, "attn_norm"), (self, "mlp_norm"), (attn, "q_norm"), (attn, "k_norm"))}
+        post = [norm(sub(self, name)) if self.sandwich else None for name in ("attn_post_norm", "mlp_post_norm")]
         plan = _StepPlan(
-            guards=(), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale, gelu=mlp.gelu,
-            attn_norm=norm(sub(self, "attn_norm")), mlp_norm=norm(sub(self, "mlp_norm")),
-            attn_post_norm=norm(sub(self, "attn_post_norm")) if self.sandwich else None,
-            mlp_post_norm=norm(sub(self, "mlp_post_norm")) if self.sandwich else None,
-            q_norm=norm(sub(attn, "q_norm")), k_norm=norm(sub(attn, "k_norm")),
+            guards=tuple(guards), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale,
+            gelu=mlp.gelu, **norms, attn_post_norm=post[0], mlp_post_norm=post[1],
             wqkv=wqkv, bqkv=bqkv, qkv_col=qkv_col, wo=wo, wo_col=wo_col,
             gate_up=gate_up, gate_up_col=gate_up_col, down=down, down_col=down_col)
-        plan = plan._replace(guards=tuple(guards))
         self.__dict__["_step_plan"] = plan
         return plan
 
@@ -389,9 +388,10 @@ class Block(nn.Module):
 
         The step is spelled out here over the tensors of :meth:`_plan` rather than as calls of
         the sub-modules: on the project's CPU every module call, attribute lookup, indexing
-        or ``Tensor.split`` costs microseconds, some 1,500 times per SmolLM2 decode step (the
-        plan saves ~12% of a batch-1 step). Forward hooks on the sub-modules therefore do not
-        fire; hooks on the block do.
+        or ``Tensor.split`` costs microseconds, some 1,500 times per SmolLM2 decode step
+        (against calling the sub-modules, the plan saved ~1.5 ms of ~12 ms of pure overhead per
+        step on a 30-layer SmolLM2-shaped toy). Forward hooks on the sub-modules therefore do
+        not fire; hooks on the block do.
 
         Args:
             x: ``[B, S, E]`` input.

@@ -138,9 +138,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.transformer.Attention`); on a CPU in fp32 it also keeps
-    column-major copies of its matrices for batch-1 decoding when they take at most
-    ``REFSPEC_CPU_COLUMN_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
+    :class:`~refspec.models.transformer.Attention`); on a CPU it also keeps a copy of each
+    matrix for the decode kernels (column-major in fp32, fp32 for a bf16/fp16 model, see
+    :class:`~refspec.models.transformer.WeightCopy`) when the copies take at most
+    ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
@@ -163,11 +164,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         model.lm_head.weight = model.embed.weight
     model.init_buffers(device)
     model.eval().requires_grad_(False)
-    if model.device.type == "cpu" and dtype == torch.float32:
-        # batch-1 decoding on CPUs streams column-major copies faster (see ColumnCopy)
-        limit = int(float(os.environ.get("REFSPEC_CPU_COLUMN_COPIES_GIB", "2")) * 2**30)
-        if model.add_column_copies(limit):
-            log.info("kept column-major copies of the weights for one-row products (REFSPEC_CPU_COLUMN_COPIES_GIB)")
+    if model.device.type == "cpu":
+        # decoding on CPUs streams a column-major fp32 copy (one row) or multiplies several rows
+        # of a half-precision model in fp32 faster (see WeightCopy)
+        limit = int(float(os.environ.get("REFSPEC_CPU_WEIGHT_COPIES_GIB", "2")) * 2**30)
+        kind = model.add_weight_copies(limit)
+        if kind:
+            log.info("kept %s copies of the weights for decoding (REFSPEC_CPU_WEIGHT_COPIES_GIB)", kind)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
 

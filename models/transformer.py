@@ -18,23 +18,37 @@ from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
 
 
-class ColumnCopy:
-    """A column-major (``[in, out]`` contiguous) copy of a weight for one-row products.
+class WeightCopy:
+    """A copy of a weight in the layout or dtype a CPU kernel streams fastest, for decoding.
 
-    On the project's CPU a one-row product streams a column-major matrix about 1.25x faster
-    than a row-major one, while for 2 or more rows the row-major ``(W @ x^T)^T`` is best, so
-    CPU decoding may keep both layouts (:meth:`Transformer.add_column_copies`). The copy is
-    used only while the weight is the very tensor it was made from, unmodified (same storage,
-    same version counter); otherwise :func:`linear` falls back to the weight itself.
+    Two kinds, both measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's
+    matrices, see the README's CPU notes):
+
+    - ``column`` (fp32 models): a column-major ``[in, out]`` copy. A one-row product streams it
+      about 1.25x faster than a row-major matrix; for 2 or more rows ``(W @ x^T)^T`` on the
+      weight itself is best.
+    - ``fp32`` (bf16/fp16 models): an fp32 ``[out, in]`` copy. CPUs without bf16/fp16 matrix
+      units emulate half-precision products: one row streams the half-precision weight near
+      bandwidth, but 2-8 rows take 2.3-4x as long as one, while an fp32 product of 2-8 rows
+      costs about what one fp32 row does (5 rows: 78 ms bf16 against 40 ms fp32 over the
+      model's matrices). Verification and batched steps multiply through this copy; the
+      result is rounded to the model's dtype, as the half-precision kernel rounds its fp32
+      accumulator, so only the summation order differs.
+
+    The copy is used only while the weight is the very tensor it was made from, unmodified
+    (same storage, same version counter); otherwise :func:`linear` falls back to the weight.
     """
 
-    __slots__ = ("ptr", "version", "t")
+    __slots__ = ("ptr", "version", "t", "kind")
 
-    def __init__(self, weight: torch.Tensor) -> None:  # noqa: D107
+    def __init__(self, weight: torch.Tensor, kind: str) -> None:  # noqa: D107
         if weight.is_inference():
             raise ValueError("an inference-mode tensor has no version counter to guard a copy with")
-        self.ptr, self.version = weight.data_ptr(), weight._version
-        self.t = weight.detach().t().contiguous()  # [in, out]
+        if kind not in ("column", "fp32"):
+            raise ValueError(f"kind must be 'column' or 'fp32', got {kind!r}")
+        self.ptr, self.version, self.kind = weight.data_ptr(), weight._version, kind
+        w = weight.detach()
+        self.t = w.t().contiguous() if kind == "column" else w.float().contiguous()
 
     def of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy if ``weight`` is unchanged since it was made, else None."""
@@ -44,21 +58,29 @@ class ColumnCopy:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           column: ColumnCopy | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, with the GEMM layout chosen for fp32 on CPUs.
+           copy: WeightCopy | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, with the GEMM layout and dtype chosen for CPUs.
 
     Measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's matrices streamed
-    from memory): for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than ``F.linear``;
-    for one row a column-major copy (``column``) is about 1.25x faster than either. Other
-    devices and dtypes use ``F.linear``. The result may be a column-major view; later ops
-    accept it as is. The decoder passes 2-D ``[rows, in]`` activations, the shortest path.
+    from memory): in fp32, for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than
+    ``F.linear``, and for one row a column-major copy is about 1.25x faster than either; in
+    bf16/fp16, one row runs ``F.linear`` on the weight and 2 or more rows the fp32 copy (see
+    :class:`WeightCopy`). Other devices use ``F.linear``. The result may be a column-major
+    view; later ops accept it as is. The decoder passes 2-D ``[rows, in]`` activations.
     """
     if x.dim() != 2:
         lead = x.shape[:-1]
-        return linear(x.reshape(-1, x.shape[-1]), weight, bias, column).view(*lead, weight.shape[0])
-    if not x.is_cpu or x.dtype is not torch.float32:
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, copy).view(*lead, weight.shape[0])
+    if not x.is_cpu:
         return F.linear(x, weight, bias)
-    if column is not None and x.shape[0] == 1 and (wt := column.of(weight)) is not None:
+    if x.dtype is not torch.float32:
+        if copy is None or x.shape[0] == 1 or copy.kind != "fp32" or (w32 := copy.of(weight)) is None:
+            return F.linear(x, weight, bias)
+        # row-major fp32 rows (see below), one fp32 GEMM, rounded back to the model's dtype
+        xt = x.to(torch.float32, memory_format=torch.contiguous_format).t()
+        out = torch.mm(w32, xt) if bias is None else torch.addmm(bias.float()[:, None], w32, xt)
+        return out.t().to(x.dtype)
+    if copy is not None and x.shape[0] == 1 and copy.kind == "column" and (wt := copy.of(weight)) is not None:
         return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
     # x must be row-major: with a column-major x (as this function returns) MKL takes a
     # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
@@ -71,10 +93,10 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: D107
         super().__init__(*args, **kwargs)
-        self._col: ColumnCopy | None = None
+        self._copy: WeightCopy | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._col)
+        return linear(x, self.weight, self.bias, self._copy)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
@@ -266,13 +288,13 @@ class Attention(_SplitNames, nn.Module):
         return k, v
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_col: ColumnCopy | None, down: torch.Tensor,
-              down_col: ColumnCopy | None, gelu: bool) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_copy: WeightCopy | None, down: torch.Tensor,
+              down_copy: WeightCopy | None, gelu: bool) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with the fused ``[2 I, E]`` gate/up matrix (act: SiLU, or
     tanh-approximated GELU for gemma3)."""
-    g, u = linear(x, gate_up, None, gate_up_col).chunk(2, dim=-1)
+    g, u = linear(x, gate_up, None, gate_up_copy).chunk(2, dim=-1)
     g = F.gelu(g, approximate="tanh") if gelu else F.silu(g)
-    return linear(g.mul_(u), down, None, down_col)
+    return linear(g.mul_(u), down, None, down_copy)
 
 
 class MLP(_SplitNames, nn.Module):
@@ -290,7 +312,7 @@ class MLP(_SplitNames, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up, self.down
-        return gated_mlp(x, gate_up.weight, gate_up._col, down.weight, down._col, self.gelu)
+        return gated_mlp(x, gate_up.weight, gate_up._copy, down.weight, down._copy, self.gelu)
 
 
 class _StepPlan(NamedTuple):
@@ -311,13 +333,13 @@ class _StepPlan(NamedTuple):
     k_norm: tuple | None
     wqkv: torch.Tensor
     bqkv: torch.Tensor | None  # qwen2
-    qkv_col: ColumnCopy | None
+    qkv_copy: WeightCopy | None
     wo: torch.Tensor
-    wo_col: ColumnCopy | None
+    wo_copy: WeightCopy | None
     gate_up: torch.Tensor
-    gate_up_col: ColumnCopy | None
+    gate_up_copy: WeightCopy | None
     down: torch.Tensor
-    down_col: ColumnCopy | None
+    down_copy: WeightCopy | None
 
 
 class Block(nn.Module):
@@ -338,9 +360,9 @@ class Block(nn.Module):
         self.sliding = args.is_sliding(layer)
 
     def _plan(self) -> _StepPlan:
-        """The tensors the forward reads, reused while every sub-module, parameter and column
+        """The tensors the forward reads, reused while every sub-module, parameter and weight
         copy they came from is still the same object (a replaced parameter or module, a
-        ``load_state_dict(assign=True)``, new column copies: the plan is rebuilt). In-place
+        ``load_state_dict(assign=True)``, new weight copies: the plan is rebuilt). In-place
         changes and ``.data`` swaps need no rebuild: the plan holds the parameters themselves.
         Plain attributes (``eps``, ``scale``, head counts) are read when the plan is built."""
         plan = self.__dict__.get("_step_plan")
@@ -362,23 +384,23 @@ class Block(nn.Module):
             return None if mod is None else (param(mod, "weight"), mod.eps, mod.plus_one)
 
         def lin(mod: nn.Linear):
-            col = mod.__dict__.get("_col")
-            guards.append((mod.__dict__, "_col", col))
-            return param(mod, "weight"), param(mod, "bias"), col
+            copy = mod.__dict__.get("_copy")
+            guards.append((mod.__dict__, "_copy", copy))
+            return param(mod, "weight"), param(mod, "bias"), copy
 
         attn, mlp = sub(self, "attn"), sub(self, "mlp")
-        wqkv, bqkv, qkv_col = lin(sub(attn, "wqkv"))
-        wo, _, wo_col = lin(sub(attn, "wo"))
-        gate_up, _, gate_up_col = lin(sub(mlp, "gate_up"))
-        down, _, down_col = lin(sub(mlp, "down"))
+        wqkv, bqkv, qkv_copy = lin(sub(attn, "wqkv"))
+        wo, _, wo_copy = lin(sub(attn, "wo"))
+        gate_up, _, gate_up_copy = lin(sub(mlp, "gate_up"))
+        down, _, down_copy = lin(sub(mlp, "down"))
         norms = {name: norm(sub(owner, name)) for owner, name in
                  ((self, "attn_norm"), (self, "mlp_norm"), (attn, "q_norm"), (attn, "k_norm"))}
         post = [norm(sub(self, name)) if self.sandwich else None for name in ("attn_post_norm", "mlp_post_norm")]
         plan = _StepPlan(
             guards=tuple(guards), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale,
             gelu=mlp.gelu, **norms, attn_post_norm=post[0], mlp_post_norm=post[1],
-            wqkv=wqkv, bqkv=bqkv, qkv_col=qkv_col, wo=wo, wo_col=wo_col,
-            gate_up=gate_up, gate_up_col=gate_up_col, down=down, down_col=down_col)
+            wqkv=wqkv, bqkv=bqkv, qkv_copy=qkv_copy, wo=wo, wo_copy=wo_copy,
+            gate_up=gate_up, gate_up_copy=gate_up_copy, down=down, down_copy=down_copy)
         self.__dict__["_step_plan"] = plan
         return plan
 
@@ -409,7 +431,7 @@ class Block(nn.Module):
         x = x.reshape(-1, shape[-1])  # [B*S, E] rows: every projection is one 2-D GEMM
         b, s = slots.shape
         h, hkv = p.h, p.hkv
-        qkv = linear(rms_norm(x, *p.attn_norm), p.wqkv, p.bqkv, p.qkv_col).view(b, s, h + 2 * hkv, p.d)
+        qkv = linear(rms_norm(x, *p.attn_norm), p.wqkv, p.bqkv, p.qkv_copy).view(b, s, h + 2 * hkv, p.d)
         cos, sin = rope
         if p.q_norm is None:
             qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)
@@ -419,9 +441,9 @@ class Block(nn.Module):
             q, k = apply_rope(rms_norm(q, *p.q_norm), cos, sin), apply_rope(rms_norm(k, *p.k_norm), cos, sin)
         cache.write(p.layer, slots, k, v)
         keys, values = cache.read(p.layer, num_keys)  # [B, Hkv, Tk, D] each
-        a = linear(attend(q, keys, values, bias, p.scale), p.wo, None, p.wo_col)
+        a = linear(attend(q, keys, values, bias, p.scale), p.wo, None, p.wo_copy)
         x = x + (a if p.attn_post_norm is None else rms_norm(a, *p.attn_post_norm))
-        m = gated_mlp(rms_norm(x, *p.mlp_norm), p.gate_up, p.gate_up_col, p.down, p.down_col, p.gelu)
+        m = gated_mlp(rms_norm(x, *p.mlp_norm), p.gate_up, p.gate_up_copy, p.down, p.down_copy, p.gelu)
         x = x + (m if p.mlp_post_norm is None else rms_norm(m, *p.mlp_post_norm))
         return x.view(shape)
 
@@ -486,18 +508,21 @@ class Transformer(nn.Module):
         small.inv_freq_global, small.inv_freq_local = self.inv_freq_global, self.inv_freq_local
         return small
 
-    def add_column_copies(self, max_bytes: int) -> bool:
-        """Keep a column-major copy of every block matrix and of the LM head for one-row
-        (batch-1 decode) products on CPUs (:class:`ColumnCopy`), unless the copies would take
-        more than ``max_bytes``. Returns whether they were made."""
+    def add_weight_copies(self, max_bytes: int) -> str | None:
+        """Keep a :class:`WeightCopy` of every block matrix and of the LM head for decoding on
+        CPUs: column-major copies for one-row products of an fp32 model, fp32 copies for
+        multi-row products of a bf16/fp16 model. Skipped when the copies would take more than
+        ``max_bytes``; returns the kind made, or None."""
+        kind = "column" if self.dtype == torch.float32 else "fp32"
         lins = [self.lm_head] + [lin for blk in self.layers
                                  for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
-        extra = sum(lin.weight.numel() * lin.weight.element_size() for lin in lins)
+        extra = sum(lin.weight.numel() * 4 if kind == "fp32" else lin.weight.numel() * lin.weight.element_size()
+                    for lin in lins)
         if extra > max_bytes or any(lin.weight.is_inference() for lin in lins):
-            return False  # too big, or weights made under inference_mode (no version counter)
+            return None  # too big, or weights made under inference_mode (no version counter)
         for lin in lins:
-            lin._col = ColumnCopy(lin.weight)
-        return True
+            lin._copy = WeightCopy(lin.weight, kind)
+        return kind
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""

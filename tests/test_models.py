@@ -80,7 +80,7 @@ def test_column_copies_follow_weight_changes(tmp_path):
     save_hf("llama", tmp_path)
     model = load_model(tmp_path)
     attn = model.layers[0].attn
-    assert model.lm_head._col is not None and attn.wqkv._col is not None and attn.wo._col is not None
+    assert model.lm_head._copy is not None and attn.wqkv._copy is not None and attn.wo._copy is not None
     toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(12)[None].expand(2, 12)
 
@@ -123,6 +123,53 @@ def test_column_copies_follow_weight_changes(tmp_path):
     fresh.load_state_dict(model.state_dict(), assign=True)
     again, _ = fresh(toks, pos, fresh.new_cache(2, 16))
     assert torch.equal(again, renormed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
+    """A bf16/fp16 model on CPU keeps fp32 copies of its matrices and multiplies two or more
+    rows through them (one row still runs the half-precision kernel): each product is the
+    half-precision kernel's up to one rounding step, and the model's logits match a load
+    without copies to half-precision accuracy; with the copies turned off none are made."""
+    from tiny import save_hf
+    from refspec.models.transformer import WeightCopy, linear
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    copy = WeightCopy(w, "fp32")
+    assert copy.t.dtype == torch.float32 and copy.t.shape == w.shape
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        ours, ref = linear(x, w, b, copy), torch.nn.functional.linear(x, w, b)
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        exact = x.double() @ w.double().t() + b.double()
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(1.0)
+        assert ((ours.double() - ref.double()).abs() <= ulp).all()
+        assert ((ours.double() - exact).abs() <= ulp).all(), "one rounding of an fp32-accurate sum"
+    # routing: several rows read the copy, one row the weight
+    copy.t = torch.zeros_like(copy.t)
+    x = torch.randn(2, 64, generator=g).to(dtype)
+    assert torch.equal(linear(x, w, None, copy), torch.zeros(2, 96, dtype=dtype))
+    assert torch.equal(linear(x[:1], w, None, copy), torch.nn.functional.linear(x[:1], w))
+    save_hf("qwen2", tmp_path)  # q/k/v bias: the addmm branch
+    model = load_model(tmp_path, dtype=dtype)
+    assert all(lin._copy is not None and lin._copy.kind == "fp32"
+               for lin in (model.lm_head, model.layers[0].attn.wqkv, model.layers[0].mlp.down))
+    monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
+    plain = load_model(tmp_path, dtype=dtype)
+    assert plain.lm_head._copy is None and plain.layers[0].attn.wqkv._copy is None
+    toks = torch.randint(3, 96, (3, 10), generator=g)
+    pos = torch.arange(10)[None].expand(3, 10)
+    a, _ = model(toks, pos, model.new_cache(3, 16))
+    c, _ = plain(toks, pos, plain.new_cache(3, 16))
+    assert (a - c).abs().max().item() < 20 * torch.finfo(dtype).eps * c.abs().max().item()
+    copied = model.layers[0].attn.wqkv._copy.t
+    with torch.no_grad():
+        model.layers[0].attn.wqkv.weight.mul_(2)  # in place: the stale fp32 copy is not used
+    assert model.layers[0].attn.wqkv._copy.of(model.layers[0].attn.wqkv.weight) is None
+    d, _ = model(toks, pos, model.new_cache(3, 16))
+    assert (d - a).abs().max().item() > 1e-2 and torch.equal(copied, model.layers[0].attn.wqkv._copy.t)
 
 
 def test_hidden_layers_returned(tiny_models):

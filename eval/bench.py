@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,8 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 
 
 def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, k: int, batches: Sequence[int],
-               dtype_name: str, new_tokens: int, draft_model: str | None = None, repeats: int = 2) -> dict[str, Any]:
+               dtype_name: str, new_tokens: int, draft_model: str | None = None, repeats: int = 2,
+               drafter_options: dict[str, str] | None = None) -> dict[str, Any]:
     """refspec plain vs refspec + drafter vs transformers' equivalent, same prompts, one run
     (each chunk of prompts timed as the best of ``repeats`` interleaved runs)."""
     from refspec.drafters import registry
@@ -223,7 +225,7 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
     if target.tokenizer is None:
         raise UsageError(f"{target.path} has no tokenizer.json")
     prompts = _read_prompt_file(corpus_file, target.tokenizer)
-    opts = {"draft_model": draft_model} if draft_model else {}
+    opts = dict(drafter_options or {}) | ({"draft_model": draft_model} if draft_model else {})
     ctx = registry.DrafterContext(target=target.model, target_name=model_name,
                                   tokenizer_fingerprint=target.fingerprint, dtype=dtype, device=device, options=opts)
     drafter = registry.build(drafter_name, ctx)
@@ -238,7 +240,8 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
         hf_method = "assisted generation"
     else:
         hf_extra, hf_method = {}, None
-    out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "k": k, "dtype": dtype_name,
+    out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "drafter_options": opts, "k": k,
+                           "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
                            "rows": []}
     plain_engine = Engine(target.model)
@@ -316,6 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--drafter", default="ngram")
     s.add_argument("--draft-model", default=None, help="for draft-model: model id or directory")
+    s.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter option, e.g. min_n=1 or max_n=4 for ngram (repeatable)")
     s.add_argument("--corpus-file", type=Path, default=None,
                    help="JSONL with a 'prompt' field (default: built-in code-completion prompts)")
     s.add_argument("--k", type=int, default=4)
@@ -370,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             res = bench_spec(args.model, args.drafter, corpus_file=args.corpus_file, k=args.k,
                              batches=_ints(args.batch), dtype_name=args.dtype, new_tokens=args.new_tokens,
-                             draft_model=args.draft_model, repeats=args.repeats)
+                             draft_model=args.draft_model, repeats=args.repeats,
+                             drafter_options=dict(parse_drafter_options(args.drafter_option)))
     except (UsageError, ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

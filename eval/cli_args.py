@@ -199,16 +199,21 @@ def _check_drafters(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _drafter_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+def parse_drafter_options(items: list[str], draft_model: str | None = None) -> tuple[tuple[str, str], ...]:
+    """``--drafter-option KEY=VALUE`` items (and ``--draft-model``) as sorted pairs."""
     opts: dict[str, str] = {}
-    for item in args.drafter_option:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--drafter-option expects KEY=VALUE, got {item!r}")
         opts[key.strip()] = value.strip()
-    if args.draft_model:
-        opts["draft_model"] = args.draft_model
+    if draft_model:
+        opts["draft_model"] = draft_model
     return tuple(sorted(opts.items()))
+
+
+def _drafter_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    return parse_drafter_options(args.drafter_option, args.draft_model)
 
 
 def _check_accept_model(spec: str | None) -> None:

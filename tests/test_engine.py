@@ -157,13 +157,28 @@ def test_ngram_trim_cuts_the_draft_to_the_longest_continuation_in_the_batch():
     # row 0: suffix "7 8" occurred before, followed by "9 1" then the suffix itself: 4 known tokens
     # row 1: suffix "3" occurred before, followed by "4" only (then the pending token): 2 known
     rows = [[7, 8, 9, 1, 7, 8], [5, 3, 4, 3]]
-    full = NgramDrafter(max_n=2, trim=False).propose(_ngram_state(rows), 6).tokens
+    full = NgramDrafter(max_n=2, min_n=1, trim=False).propose(_ngram_state(rows), 6).tokens
     assert full.tolist() == [[9, 1, 7, 8, 8, 8], [4, 3, 3, 3, 3, 3]]
-    assert NgramDrafter(max_n=2, trim=True).propose(_ngram_state(rows), 6).tokens.tolist() == [[9, 1, 7, 8],
-                                                                                            [4, 3, 3, 3]]
+    assert NgramDrafter(max_n=2, min_n=1, trim=True).propose(_ngram_state(rows), 6).tokens.tolist() == [
+        [9, 1, 7, 8], [4, 3, 3, 3]]
     # a finished row does not keep the draft long; no match anywhere gives an empty draft (a plain step)
-    assert NgramDrafter(max_n=2, trim=True).propose(_ngram_state(rows, done=[True, False]), 6).tokens.shape == (2, 2)
+    done = _ngram_state(rows, done=[True, False])
+    assert NgramDrafter(max_n=2, min_n=1, trim=True).propose(done, 6).tokens.shape == (2, 2)
     assert NgramDrafter(trim=True).propose(_ngram_state([[1, 2, 3], [4, 5, 6]]), 4).tokens.shape == (2, 0)
+
+
+def test_ngram_min_n_auto_drafts_from_two_token_matches_on_cpu():
+    """On CPU tensors the default drafts only from matches of 2+ tokens (a 1-token match is a
+    plain step there); min_n=1 drafts from it; max_n=1 caps the default."""
+    rows = [[7, 8, 9, 1, 7, 8], [5, 3, 4, 3]]  # row 0 matches "7 8", row 1 only "3"
+    auto = NgramDrafter(max_n=2, trim=False).propose(_ngram_state(rows), 4).tokens
+    assert auto.tolist() == [[9, 1, 7, 8], [3, 3, 3, 3]], "row 1's 1-token match proposes nothing useful"
+    assert NgramDrafter(max_n=2, trim=True).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.shape == (1, 0)
+    assert NgramDrafter(max_n=2, min_n=1, trim=True).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.tolist() == [
+        [4, 3]]
+    assert NgramDrafter(max_n=1, trim=True).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.tolist() == [[4, 3]]
+    with pytest.raises(DrafterError, match="min_n"):
+        NgramDrafter(max_n=2, min_n=3)
 
 
 def test_ngram_trimming_changes_no_token_and_verifies_fewer_positions(tiny_models):

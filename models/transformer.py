@@ -36,7 +36,8 @@ class WeightCopy:
       accumulator, so only the summation order differs.
 
     The copy is used only while the weight is the very tensor it was made from, unmodified
-    (same storage, same version counter); otherwise :func:`linear` falls back to the weight.
+    (same storage, same version counter), and no gradient to it is being recorded; otherwise
+    :func:`linear` falls back to the weight.
     """
 
     __slots__ = ("ptr", "version", "t", "kind")
@@ -51,8 +52,11 @@ class WeightCopy:
         self.t = w.t().contiguous() if kind == "column" else w.float().contiguous()
 
     def of(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The copy if ``weight`` is unchanged since it was made, else None."""
+        """The copy if ``weight`` is unchanged since it was made, else None (also while
+        gradients to ``weight`` are being recorded: the copy is detached)."""
         if weight.data_ptr() != self.ptr or weight.is_inference():
+            return None
+        if weight.requires_grad and torch.is_grad_enabled():
             return None
         return self.t if weight._version == self.version else None
 

@@ -152,6 +152,14 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     x = torch.randn(2, 64, generator=g).to(dtype)
     assert torch.equal(linear(x, w, None, copy), torch.zeros(2, 96, dtype=dtype))
     assert torch.equal(linear(x[:1], w, None, copy), torch.nn.functional.linear(x[:1], w))
+    # a weight being trained is multiplied itself (the copy is detached: no gradient would reach it)
+    w.requires_grad_(True)
+    copy = WeightCopy(w, "fp32")
+    copy.t = torch.zeros_like(copy.t)
+    linear(x, w, None, copy).float().sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, x.t().float().sum(1).expand(96, 64).to(dtype))
+    with torch.no_grad():
+        assert torch.equal(linear(x, w, None, copy), torch.zeros(2, 96, dtype=dtype))
     save_hf("qwen2", tmp_path)  # q/k/v bias: the addmm branch
     model = load_model(tmp_path, dtype=dtype)
     assert all(lin._copy is not None and lin._copy.kind == "fp32"

@@ -528,6 +528,16 @@ class Transformer(nn.Module):
             lin._copy = WeightCopy(lin.weight, kind)
         return kind
 
+    def matrix_bytes(self, rows: int) -> int:
+        """Bytes per element its matrices stream in a product of ``rows`` rows: 4 where a
+        half-precision model multiplies them through its fp32 copies (2+ rows on a CPU, see
+        :func:`linear`), else the parameter size. Read from the LM head's copy."""
+        head = self.lm_head
+        copy = head.__dict__.get("_copy")
+        if rows > 1 and copy is not None and copy.kind == "fp32" and copy.of(head.weight) is not None:
+            return 4
+        return head.weight.element_size()
+
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""
         a = self.args

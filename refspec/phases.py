@@ -35,6 +35,10 @@ class ForwardShape:
         layers: number of decoder layers that ran (defaults to ``args.num_layers``).
         extra_weight_bytes: weights outside the decoder stack read once (e.g. an EAGLE ``fc``).
         extra_flops: FLOPs outside the standard decoder accounting.
+        matrix_bytes: bytes per element of the block matrices and LM head as the kernels
+            stream them, when that differs from ``dtype_bytes``: 4 for a bf16 model on a CPU
+            multiplying several rows through its fp32 copies
+            (:class:`~refspec.models.transformer.WeightCopy`).
     """
 
     args: ModelArgs
@@ -47,6 +51,7 @@ class ForwardShape:
     layers: int | None = None
     extra_weight_bytes: int = 0
     extra_flops: int = 0
+    matrix_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -278,7 +278,8 @@ def forward_cost(shape: ForwardShape) -> Cost:
     keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
-    weights = b * (layers * (matrices + other) + e + min(n, a.vocab_size) * e + lm_head_matrix)
+    mb = b if shape.matrix_bytes is None else shape.matrix_bytes
+    weights = mb * (layers * matrices + lm_head_matrix) + b * (layers * other + e + min(n, a.vocab_size) * e)
     return Cost(
         linear_flops=2.0 * n * layers * matrices,
         attention_flops=4.0 * a.num_heads * a.head_dim * shape.tokens_per_row * keys,

@@ -167,6 +167,13 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
     plain = load_model(tmp_path, dtype=dtype)
     assert plain.lm_head._copy is None and plain.layers[0].attn.wqkv._copy is None
+    # the cost model is told what the kernels stream: fp32 copies for several rows, else dtype
+    from refspec.engine import Engine
+
+    assert (model.matrix_bytes(1), model.matrix_bytes(4), plain.matrix_bytes(4)) == (2, 4, 2)
+    events = Engine(model).generate([[5, 6, 7]], max_new_tokens=3).events
+    streamed = {(e.phase, w.rows * w.tokens_per_row, w.matrix_bytes) for e in events for w in e.work}
+    assert ("prefill", 3, 4) in streamed and ("verify", 1, 2) in streamed
     toks = torch.randint(3, 96, (3, 10), generator=g)
     pos = torch.arange(10)[None].expand(3, 10)
     a, _ = model(toks, pos, model.new_cache(3, 16))

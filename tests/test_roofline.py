@@ -34,6 +34,11 @@ def test_forward_cost_matches_hand_arithmetic():
     assert c.activation_bytes == 2 * (n * 2 * 2 * 64 + n * 64 + n * 96) == 4_992
     assert c.flops == 884_736 + 30_720 + 73_728
     assert c.bytes == 161_152 + 5_120 + 1_536 + 4_992
+    # a bf16 model whose CPU products of several rows stream fp32 copies: matrices and head at 4 bytes
+    c4 = forward_cost(ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2,
+                                   matrix_bytes=4))
+    assert c4.weight_bytes == 4 * (2 * (attn_matrices + mlp) + 96 * 64) + 2 * (2 * norms + 64 + 6 * 64)
+    assert (c4.flops, c4.kv_read_bytes, c4.activation_bytes) == (c.flops, c.kv_read_bytes, c.activation_bytes)
 
 
 def test_qwen2_bias_and_sliding_window_caps_keys():

@@ -171,6 +171,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
         kind = model.add_weight_copies(limit)
         if kind:
             log.info("kept %s copies of the weights for decoding (REFSPEC_CPU_WEIGHT_COPIES_GIB)", kind)
+        elif limit > 0:
+            cost = ("one-row steps run about 1.25x slower" if dtype == torch.float32 else
+                    "products of several rows run on the emulated half-precision kernel, 2.3-4x slower than one row")
+            log.info("no CPU weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; "
+                     "without them %s", model.weight_copy_bytes() / 2**30, limit / 2**30, cost)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
 

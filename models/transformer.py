@@ -512,17 +512,22 @@ class Transformer(nn.Module):
         small.inv_freq_global, small.inv_freq_local = self.inv_freq_global, self.inv_freq_local
         return small
 
+    def _copied_linears(self) -> list[nn.Linear]:
+        return [self.lm_head] + [lin for blk in self.layers
+                                 for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
+
+    def weight_copy_bytes(self) -> int:
+        """Memory :meth:`add_weight_copies` would take (both kinds are fp32: 4 bytes an element)."""
+        return 4 * sum(lin.weight.numel() for lin in self._copied_linears())
+
     def add_weight_copies(self, max_bytes: int) -> str | None:
         """Keep a :class:`WeightCopy` of every block matrix and of the LM head for decoding on
         CPUs: column-major copies for one-row products of an fp32 model, fp32 copies for
         multi-row products of a bf16/fp16 model. Skipped when the copies would take more than
         ``max_bytes``; returns the kind made, or None."""
         kind = "column" if self.dtype == torch.float32 else "fp32"
-        lins = [self.lm_head] + [lin for blk in self.layers
-                                 for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
-        extra = sum(lin.weight.numel() * 4 if kind == "fp32" else lin.weight.numel() * lin.weight.element_size()
-                    for lin in lins)
-        if extra > max_bytes or any(lin.weight.is_inference() for lin in lins):
+        lins = self._copied_linears()
+        if self.weight_copy_bytes() > max_bytes or any(lin.weight.is_inference() for lin in lins):
             return None  # too big, or weights made under inference_mode (no version counter)
         for lin in lins:
             lin._copy = WeightCopy(lin.weight, kind)

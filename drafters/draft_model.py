@@ -59,7 +59,7 @@ class DraftModelDrafter:
     def _shape(self, rows: int, s: int, context: int) -> ForwardShape:
         return ForwardShape(args=self.model.args, rows=rows, tokens_per_row=s, context_tokens=context,
                             dtype_bytes=self.dtype_bytes, layers=self.model.num_layers,
-                            matrix_bytes=self.model.matrix_bytes(rows * s))
+                            matrix_bytes=self.model.multirow_matrix_bytes())
 
     def reset(self, state: DecodeState) -> None:
         b, t = state.tokens.shape

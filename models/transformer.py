@@ -533,15 +533,16 @@ class Transformer(nn.Module):
             lin._copy = WeightCopy(lin.weight, kind)
         return kind
 
-    def matrix_bytes(self, rows: int) -> int:
-        """Bytes per element its matrices stream in a product of ``rows`` rows: 4 where a
-        half-precision model multiplies them through its fp32 copies (2+ rows on a CPU, see
-        :func:`linear`), else the parameter size. Read from the LM head's copy."""
+    def multirow_matrix_bytes(self) -> int | None:
+        """Bytes per element its matrices stream in products of 2 or more rows when that
+        differs from the parameter size: 4 where a half-precision model multiplies them through
+        its fp32 copies (on a CPU, see :func:`linear`), else None. Read from the LM head's copy;
+        for :attr:`refspec.phases.ForwardShape.matrix_bytes`."""
         head = self.lm_head
         copy = head.__dict__.get("_copy")
-        if rows > 1 and copy is not None and copy.kind == "fp32" and copy.of(head.weight) is not None:
+        if copy is not None and copy.kind == "fp32" and copy.of(head.weight) is not None:
             return 4
-        return head.weight.element_size()
+        return None
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""

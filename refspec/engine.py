@@ -168,10 +168,10 @@ class Engine:
         return c
 
     def _target_shape(self, rows: int, tokens_per_row: int, context: int, lm_tokens: int | None = None) -> ForwardShape:
-        streamed = getattr(self.target, "matrix_bytes", None)
+        multirow = getattr(self.target, "multirow_matrix_bytes", None)
         return ForwardShape(args=self.target.args, rows=rows, tokens_per_row=tokens_per_row, context_tokens=context,
                             dtype_bytes=self.dtype_bytes, lm_head_tokens=lm_tokens, layers=self.target.num_layers,
-                            matrix_bytes=streamed(rows * tokens_per_row) if streamed is not None else None)
+                            matrix_bytes=multirow() if multirow is not None else None)
 
     def _emit(self, event: PhaseEvent, events: list[PhaseEvent]) -> None:
         events.append(event)

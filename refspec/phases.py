@@ -35,10 +35,11 @@ class ForwardShape:
         layers: number of decoder layers that ran (defaults to ``args.num_layers``).
         extra_weight_bytes: weights outside the decoder stack read once (e.g. an EAGLE ``fc``).
         extra_flops: FLOPs outside the standard decoder accounting.
-        matrix_bytes: bytes per element of the block matrices and LM head as the kernels
-            stream them, when that differs from ``dtype_bytes``: 4 for a bf16 model on a CPU
-            multiplying several rows through its fp32 copies
-            (:class:`~refspec.models.transformer.WeightCopy`).
+        matrix_bytes: bytes per element the block matrices and LM head stream in products of
+            2 or more rows, when that differs from ``dtype_bytes``: 4 for a bf16 model on a CPU,
+            which multiplies several rows through fp32 copies
+            (:class:`~refspec.models.transformer.WeightCopy`); one-row products stream
+            ``dtype_bytes``.
     """
 
     args: ModelArgs

@@ -278,8 +278,9 @@ def forward_cost(shape: ForwardShape) -> Cost:
     keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
-    mb = b if shape.matrix_bytes is None else shape.matrix_bytes
-    weights = mb * (layers * matrices + lm_head_matrix) + b * (layers * other + e + min(n, a.vocab_size) * e)
+    multi = b if shape.matrix_bytes is None else shape.matrix_bytes  # products of 2+ rows
+    weights = ((multi if n > 1 else b) * layers * matrices + (multi if lm_tokens > 1 else b) * lm_head_matrix
+               + b * (layers * other + e + min(n, a.vocab_size) * e))
     return Cost(
         linear_flops=2.0 * n * layers * matrices,
         attention_flops=4.0 * a.num_heads * a.head_dim * shape.tokens_per_row * keys,

@@ -1,4 +1,6 @@
 """Target models: logits equal transformers' on the same weights; cache and ragged batches."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,10 +172,16 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     # the cost model is told what the kernels stream: fp32 copies for several rows, else dtype
     from refspec.engine import Engine
 
-    assert (model.matrix_bytes(1), model.matrix_bytes(4), plain.matrix_bytes(4)) == (2, 4, 2)
-    events = Engine(model).generate([[5, 6, 7]], max_new_tokens=3).events
-    streamed = {(e.phase, w.rows * w.tokens_per_row, w.matrix_bytes) for e in events for w in e.work}
-    assert ("prefill", 3, 4) in streamed and ("verify", 1, 2) in streamed
+    from refspec.roofline import forward_cost
+
+    assert (model.multirow_matrix_bytes(), plain.multirow_matrix_bytes()) == (4, None)
+    work = {e.phase: e.work[0] for e in Engine(model).generate([[5, 6, 7]], max_new_tokens=3).events if e.work}
+    assert work["prefill"].matrix_bytes == 4 and work["prefill"].tokens_per_row == 3
+    half = forward_cost(dataclasses.replace(work["prefill"], matrix_bytes=None)).weight_bytes
+    assert forward_cost(work["prefill"]).weight_bytes > half  # 3 rows through the block matrices' fp32 copies
+    one_row = work["verify"]
+    assert one_row.rows * one_row.tokens_per_row == 1
+    assert forward_cost(one_row) == forward_cost(dataclasses.replace(one_row, matrix_bytes=None))
     toks = torch.randint(3, 96, (3, 10), generator=g)
     pos = torch.arange(10)[None].expand(3, 10)
     a, _ = model(toks, pos, model.new_cache(3, 16))

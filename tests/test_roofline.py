@@ -39,6 +39,12 @@ def test_forward_cost_matches_hand_arithmetic():
                                    matrix_bytes=4))
     assert c4.weight_bytes == 4 * (2 * (attn_matrices + mlp) + 96 * 64) + 2 * (2 * norms + 64 + 6 * 64)
     assert (c4.flops, c4.kv_read_bytes, c4.activation_bytes) == (c.flops, c.kv_read_bytes, c.activation_bytes)
+    # ... but one-row products stream the bf16 weights: a one-token head, a one-token forward
+    head1 = forward_cost(ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2,
+                                      matrix_bytes=4, lm_head_tokens=1))
+    assert head1.weight_bytes == 4 * 2 * (attn_matrices + mlp) + 2 * (96 * 64 + 2 * norms + 64 + 6 * 64)
+    one = dict(args=TINY, rows=1, tokens_per_row=1, context_tokens=5, dtype_bytes=2)
+    assert forward_cost(ForwardShape(**one, matrix_bytes=4)) == forward_cost(ForwardShape(**one))
 
 
 def test_qwen2_bias_and_sliding_window_caps_keys():

@@ -37,7 +37,8 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.models.transformer import Block, Linear, RMSNorm, apply_rope, attention_bias, rope_inv_freq, rope_tables
+from refspec.models.layers import Block, Linear, RMSNorm
+from refspec.models.ops import apply_rope, attention_bias, rope_inv_freq, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class BlockHead(nn.Module):
         mask_embed: ``[K_max, E]`` learned input of mask slot ``1..K_max``.
         in_fc: ``[E, 2E]`` fusion of each block input with the last context feature (only
             with ``config.input_fusion``; initialised to pass the embedding through).
-        layers: Lh refspec decoder :class:`~refspec.models.transformer.Block` s.
+        layers: Lh refspec decoder :class:`~refspec.models.layers.Block` s.
         norm: final RMSNorm before the target's LM head.
     """
 
@@ -153,12 +154,6 @@ class BlockHead(nn.Module):
         return StaticKVCache(num_layers=a.num_layers, batch=batch, num_kv_heads=a.num_kv_heads, max_len=max_len,
                              head_dim=a.head_dim, dtype=dtype, device=device)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables ``(cos, sin)`` (:func:`rope_tables`), each ``[B, S, 1, D]`` as the blocks
-        take them, for ``positions [B, S]``."""
-        cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        return cos[:, :, None], sin[:, :, None]
-
     def project(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
         """Fuse target features into context features.
 
@@ -184,7 +179,7 @@ class BlockHead(nn.Module):
         """
         b, s, _ = ctx.shape
         assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
-        cos, sin = self.rope(positions, ctx.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, ctx.dtype)
         for i, blk in enumerate(self.layers):
             attn = blk.attn
             k, v = attn.project_kv(ctx)  # [B, S, Hkv, D]
@@ -210,7 +205,7 @@ class BlockHead(nn.Module):
         b, s, _ = x.shape
         assert positions.shape == (b, s) and slots.shape == (b, s), "positions and slots are [B, S]"
         assert mask.shape == (b, 1, s, num_keys), f"mask must be [B, 1, S, Tk], got {tuple(mask.shape)}"
-        rope = self.rope(positions, x.dtype)
+        rope = rope_tables(positions, self.inv_freq, x.dtype)
         attn = self.layers[0].attn
         bias = attention_bias(mask, attn.hkv, attn.h // attn.hkv, x.dtype)
         for blk in self.layers:

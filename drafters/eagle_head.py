@@ -43,7 +43,8 @@ from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.drafting import DrafterError
-from refspec.models.transformer import MLP, Linear, RMSNorm, apply_rope, attend, attention_bias, rope_inv_freq, rope_tables
+from refspec.models.layers import MLP, Linear, RMSNorm
+from refspec.models.ops import apply_rope, attend, attention_bias, rope_inv_freq, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +156,19 @@ class _HeadAttention(nn.Module):
         self.wo = Linear(h * d, cfg.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [B, S, in]`` -> rotated ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]``."""
+        """``x [B, S, in]`` -> rotated ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` (the layout the
+        cache's ``write`` and :func:`attend` take)."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.h, self.d).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.hkv, self.d).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.hkv, self.d).transpose(1, 2)
+        q = self.wq(x).view(b, s, self.h, self.d)
+        k = self.wk(x).view(b, s, self.hkv, self.d)
+        v = self.wv(x).view(b, s, self.hkv, self.d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``q [B, H, S, D]`` over ``keys, values [B, Hkv, Tk, D]`` with ``mask [B, 1, S, Tk]`` -> ``[B, S, E]``."""
+        """``q [B, S, H, D]`` over ``keys, values [B, Hkv, Tk, D]`` with ``mask [B, 1, S, Tk]`` -> ``[B, S, E]``."""
         bias = attention_bias(mask, self.hkv, self.h // self.hkv, q.dtype)
-        b, _, s, _ = q.shape
-        return self.wo(attend(q.transpose(1, 2), keys, values, bias, 1.0 / math.sqrt(self.d)).view(b, s, -1))
+        b, s = q.shape[:2]
+        return self.wo(attend(q, keys, values, bias, 1.0 / math.sqrt(self.d)).view(b, s, -1))
 
 
 class EagleHead(nn.Module):
@@ -209,11 +211,6 @@ class EagleHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mlp.gate_up.weight.dtype
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [B, 1, S, D]`` (:func:`rope_tables`) for ``positions [B, S]``."""
-        cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        return cos[:, None], sin[:, None]
-
     def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         x = residual + attn_out
         return x + self.mlp(self.mlp_norm(x))
@@ -235,9 +232,9 @@ class EagleHead(nn.Module):
             ``[B, S, E]`` the head's outputs (predicted next features).
         """
         x, residual = self._attn_input(emb, h)
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         q, k, v = self.attn.project(x, cos, sin)
-        cache.write(0, slots, k.transpose(1, 2), v.transpose(1, 2))
+        cache.write(0, slots, k, v)
         out = self.attn.attend(q, *cache.read(0, num_keys), mask)
         return self._finish(residual, out)
 
@@ -269,12 +266,13 @@ class EagleHead(nn.Module):
         for j in range(steps):
             shifted = torch.cat([tokens[:, j + 1:], tokens.new_zeros(b, j + 1)], dim=1)  # x_{i+j+1}
             x, residual = self._attn_input(emb_fn(shifted).to(h.dtype), h)
-            cos, sin = self.rope((idx + j)[None].expand(b, s), x.dtype)
+            cos, sin = rope_tables((idx + j)[None].expand(b, s), self.inv_freq, x.dtype)
             q, k, v = self.attn.project(x, cos, sin)
             keys.append(k)
             values.append(v)
             mask = torch.cat([causal] + [eye] * j, dim=1)[None, None].expand(b, 1, s, s * (j + 1))
-            out = self._finish(residual, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+            kv = [torch.cat(t, 1).transpose(1, 2) for t in (keys, values)]  # [B, Hkv, S*(j+1), D]
+            out = self._finish(residual, self.attn.attend(q, *kv, mask))
             outs.append(out)
             h = out
         return outs

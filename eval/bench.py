@@ -101,12 +101,6 @@ def measure_bandwidth(dtype: torch.dtype, mib: int = 128, repeats: int = 5) -> f
     return rows * cols * elem / t
 
 
-def weight_copies(model) -> str | None:
-    """The kind of CPU weight copies the model keeps (``column``, ``fp32``), or None."""
-    copy = getattr(getattr(model, "lm_head", None), "_copy", None)
-    return None if copy is None else copy.kind
-
-
 def weight_bytes(model) -> int:
     """Bytes of distinct parameters read by one decode step (tied head counted once)."""
     seen, total = set(), 0
@@ -186,7 +180,7 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
             row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
                    "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
-                   "weight_bytes": weight_bytes(target.model), "weight_copies": weight_copies(target.model)}
+                   "weight_bytes": weight_bytes(target.model), "weight_copies": target.model.weight_copy_kind}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
             results["rows"].append(row)
@@ -249,7 +243,7 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
     out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "drafter_options": opts, "k": k,
                            "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
-                           "weight_copies": weight_copies(target.model),
+                           "weight_copies": target.model.weight_copy_kind,
                            "rows": []}
     plain_engine = Engine(target.model)
     spec_engine = Engine(target.model, drafter, config=EngineConfig(k=k))

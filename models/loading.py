@@ -138,9 +138,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.transformer.Attention`); on a CPU it also keeps a copy of each
+    :class:`~refspec.models.layers.Attention`); on a CPU it also keeps a copy of each
     matrix for the decode kernels (column-major in fp32, fp32 for a bf16/fp16 model, see
-    :class:`~refspec.models.transformer.WeightCopy`) when the copies take at most
+    :class:`~refspec.models.ops.WeightCopy`) when the copies take at most
     ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
 
     Args:

@@ -38,7 +38,7 @@ class ForwardShape:
         matrix_bytes: bytes per element the block matrices and LM head stream in products of
             2 or more rows, when that differs from ``dtype_bytes``: 4 for a bf16 model on a CPU,
             which multiplies several rows through fp32 copies
-            (:class:`~refspec.models.transformer.WeightCopy`); one-row products stream
+            (:class:`~refspec.models.ops.WeightCopy`); one-row products stream
             ``dtype_bytes``.
     """
 

@@ -19,15 +19,3 @@ def test_interleaved_keeps_the_result_of_the_fastest_run():
     assert result == 2, "the result must come from the run whose wall time is reported"
     assert 0.005 <= wall < 0.04
 
-
-def test_weight_copies_reports_what_the_model_keeps(tmp_path, monkeypatch):
-    import torch
-    from tiny import save_hf
-    from refspec.eval.bench import weight_copies
-    from refspec.models import load_model
-
-    save_hf("llama", tmp_path)
-    assert weight_copies(load_model(tmp_path)) == "column"
-    assert weight_copies(load_model(tmp_path, dtype=torch.bfloat16)) == "fp32"
-    monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    assert weight_copies(load_model(tmp_path, dtype=torch.bfloat16)) is None

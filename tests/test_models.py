@@ -109,7 +109,7 @@ def test_column_copies_follow_weight_changes(tmp_path):
     assert (replaced[0, 0] - changed[0, 0]).abs().max().item() > 1e-3
     assert (first_step() - replaced[0, 0]).abs().max().item() < 1e-4
     # a replaced sub-module is used as well (each block rebuilds the tensors it gathered)
-    from refspec.models.transformer import RMSNorm
+    from refspec.models.layers import RMSNorm
 
     blk = model.layers[1]
     norm = RMSNorm(blk.attn_norm.weight.shape[0], blk.attn_norm.eps, blk.attn_norm.plus_one)
@@ -134,7 +134,7 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     half-precision kernel's up to one rounding step, and the model's logits match a load
     without copies to half-precision accuracy; with the copies turned off none are made."""
     from tiny import save_hf
-    from refspec.models.transformer import WeightCopy, linear
+    from refspec.models.ops import WeightCopy, linear
 
     g = torch.Generator().manual_seed(5)
     w = torch.randn(96, 64, generator=g).to(dtype)
@@ -240,3 +240,13 @@ def test_config_round_trip():
     for name in TINY_HF:
         a = ModelArgs.from_hf_config(TINY_HF[name])
         assert ModelArgs.from_hf_config(a.to_hf_config()) == a
+
+
+def test_weight_copy_kind_reports_what_the_model_keeps(tmp_path, monkeypatch):
+    from tiny import save_hf
+
+    save_hf("llama", tmp_path)
+    assert load_model(tmp_path).weight_copy_kind == "column"
+    assert load_model(tmp_path, dtype=torch.bfloat16).weight_copy_kind == "fp32"
+    monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
+    assert load_model(tmp_path, dtype=torch.bfloat16).weight_copy_kind is None

@@ -2,7 +2,7 @@
 
 The head (a small transformer over the target's fused features, with K learned mask
 embeddings) and its checkpoint live in :mod:`refspec.drafters.block_head`, its training in
-:mod:`refspec.drafters.block_training`; this module drafts with a loaded head, finds the
+:mod:`refspec.drafters.training.block`; this module drafts with a loaded head, finds the
 trained head of a target and registers ``block`` with the drafter registry.
 
 Each step the head reads the pending token and K mask slots, attending to a context cache of
@@ -27,10 +27,10 @@ from refspec.cache import StaticKVCache
 from refspec.drafters import head_files
 from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION, WEIGHTS_FILE, BlockHead,
                                          BlockHeadConfig, default_feature_layers, head_args)
-from refspec.drafters.block_training import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
+from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
                                              sample_blocks, text_labels)
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 from refspec.sampling import probs_from_logits, sample
 
 
@@ -129,7 +129,7 @@ def register_builtin(register) -> None:
             return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)
         from refspec.assets import resolve_model
         from refspec.models import load_model
-        from refspec.tokenizer import load_tokenizer
+        from refspec.assets.tokenizer import load_tokenizer
 
         path = resolve_model(str(spec))
         model = load_model(path, dtype=ctx.dtype, device=ctx.device)

@@ -2,7 +2,7 @@
 
 The heads (``eagle``: EAGLE-1 feature regression; ``eagle3``: three fused target layers and a
 reduced draft vocabulary) and their checkpoints live in :mod:`refspec.drafters.eagle_head`,
-their training in :mod:`refspec.drafters.eagle_training`; this module drafts with a loaded
+their training in :mod:`refspec.drafters.training.eagle`; this module drafts with a loaded
 head and registers ``eagle`` and ``eagle3`` with the drafter registry.
 
 Alignment: head cache slot j holds the pair ``(x_{j+1}, f_j)`` at rotary position j, and its
@@ -38,10 +38,10 @@ import torch
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.drafters.eagle_head import (CONFIG, KEY_MAP, KINDS, WEIGHTS, Eagle1Head, Eagle3Head, EagleHead,
                                          HeadConfig, eagle3_layers, load_head, new_head, save_head)
-from refspec.drafters.eagle_training import EagleTrainer, EagleTrainingModule
+from refspec.drafters.training.eagle import EagleTrainer, EagleTrainingModule
 from refspec.drafters.head_files import find_head, head_dir_name, shipped_heads_dir
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A head for target ``<id>`` and drafter ``<kind>`` is the directory ``<id>-<kind>``: first
 among the heads shipped inside the package (``drafters/heads/``, small enough to ship), then
-under ``$REFSPEC_HOME/heads/``, where ``python -m refspec.drafters.train`` writes by default.
+under ``$REFSPEC_HOME/heads/``, where ``python -m refspec.eval train`` writes by default.
 A path target (a model directory) uses its directory name as the id.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def head_search_path(target_name: str, kind: str) -> list[Path]:
 
 def train_command(target_name: str, kind: str, recipe: str = "") -> str:
     """The command that trains the ``kind`` head of ``target_name`` where :func:`find_head` looks."""
-    command = f"python -m refspec.drafters.train --drafter {kind} --model {target_name}"
+    command = f"python -m refspec.eval train --drafter {kind} --model {target_name}"
     return f"{command} {recipe}" if recipe else command
 
 

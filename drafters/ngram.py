@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 
 
 class NgramDrafter:

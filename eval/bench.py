@@ -1,4 +1,4 @@
-"""``python -m refspec.bench``: benchmark scripts that print figures (not timed tests).
+"""``python -m refspec.eval bench``: benchmark scripts that print figures (not timed tests).
 
 Three benchmarks, each measured in one process so ratios are comparable (absolute times on a
 shared machine are noisy; compare the ratios):
@@ -7,17 +7,17 @@ shared machine are noisy; compare the ratios):
 the same converted weights, at batch 1 and 8, fp32 and bf16, plus the memory-bandwidth floor
 of a decode step (weight bytes / bandwidth measured in the same run)::
 
-    python -m refspec.bench decode --model smollm2-135m --json
+    python -m refspec.eval bench decode --model smollm2-135m --json
 
 ``spec``: refspec plain, refspec with a drafter, and transformers' own speculative method on
 the same prompts (prompt lookup for ``ngram``, assisted generation for ``draft-model``)::
 
-    python -m refspec.bench spec --model smollm2-135m --drafter ngram --corpus-file prompts.jsonl --json
+    python -m refspec.eval bench spec --model smollm2-135m --drafter ngram --corpus-file prompts.jsonl --json
 
 ``roofline``: the roofline model's predicted target-forward time against the measured one for
 batch 1..64 and K 0..8 on this CPU (see :mod:`refspec.eval.roofline_check`)::
 
-    python -m refspec.bench roofline --model smollm2-135m --plot roofline_cpu.png
+    python -m refspec.eval bench roofline --model smollm2-135m --plot roofline_cpu.png
 """
 from __future__ import annotations
 
@@ -305,7 +305,7 @@ def drafter_path(drafter_name: str, opts: dict, model_name: str) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refspec.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m refspec.eval bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="refspec vs transformers decode speed and the bandwidth floor")

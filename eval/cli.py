@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from refspec.eval.cli_args import (CORE_CORPORA, DEFAULT_DRAFTER, EXIT_INTERRUPTED, EXIT_USAGE, _build_plan,
+from refspec.eval.cli_args import (CORE_CORPORA, DEFAULT_DRAFTER, EXIT_INTERRUPTED, EXIT_USAGE, TOOLS, _build_plan,
                                    _normalise_argv, _parser)
 from refspec.eval.runtime import UsageError, set_threads
 
@@ -69,7 +69,7 @@ class _AcceptanceExporter:
         r = result.record
         if self.path is None or r["drafter"] == "none" or r.get("tree") or r.get("acceptance_injected"):
             return
-        from refspec.injection import AcceptanceModel, save_acceptance_models
+        from refspec.eval.injection import AcceptanceModel, save_acceptance_models
 
         key = (r["drafter"], r["corpus"], r["k"])
         self._gens.setdefault(key, []).extend(result.generations)
@@ -278,6 +278,10 @@ def _logging_to_tqdm() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
+    if raw and raw[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
     norm = _normalise_argv(raw)
     try:
         args = _parser().parse_args(norm)

@@ -17,6 +17,16 @@ from refspec.eval.runtime import UsageError, add_sampling_args, pick_device
 log = logging.getLogger(__name__)
 
 COMMANDS = ("run", "sweep", "report")
+# Tools with their own parsers: ``python -m refspec.eval NAME ...`` hands the rest of the line to
+# ``MODULE.main``.
+TOOLS = {
+    "generate": ("refspec.eval.generate", "decode prompts with a target and a drafter, print the text"),
+    "bench": ("refspec.eval.bench", "refspec against transformers and the bandwidth floor (decode, spec, roofline)"),
+    "roofline": ("refspec.eval.roofline_cli", "the analytic batch x k prediction table, plots and CSV"),
+    "assets": ("refspec.eval.assets_cli", "list, fetch, verify and convert the pinned real models"),
+    "train": ("refspec.eval.train", "train EAGLE / EAGLE-3 / block drafter heads"),
+    "dvfs": ("refspec.eval.dvfs_cli", "show the SM clocks a DVFS sweep can lock"),
+}
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"
 DEFAULT_DRAFTER = "ngram"
@@ -50,7 +60,7 @@ def _drafter_help() -> str:
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
     g = p.add_argument_group("what to run")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model id (python -m refspec.assets list) or a Hugging Face directory with tokenizer.json")
+                   help="model id (python -m refspec.eval assets list) or a Hugging Face directory with tokenizer.json")
     if sweep:
         g.add_argument("--drafter", default=DEFAULT_DRAFTER, help="comma-separated drafters; " + _drafter_help())
         g.add_argument("--k", default=None,
@@ -112,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt = _Formatter
     p = argparse.ArgumentParser(prog="python -m refspec.eval", description=__doc__, epilog=_epilog(),
                                 formatter_class=fmt)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{run,sweep,report}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join((*COMMANDS, *TOOLS)) + "}")
     run = sub.add_parser("run", help="one drafter configuration against the baseline (default command)",
                          description="Run one drafter configuration and the no-drafter baseline at the same batch "
                                      "on each corpus; print one table. Other commands: sweep, report "
@@ -139,13 +149,15 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--latency-target", type=float, default=None, metavar="SECONDS",
                      help="p99 TPOT target (default: the sweep's)")
     rep.add_argument("--debug", action="store_true", help="show tracebacks")
+    for name, (_, text) in TOOLS.items():  # listed in --help; main() dispatches them before parsing
+        sub.add_parser(name, help=f"{text} (python -m refspec.eval {name} --help)", add_help=False)
     return p
 
 
 def _normalise_argv(argv: Sequence[str]) -> list[str]:
     """``run`` is the default command: insert it unless a command (or top-level help) is given."""
     argv = list(argv)
-    return argv if argv and argv[0] in COMMANDS else ["run", *argv]
+    return argv if argv and argv[0] in (*COMMANDS, *TOOLS) else ["run", *argv]
 
 
 # ---- validation (before anything heavy) -----------------------------------------------------------
@@ -219,7 +231,7 @@ def _drafter_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 def _check_accept_model(spec: str | None) -> None:
     if spec is None:
         return
-    from refspec.injection import BUILTIN, load_acceptance_models
+    from refspec.eval.injection import BUILTIN, load_acceptance_models
 
     if spec in BUILTIN or spec.startswith("geometric:"):
         return

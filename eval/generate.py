@@ -1,10 +1,10 @@
-"""``python -m refspec.generate``: decode prompts with a real model, plain or speculative.
+"""``python -m refspec.eval generate``: decode prompts with a real model, plain or speculative.
 
 Examples::
 
-    python -m refspec.generate --model smollm2-135m --prompt "Write a haiku about tea."
-    python -m refspec.generate --model smollm2-135m --prompts-file prompts.txt --drafter ngram --k 4
-    python -m refspec.generate --model /path/to/hf_dir --prompt "def fib(n):" --no-chat --temperature 0.8
+    python -m refspec.eval generate --model smollm2-135m --prompt "Write a haiku about tea."
+    python -m refspec.eval generate --model smollm2-135m --prompts-file prompts.txt --drafter ngram --k 4
+    python -m refspec.eval generate --model /path/to/hf_dir --prompt "def fib(n):" --no-chat --temperature 0.8
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from refspec.eval.runtime import (UsageError, add_sampling_args, encode_prompt, 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m refspec.generate",
+        prog="python -m refspec.eval generate",
         description="Generate text with a refspec target model, plain (no drafter) or speculative. "
                     "Prompts of different lengths run together as one ragged batch.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
-                   help="model id (python -m refspec.assets list) or a Hugging Face directory with safetensors")
+                   help="model id (python -m refspec.eval assets list) or a Hugging Face directory with safetensors")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", type=Path, help="one prompt per line (or JSONL with a 'prompt' field)")

@@ -1,7 +1,7 @@
 """A configuration's record: its fields, and the figures computed from the ledger runs it wrote.
 
 :func:`refspec.eval.run.run_configuration` reads back the ledger records of its batch runs
-(:func:`ledger_records_since`); each batch run is accounted by :func:`refspec.accounting.account`,
+(:func:`ledger_records_since`); each batch run is accounted by :func:`refspec.energy.accounting.account`,
 and the batches are pooled by :func:`pool_accountings` (sums of time, energy and counts;
 J/token = energy / emitted tokens; TPOT percentiles over the rows of every batch; tau =
 (accepted + row-steps) / row-steps). The record also carries the roofline model's prediction
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from refspec.accounting import Accounting
+from refspec.energy.accounting import Accounting
 
 if TYPE_CHECKING:
     from refspec.eval.run import RunConfig, Session
@@ -46,7 +46,7 @@ RECORD_FIELDS: dict[str, str] = {
     "prompts_unique": "distinct prompts N", "rows": "rows decoded, ceil(N / B) * B (prompts repeat cyclically)",
     "batches": "batches run, ceil(N / B)", "max_new_tokens": "budget per row",
     "run_ids": "ledger run ids, one per batch", "ledger": "ledger file name (in the output directory)",
-    # pooled accounting of the batches (refspec.accounting, then pool_accountings)
+    # pooled accounting of the batches (refspec.energy.accounting, then pool_accountings)
     "emitted": "output tokens", "drafted": "draft tokens proposed", "accepted": "draft tokens accepted",
     "row_steps": "active row-steps with a verify", "steps": "decode steps, summed over batches",
     "verified": "target positions verified", "rejected_positions": "verified positions refuted",
@@ -73,7 +73,7 @@ RECORD_FIELDS: dict[str, str] = {
     "greedy_match_baseline": "greedy outputs equal the baseline's token for token (null: not comparable)",
     "greedy_rows_matching": "rows whose output equals the baseline's",
     "acceptance_injected": "acceptance drawn from a recorded distribution: outputs are not the model's",
-    "injection": "the injected model and its label (refspec.injection.injection_record)",
+    "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
     "output_digest": "sha256 over every row's tokens", "row_digests": "sha256 prefix of each row's tokens",
     "versions": "refspec, Python and library versions", "wall_s": "wall time of the configuration (s)",
     "created_unix_s": "when it finished (s since the epoch)",
@@ -148,7 +148,7 @@ def pool_accountings(accs: Sequence[Accounting]) -> dict[str, Any]:
 
     Times, energies and counts add; J/token = energy / emitted; tokens/s = emitted / time;
     tau = (accepted + row-steps) / row-steps; TPOT percentiles are taken over the rows of all
-    batches (linear interpolation, as in :mod:`refspec.accounting`).
+    batches (linear interpolation, as in :mod:`refspec.energy.accounting`).
     """
     if not accs:
         raise ValueError("no batch accountings to pool")
@@ -197,7 +197,7 @@ def pool_accountings(accs: Sequence[Accounting]) -> dict[str, Any]:
 # ---- the roofline prediction ----------------------------------------------------------------
 def acceptance_from_tau(tau: float, k: int) -> float:
     """Per-draft acceptance a whose expected tokens per step (1 - a^(k+1)) / (1 - a) equal tau."""
-    from refspec.roofline import expected_tokens_per_step
+    from refspec.energy.roofline import expected_tokens_per_step
 
     if k <= 0 or tau <= 1.0:
         return 0.0
@@ -212,7 +212,7 @@ def acceptance_from_tau(tau: float, k: int) -> float:
 
 def _drafter_cost_model(cfg: RunConfig, drafter: Any) -> Any:
     """The roofline's cost model of a drafter, or None when none fits."""
-    from refspec.roofline import EAGLE_HEAD, DrafterModel
+    from refspec.energy.roofline import EAGLE_HEAD, DrafterModel
 
     if cfg.drafter == "ngram":
         return DrafterModel(name="ngram", fraction=0.0)
@@ -236,7 +236,7 @@ def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts:
     Context is the mean prompt length plus half the budget; acceptance is the per-draft
     acceptance that reproduces the measured tau. Prefill is not part of the prediction.
     """
-    from refspec.roofline import predict_step
+    from refspec.energy.roofline import predict_step
 
     profile = session.roofline_profile
     if profile is None or cfg.tree:

@@ -10,7 +10,7 @@ directory: ``report.md`` and four plots:
 * ``phase_energy.png``: J per output token of each configuration, stacked by phase;
 * ``latency_energy.png``: p99 TPOT against J per output token, one panel per corpus, the
   latency target drawn and the lowest-energy configuration meeting it marked
-  (:func:`refspec.latency.choose_config`).
+  (:func:`refspec.energy.latency.choose_config`).
 
 Every figure says where its energy came from (measured by which counter, or modelled by which
 roofline profile), and every injected-acceptance run is labelled as such.
@@ -155,7 +155,7 @@ def _with_energy(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 def latency_choices(records: Sequence[Mapping[str, Any]], target_s: float) -> dict[str, dict[str, Any]]:
     """Per corpus: the chosen configuration at ``target_s`` and the cost of tighter targets."""
-    from refspec.latency import choose_config, cost_of_tighter_target
+    from refspec.energy.latency import choose_config, cost_of_tighter_target
 
     out: dict[str, dict[str, Any]] = {}
     by_corpus: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
@@ -364,7 +364,7 @@ def _md_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _latency_md(records: Sequence[Mapping[str, Any]], target_s: float | None,
                 choices: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
-    from refspec.latency import format_targets
+    from refspec.energy.latency import format_targets
 
     lines = ["## Latency target", ""]
     if target_s is None:
@@ -373,7 +373,7 @@ def _latency_md(records: Sequence[Mapping[str, Any]], target_s: float | None,
     if not choices:
         return lines + ["No configuration has both energy and TPOT figures; nothing to choose.", ""]
     lines.append(f"Target: p99 TPOT <= {1e3 * target_s:g} ms per token per user. Chosen per corpus: the lowest J "
-                 f"per output token among the configurations that meet it (refspec.latency.choose_config).")
+                 f"per output token among the configurations that meet it (refspec.energy.latency.choose_config).")
     lines.append("")
     for corpus, c in sorted(choices.items()):
         chosen = c["chosen"]

@@ -1,11 +1,11 @@
-"""Roofline-predicted against measured step times on this CPU (``python -m refspec.bench roofline``).
+"""Roofline-predicted against measured step times on this CPU (``python -m refspec.eval bench roofline``).
 
 For every (batch B, draft length K) the engine decodes random prompts with the ``ngram``
 drafter (K = 0: plain decoding), so each step runs one target forward over K + 1 positions per
 row, the shape a drafter of K tokens makes the target verify. The engine's own phase events
 give, per step, the measured wall time of ``verify`` (the target forward) and of the whole
-step (draft + verify + commit), and the exact :class:`~refspec.phases.ForwardShape` of the
-verify forward. The roofline model (:mod:`refspec.roofline`) turns that shape into a time on
+step (draft + verify + commit), and the exact :class:`~refspec.energy.phases.ForwardShape` of the
+verify forward. The roofline model (:mod:`refspec.energy.roofline`) turns that shape into a time on
 the CPU profile measured in the same process (matrix-vector bandwidth, matmul peak), so the
 comparison is like for like: same shapes, same machine, same moment.
 
@@ -83,7 +83,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
         prompt_len: tokens per random prompt.
         new_tokens: tokens generated per row (steps timed: about ``new_tokens - skip``).
         skip: first steps left out of the medians (allocation, caches warming).
-        profile: a :class:`~refspec.roofline.HardwareProfile`; default: this CPU, measured now
+        profile: a :class:`~refspec.energy.roofline.HardwareProfile`; default: this CPU, measured now
             for the model's dtype.
         seed: prompt generator seed.
 
@@ -92,7 +92,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     """
     from refspec.drafters.ngram import NgramDrafter
     from refspec.engine import Engine, EngineConfig
-    from refspec.roofline import cpu_profile, work_time_s
+    from refspec.energy.roofline import cpu_profile, work_time_s
 
     if new_tokens <= skip + 1:
         raise ValueError(f"new_tokens ({new_tokens}) must exceed skip + 1 ({skip + 1})")

@@ -14,7 +14,7 @@ rows; prompts repeat cyclically to fill the rows (``prompts_unique`` N, ``rows``
 Every batch is one ledger run (``run_id`` ``<config id>.<attempt>.b<i>``, appended to the
 ledger file with flush). The record's figures come only from the ledger records this
 configuration wrote, read back from disk: each batch run is accounted by
-:func:`refspec.accounting.account`, and the batches are pooled by :func:`pool_accountings`
+:func:`refspec.energy.accounting.account`, and the batches are pooled by :func:`pool_accountings`
 (sums of time, energy and counts; J/token = energy / emitted tokens; TPOT percentiles over the
 rows of every batch; tau = (accepted + row-steps) / row-steps). The record's fields, the
 pooling, the roofline prediction and the baseline comparison are in :mod:`refspec.eval.records`
@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from refspec import __version__
-from refspec.accounting import account
-from refspec.phases import PhaseEvent
+from refspec.energy.accounting import account
+from refspec.energy.phases import PhaseEvent
 from refspec.eval.runtime import LoadedTarget, UsageError, load_target
 from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, acceptance_from_tau, compare_with_baseline,
                                  describe_source, ensure_line_end, ledger_records_since, pool_accountings,
@@ -251,7 +251,7 @@ class Session:
     def meter(self) -> Any:
         """The energy meter every configuration is metered with."""
         if self._meter is None:
-            from refspec.meters import make_meter
+            from refspec.energy.meters import make_meter
 
             kind, _, profile = self.meter_kind.partition(":")
             if kind not in ("auto", "zeus", "roofline", "time"):
@@ -278,7 +278,7 @@ class Session:
         if prof is not None:
             return prof
         if self.device.type == "cuda":
-            from refspec.roofline import GPU_PROFILES
+            from refspec.energy.roofline import GPU_PROFILES
 
             name = torch.cuda.get_device_name(self.device).lower()
             return next((p for key, p in GPU_PROFILES.items() if key in name), None)
@@ -388,9 +388,9 @@ def _acceptance_injection(cfg: RunConfig, device: torch.device) -> tuple[Any, di
     """The engine's acceptance_fn, the injection record and its label for ``cfg`` (Nones without injection)."""
     if cfg.accept_model is None:
         return None, None, None
-    if importlib.util.find_spec("refspec.injection") is None:
-        raise UsageError("--accept-model: refspec.injection is not available in this installation")
-    from refspec.injection import injection_label, injection_record, make_acceptance_fn, resolve_acceptance_model
+    if importlib.util.find_spec("refspec.eval.injection") is None:
+        raise UsageError("--accept-model: refspec.eval.injection is not available in this installation")
+    from refspec.eval.injection import injection_label, injection_record, make_acceptance_fn, resolve_acceptance_model
 
     model = resolve_acceptance_model(cfg.accept_model, k=cfg.k, drafter=cfg.drafter, corpus=cfg.corpus)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 7919)
@@ -425,7 +425,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         The record (see :data:`RECORD_FIELDS`) and the generations.
     """
     from refspec.engine import Engine, EngineConfig
-    from refspec.ledger import Ledger
+    from refspec.energy.ledger import Ledger
     from refspec.sampling import SamplingConfig
 
     t_start = time.perf_counter()

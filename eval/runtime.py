@@ -83,7 +83,7 @@ def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress
     model = load_model(path, dtype=dtype, device=device)
     tok = None
     if (path / "tokenizer.json").exists():
-        from refspec.tokenizer import load_tokenizer
+        from refspec.assets.tokenizer import load_tokenizer
 
         tok = load_tokenizer(path)
     return LoadedTarget(name=name, path=path, model=model, tokenizer=tok)

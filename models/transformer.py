@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         """Bytes per element its matrices stream in products of 2 or more rows when that
         differs from the parameter size: 4 where a half-precision model multiplies them through
         its fp32 copies (on a CPU, see :func:`linear`), else None; for
-        :attr:`refspec.phases.ForwardShape.matrix_bytes`."""
+        :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`."""
         return 4 if self.weight_copy_kind == "fp32" else None
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

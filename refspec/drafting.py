@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 from refspec.sampling import SamplingConfig
 
 

@@ -12,8 +12,8 @@ Each step, for a batch of ragged rows with static shapes:
 
 Rejected KV entries stay in the cache but are never attended and are overwritten next step.
 Finished rows keep riding along (static shapes) but emit nothing. Every phase is bracketed
-by an :class:`~refspec.phases.EnergyMeter` and reported to observers as a
-:class:`~refspec.phases.PhaseEvent`.
+by an :class:`~refspec.energy.phases.EnergyMeter` and reported to observers as a
+:class:`~refspec.energy.phases.PhaseEvent`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 from refspec.cache import causal_mask, tree_mask
 from refspec.drafting import DecodeState, Draft, Drafter
-from refspec.phases import EnergyMeter, ForwardShape, Measurement, PhaseEvent, PhaseObserver
+from refspec.energy.phases import EnergyMeter, ForwardShape, Measurement, PhaseEvent, PhaseObserver
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
 from refspec.verify import (Acceptance, emitted_tokens, greedy_accept, speculative_sample, tree_ancestors,
                             tree_greedy_accept)

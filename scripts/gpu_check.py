@@ -16,7 +16,7 @@ On a machine with one NVIDIA GPU and no network, in well under 8 minutes:
    graph the measured run will need, then the measured run. Step times come from host
    timestamps after each step's one host sync; energy from Zeus (NVML total-energy counter)
    over the measured run's steps 2..N; each step is compared with its roofline prediction
-   (:mod:`refspec.roofline`, the GPU's data-sheet profile) computed from the exact work the
+   (:mod:`refspec.energy.roofline`, the GPU's data-sheet profile) computed from the exact work the
    engine reported for that step.
 3. **outputs** under ``--out`` (default ``$OUT``): ``gpu_check.json`` with every figure and
    ``*.png`` plots; a summary is printed.
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="rehearse on a CPU: toy model, no CUDA, modelled energy")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")),
                    help="output folder (default: $OUT)")
-    p.add_argument("--arch", default="llama-3.1-8b", help="architecture of refspec.architectures.ARCHS for the target")
+    p.add_argument("--arch", default="llama-3.1-8b", help="architecture of refspec.energy.architectures.ARCHS for the target")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64])
     p.add_argument("--ks", type=_ints, default=[0, 3, 7, 15])
     p.add_argument("--accept-model", default="vllm-eagle3-llama3.1-8b",
@@ -128,9 +128,9 @@ class Setup:
 
 def build_setup(args: argparse.Namespace) -> Setup:
     from refspec.cuda_graphs import GraphRunner
-    from refspec.meters import NoGPUError, make_meter
-    from refspec.random_models import random_model, shrunk_config
-    from refspec.roofline import cpu_profile, get_profile
+    from refspec.energy.meters import NoGPUError, make_meter
+    from refspec.models.random_models import random_model, shrunk_config
+    from refspec.energy.roofline import cpu_profile, get_profile
 
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
@@ -153,7 +153,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
 
     if dry:
         profile = cpu_profile(torch.finfo(dtype).bits // 8)
-        profile_note = f"this CPU's measured {args.dtype} profile (refspec.roofline.cpu_profile)"
+        profile_note = f"this CPU's measured {args.dtype} profile (refspec.energy.roofline.cpu_profile)"
         meter = make_meter("roofline", profile=profile, time_source="measured")
         meter_note = "dry run: energy MODELLED by the roofline meter (no energy counter on this CPU)"
         idle_w = profile.idle_w
@@ -184,8 +184,8 @@ def run_point(setup: Setup, args: argparse.Namespace, batch: int, k: int) -> dic
     """Warm-up run (captures), then the measured run of one (batch, k)."""
     from refspec.drafters.draft_model import DraftModelDrafter
     from refspec.engine import Engine, EngineConfig
-    from refspec.injection import make_acceptance_fn, resolve_acceptance_model
-    from refspec.roofline import forward_cost, total_cost, work_time_s
+    from refspec.eval.injection import make_acceptance_fn, resolve_acceptance_model
+    from refspec.energy.roofline import forward_cost, total_cost, work_time_s
 
     target, dev = setup.target, setup.device
     g = torch.Generator().manual_seed(args.seed + batch)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU visible; run with --dry-run to rehearse on a CPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
-    from refspec.injection import injection_label, injection_record, resolve_acceptance_model
+    from refspec.eval.injection import injection_label, injection_record, resolve_acceptance_model
 
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {

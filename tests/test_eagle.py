@@ -374,7 +374,7 @@ def test_a_missing_head_names_the_command_that_trains_one(monkeypatch, tmp_path)
     with pytest.raises(DrafterError) as exc:
         find_head("no-such-model", "eagle3")
     msg = str(exc.value)
-    assert "python -m refspec.drafters.train --drafter eagle3 --model no-such-model" in msg
+    assert "python -m refspec.eval train --drafter eagle3 --model no-such-model" in msg
     assert str(tmp_path / "heads" / "no-such-model-eagle3") in msg
 
 
@@ -399,7 +399,7 @@ def test_smollm2_heads_are_lossless_and_accepted(kind):
     """The shipped SmolLM2 heads in fp32: greedy equality at batch 1 and a ragged batch, chain and tree."""
     from refspec.assets import resolve_model
     from refspec.models import load_model
-    from refspec.tokenizer import load_tokenizer
+    from refspec.assets.tokenizer import load_tokenizer
 
     path = resolve_model("smollm2-135m")
     m = load_model(path, dtype=torch.float32)

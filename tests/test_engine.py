@@ -197,7 +197,7 @@ def test_ngram_trimming_changes_no_token_and_verifies_fewer_positions(tiny_model
 
 def test_injected_acceptance_refuses_a_trimmed_draft(tiny_models):
     from refspec.engine import GenerationError
-    from refspec.injection import geometric_model, make_acceptance_fn
+    from refspec.eval.injection import geometric_model, make_acceptance_fn
 
     m = tiny_models["llama"]
     fn = make_acceptance_fn(geometric_model(0.5, 4), torch.Generator().manual_seed(0))

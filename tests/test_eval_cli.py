@@ -1,7 +1,7 @@
 """Tests of ``python -m refspec.eval``: run, sweep (resume, Slurm tasks), report, errors.
 
 The fast tier runs the CLI in-process on a tiny random llama with a WordLevel tokenizer built
-here (``tokenizer.json`` + ``tokenizer_config.json``, loaded by ``refspec.tokenizer``) and a
+here (``tokenizer.json`` + ``tokenizer_config.json``, loaded by ``refspec.assets.tokenizer``) and a
 prompt file of token words, so no asset is fetched. The ``real`` tier runs SmolLM2-135M with the
 n-gram drafter on two built-in corpora.
 """
@@ -15,7 +15,7 @@ import pytest
 from refspec.eval import cli
 from refspec.eval.run import RECORD_FIELDS, auto_dtype, cpu_has_fast_bf16
 from refspec.eval.sweep import read_records
-from refspec.ledger import read_ledger
+from refspec.energy.ledger import read_ledger
 
 REQUIRED = ("model", "drafter", "k", "batch", "corpus", "dtype", "device", "tau", "tokens_per_s", "tpot_p50_s",
             "tpot_p99_s", "energy_per_token_j", "energy_source", "phase_energy_j", "baseline",
@@ -134,7 +134,7 @@ def test_report_states_source_licences_and_caveat(run_dir):
 
 
 def test_exported_acceptance_loads_and_injects(run_dir, tiny, tmp_path, capsys):
-    from refspec.injection import load_acceptance_models
+    from refspec.eval.injection import load_acceptance_models
 
     models = load_acceptance_models(run_dir / "acceptance.json")
     assert len(models) == 1 and models[0].drafter == "ngram" and models[0].k == 4

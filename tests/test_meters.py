@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from refspec import meters
+from refspec.energy import meters
 from refspec.config import ModelArgs
-from refspec.meters import FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter, make_meter
-from refspec.phases import ForwardShape
-from refspec.roofline import HardwareProfile, forward_cost
+from refspec.energy.meters import FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter, make_meter
+from refspec.energy.phases import ForwardShape
+from refspec.energy.roofline import HardwareProfile, forward_cost
 
 
 class World:
@@ -76,7 +76,7 @@ def test_end_without_begin_is_an_error():
 def test_zero_delta_and_short_window_warn_once_per_name(caplog):
     w = World()
     m = FakeMeter(w.clock, w.energy, counter_period_s=0.1)
-    with caplog.at_level(logging.DEBUG, logger="refspec.meters"):
+    with caplog.at_level(logging.DEBUG, logger="refspec.energy.meters"):
         for _ in range(3):
             m.begin("draft")
             w.advance(0.004, 0.0)
@@ -131,7 +131,7 @@ def test_zeus_meter_with_fake_monitor(caplog):
     outer = m.end("verify")
     assert (inner.time_s, inner.energy_j) == (0.5, 150.0)
     assert (outer.time_s, outer.energy_j) == (1.0, 250.0)
-    with caplog.at_level(logging.WARNING, logger="refspec.meters"):
+    with caplog.at_level(logging.WARNING, logger="refspec.energy.meters"):
         m.begin("draft")
         w.advance(0.003, 0.0)
         m.end("draft")

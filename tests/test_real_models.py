@@ -11,7 +11,7 @@ import torch
 
 from refspec import assets
 from refspec.models import load_model
-from refspec.tokenizer import load_tokenizer
+from refspec.assets.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.real
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from refspec.config import ModelArgs
-from refspec.phases import ForwardShape
-from refspec.roofline import (ARCHS, EAGLE_HEAD, H100_SXM, H200_SXM, Cost, DrafterModel, HardwareProfile, arch,
-                              compute_bound_batch, cpu_profile, expected_tokens_per_step, forward_cost, main,
+from refspec.energy.phases import ForwardShape
+from refspec.eval.roofline_cli import main
+from refspec.energy.roofline import (ARCHS, EAGLE_HEAD, H100_SXM, H200_SXM, Cost, DrafterModel, HardwareProfile, arch,
+                              compute_bound_batch, cpu_profile, expected_tokens_per_step, forward_cost,
                               predict_step, total_cost)
 
 # E=64, I=128, L=2, H=4, Hkv=2, D=16, V=96, tied, no bias

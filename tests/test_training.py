@@ -171,7 +171,7 @@ def test_trainers_register_through_drafter_modules():
 
 
 def test_cli_help_lists_the_drafters(capsys):
-    from refspec.drafters import train
+    from refspec.eval import train
 
     with pytest.raises(SystemExit) as exc:
         train.main(["--help"])
@@ -183,7 +183,7 @@ def test_cli_help_lists_the_drafters(capsys):
 @pytest.mark.real
 def test_cli_trains_a_smollm2_head_from_train_splits_and_resumes(tmp_path):
     """End to end on the real target with tiny sizes: data from train splits only, export, resume."""
-    from refspec.drafters import train
+    from refspec.eval import train
     from refspec.drafters.eagle import load_head
     from refspec.models import load_model
     from refspec.assets import resolve_model

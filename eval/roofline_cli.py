@@ -1,6 +1,6 @@
-"""``python -m refspec.roofline``: the batch x k prediction table, plots and CSV of the roofline model.
+"""``python -m refspec.eval roofline``: the batch x k prediction table, plots and CSV of the roofline model.
 
-The model itself (hardware profiles, forward costs, one speculative step) is :mod:`refspec.roofline`;
+The model itself (hardware profiles, forward costs, one speculative step) is :mod:`refspec.energy.roofline`;
 this module only turns its predictions into a table, PNG plots and a CSV. Every energy it shows is
 modelled, never measured.
 """
@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.architectures import ARCHS, arch
+from refspec.energy.architectures import ARCHS, arch
 from refspec.config import ModelArgs
-from refspec.roofline import EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, get_profile, predict_step
+from refspec.energy.roofline import EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, get_profile, predict_step
 
 
 def _ints(text: str) -> list[int]:
@@ -106,7 +106,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: print a prediction table, optionally write plots and a CSV."""
     parser = argparse.ArgumentParser(
-        prog="python -m refspec.roofline",
+        prog="python -m refspec.eval roofline",
         description="Roofline prediction of time and energy per output token of speculative decoding "
                     "against batch size, for each draft length k. All energies are MODELLED from a hardware "
                     "profile (data-sheet peak and bandwidth, prior energy coefficients), never measured.",

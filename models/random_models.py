@@ -2,7 +2,7 @@
 
 Timing and energy of 8B-class targets need the real shapes, not the real weights: every
 weight is read once per step whatever its value. :func:`random_model` builds a
-:class:`~refspec.models.Transformer` of an architecture from :data:`refspec.architectures.ARCHS`
+:class:`~refspec.models.Transformer` of an architecture from :data:`refspec.energy.architectures.ARCHS`
 (Llama-3.1-8B, Qwen3-8B, Gemma 3 270M..27B, ...) directly on the target device: the modules
 are created on the ``meta`` device (no memory), cast to the run's dtype there, materialised
 with ``to_empty`` on the device and filled in place by an explicit generator. Host RAM never
@@ -12,7 +12,7 @@ Values: matrices and embeddings ``N(0, std^2)`` (default std 0.02), biases 0, no
 at identity (1, or 0 for Gemma's ``1 + w`` norms). With pre-norm blocks every layer's input
 is RMS-normalised, so activations stay O(1) and logits stay finite (|logit| ~ std * sqrt(E)).
 The outputs are meaningless text; pair such a model with injected acceptance
-(:mod:`refspec.injection`) and say so.
+(:mod:`refspec.eval.injection`) and say so.
 
 :func:`shrunk_config` keeps an architecture's family, flags and head ratios at toy sizes, for
 dry runs of the full-size scripts on a CPU.
@@ -26,18 +26,18 @@ from typing import Any
 import torch
 
 from refspec.config import ModelArgs
-from refspec.architectures import ARCHS
+from refspec.energy.architectures import ARCHS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STD = 0.02
 
 FULL_SIZE_TARGETS = ("llama-3.1-8b", "qwen3-8b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
-"""Architectures of :data:`refspec.architectures.ARCHS` the GPU timing runs use as random targets."""
+"""Architectures of :data:`refspec.energy.architectures.ARCHS` the GPU timing runs use as random targets."""
 
 
 def arch_args(arch: str | ModelArgs | dict[str, Any]) -> ModelArgs:
-    """``ModelArgs`` of an :data:`~refspec.architectures.ARCHS` name, a HF config dict, or ModelArgs."""
+    """``ModelArgs`` of an :data:`~refspec.energy.architectures.ARCHS` name, a HF config dict, or ModelArgs."""
     if isinstance(arch, ModelArgs):
         return arch
     if isinstance(arch, dict):
@@ -52,7 +52,7 @@ def shrunk_config(arch: str, *, hidden_size: int = 256, num_layers: int = 2, voc
     """A toy HF config of the same family as ``arch`` (flags, GQA ratio, rope kind kept).
 
     Args:
-        arch: a name in :data:`~refspec.architectures.ARCHS`.
+        arch: a name in :data:`~refspec.energy.architectures.ARCHS`.
         hidden_size: E of the toy.
         num_layers: L of the toy (Gemma keeps its sliding/full pattern over these layers).
         vocab_size: V of the toy.
@@ -91,7 +91,7 @@ def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device
     """A random-weight ``Transformer`` of a real architecture, built on ``device``.
 
     Args:
-        arch: architecture name (:data:`~refspec.architectures.ARCHS`), HF config dict or ModelArgs.
+        arch: architecture name (:data:`~refspec.energy.architectures.ARCHS`), HF config dict or ModelArgs.
         device: where the weights live (they are never materialised elsewhere).
         dtype: weight dtype (bf16 for timing runs).
         seed: seed of the generator filling the weights.

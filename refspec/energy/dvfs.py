@@ -8,22 +8,20 @@ CAP_SYS_ADMIN or the ``zeusd`` daemon.
 
 The GPU is reached through a small :class:`GPUBackend` protocol; :class:`ZeusGPUBackend` wraps
 ``zeus.device.get_gpus()`` (and NVML for the observed clock), and tests inject a fake GPU.
-Without a GPU every entry point raises :class:`~refspec.meters.NoGPUError`; the CLI
-(``python -m refspec.dvfs``) says so and exits 0.
+Without a GPU every entry point raises :class:`~refspec.energy.meters.NoGPUError`; the CLI
+(``python -m refspec.eval dvfs``) says so and exits 0.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import dataclasses
 import logging
 import signal
-import sys
 import threading
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-from refspec.meters import NoGPUError
+from refspec.energy.meters import NoGPUError
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +249,7 @@ def dvfs_sweep(run_fn: Callable[[], RunResult], clocks: Sequence[int], *, gpu: i
 
     Args:
         run_fn: runs one measured workload and returns ``{"energy_per_token_j": J,
-            "tpot_p99_s": s}`` (e.g. from :func:`refspec.accounting.account`).
+            "tpot_p99_s": s}`` (e.g. from :func:`refspec.energy.accounting.account`).
         clocks: SM clocks to lock, MHz.
         gpu: GPU index.
         backend: GPU backend (:class:`ZeusGPUBackend` when None).
@@ -275,28 +273,3 @@ def dvfs_sweep(run_fn: Callable[[], RunResult], clocks: Sequence[int], *, gpu: i
     best = min([baseline, *ok], key=lambda p: p.energy_per_token_j)
     return DVFSSweep(baseline=baseline, points=tuple(points), tolerance=tolerance, headroom_mhz=headroom, best=best,
                      energy_saving=1.0 - best.energy_per_token_j / baseline.energy_per_token_j)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: show a GPU's current and supported SM clocks (exit 0 with a message without a GPU)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m refspec.dvfs",
-        description="Show the SM clocks DVFS sweeps can lock. Sweeps themselves run from refspec.eval, which "
-                    "calls refspec.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
-                    "exception and Ctrl-C.")
-    parser.add_argument("--gpu", type=int, default=0, help="GPU index")
-    args = parser.parse_args(argv)
-    try:
-        backend = ZeusGPUBackend()
-        clocks = backend.supported_sm_clocks(args.gpu)
-        current = backend.sm_clock_mhz(args.gpu)
-    except NoGPUError as exc:
-        print(f"no GPU: {exc}. DVFS needs an NVIDIA GPU; nothing to do.")
-        return 0
-    print(f"gpu{args.gpu}: current SM clock {current} MHz; {len(clocks)} supported SM clocks "
-          f"{clocks[0]}-{clocks[-1]} MHz: {clocks}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Shared plumbing for training drafters on a frozen target (EAGLE heads, block drafters).
 
 A drafter that learns from the target's hidden states needs the same few pieces, written once
-and used by every trainer (steps 1 and 2 live in :mod:`refspec.drafters.training_data` and are
+and used by every trainer (steps 1 and 2 live in :mod:`refspec.drafters.training.data` and are
 re-exported here):
 
 1. **text -> sequences**: token sequences with a loss mask (which positions' next-token
@@ -22,7 +22,7 @@ re-exported here):
 Trainers register in :data:`TRAINERS` through a module hook: a drafter's training module
 (``eagle_training``, ``block_training``) defines ``register_trainers(register)`` and calls
 ``register(Trainer(...))``; :func:`load_trainers` imports those modules and calls their hooks,
-so ``python -m refspec.drafters.train --drafter NAME`` dispatches without the CLI knowing any
+so ``python -m refspec.eval train --drafter NAME`` dispatches without the CLI knowing any
 drafter.
 
 Out directory layout (``train(out_dir=...)``): ``checkpoint.pt`` (resume state),
@@ -46,7 +46,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from refspec.drafters.training_data import (  # noqa: F401 - the data half, re-exported
+from refspec.drafters.training.data import (  # noqa: F401 - the data half, re-exported
     Batch, FeatureDataset, TrainingError, TrainingSequence, collect_features, self_distill)
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Trainer(Protocol):
 TRAINERS: dict[str, Trainer] = {}
 """Registered trainers by drafter name (fill with :func:`load_trainers`)."""
 
-_TRAINER_MODULES = ("eagle_training", "block_training")
+_TRAINER_MODULES = ("training.eagle", "training.block")
 _trainers_loaded = False
 
 

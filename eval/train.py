@@ -1,10 +1,10 @@
-"""``python -m refspec.drafters.train``: train a drafter (eagle, eagle3, block) on a frozen target.
+"""``python -m refspec.eval train``: train a drafter (eagle, eagle3, block) on a frozen target.
 
 Examples::
 
-    python -m refspec.drafters.train --drafter eagle --model smollm2-135m
-    python -m refspec.drafters.train --drafter eagle3 --model smollm2-135m --steps 3000 --max-time-min 25
-    python -m refspec.drafters.train --drafter eagle --model smollm2-135m --resume   # after Ctrl-C
+    python -m refspec.eval train --drafter eagle --model smollm2-135m
+    python -m refspec.eval train --drafter eagle3 --model smollm2-135m --steps 3000 --max-time-min 25
+    python -m refspec.eval train --drafter eagle --model smollm2-135m --resume   # after Ctrl-C
 
 Training text is disjoint from every evaluation prompt: it comes only from the ``train`` split
 of refspec's corpora (``refspec.eval.corpora``; the split is decided by a salted hash of each
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
-log = logging.getLogger("refspec.drafters.train")
+log = logging.getLogger("refspec.eval.train")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,7 +164,7 @@ def _load_sequences(path: Path):
 def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     names = ", ".join(f"{n} ({t.description})" for n, t in sorted(trainers.items())) or "none registered"
     p = argparse.ArgumentParser(
-        prog="python -m refspec.drafters.train",
+        prog="python -m refspec.eval train",
         description=f"Train a drafter on a frozen target's hidden states. Drafters: {names}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--drafter", required=True, choices=sorted(trainers), help="what to train")
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         feature_time = time.perf_counter() - t_start - data_time
         model = target.model.float()  # the loss runs the target's embedding / LM head in float32
         provenance = {"target": args.model, "target_path": str(target.path),
-                      "command": "python -m refspec.drafters.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "command": "python -m refspec.eval train " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "data_prep_s": round(data_time, 1), "feature_s": round(feature_time, 1),
                       "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
         result = training.train(trainer, model, dataset, config, out, options=options, resume=args.resume,

@@ -1,14 +1,14 @@
 """Energy meters: bracket a named window and say what it cost, and where the figure came from.
 
-Every meter implements :class:`refspec.phases.EnergyMeter`: ``begin(name)`` opens a window,
+Every meter implements :class:`refspec.energy.phases.EnergyMeter`: ``begin(name)`` opens a window,
 ``end(name, work)`` closes the most recent open window of that name and returns a
-:class:`~refspec.phases.Measurement`. Windows of different names may nest or overlap; windows of
+:class:`~refspec.energy.phases.Measurement`. Windows of different names may nest or overlap; windows of
 the same name nest last-in first-out. Each measurement's ``source`` says what it is:
 
 ========================  ===================================================================
 ``ZeusMeter``             ``measured:nvml-total-energy(gpu<i>)``: NVML's total-energy counter
                           read by Zeus (GPU only; updates every 20-100 ms, so a single
-                          millisecond phase often reads 0 J, see :mod:`refspec.attribution`)
+                          millisecond phase often reads 0 J, see :mod:`refspec.energy.attribution`)
 ``RooflineMeter``         ``modelled:roofline(<profile>)``: time and energy from the analytic
                           model of the window's work; or ``modelled:roofline(<profile>,wall-time)``
                           when the time is measured and only the energy is modelled
@@ -27,8 +27,8 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Literal, Sequence
 
-from refspec.phases import ForwardShape, Measurement
-from refspec.roofline import HardwareProfile, cpu_profile, get_profile, total_cost, work_time_s
+from refspec.energy.phases import ForwardShape, Measurement
+from refspec.energy.roofline import HardwareProfile, cpu_profile, get_profile, total_cost, work_time_s
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class _ShortWindowWarner:
         self.counts[name] += 1
         level = logging.WARNING if self.counts[name] == 1 else logging.DEBUG
         logger.log(level, "window %r %s on %s: its energy is unreliable; attribute phase energy with "
-                   "refspec.attribution (phase-isolated loops or NNLS over long windows)",
+                   "refspec.energy.attribution (phase-isolated loops or NNLS over long windows)",
                    name, " and ".join(problems), self.source)
 
 
@@ -243,7 +243,7 @@ TimeSource = Literal["model", "measured"]
 
 
 class RooflineMeter:
-    """Modelled energy of each window from the work it did (:mod:`refspec.roofline`).
+    """Modelled energy of each window from the work it did (:mod:`refspec.energy.roofline`).
 
     Two time sources, chosen at construction:
 
@@ -356,7 +356,7 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
         **fake_kwargs: passed to :class:`FakeMeter` (``source``, ``counter_period_s``, ``idle_w``).
 
     Returns:
-        An object implementing :class:`refspec.phases.EnergyMeter`.
+        An object implementing :class:`refspec.energy.phases.EnergyMeter`.
 
     Raises:
         NoGPUError: ``kind="zeus"`` without a usable GPU.

@@ -42,17 +42,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from refspec.eval.corpus_loaders import (_ALPACA_MEMBER, _ARENA_MEMBER, _GSM_MEMBERS, _HUMANEVAL_MEMBER, _SOTU_DIR,
+from refspec.eval.corpora.loaders import (_ALPACA_MEMBER, _ARENA_MEMBER, _GSM_MEMBERS, _HUMANEVAL_MEMBER, _SOTU_DIR,
                                          _UDHR_DIR, ALPACA_SUBSETS, ARENA_SUBSETS, DEFAULT_MATH_QUESTIONS,
                                          MATH_EVAL_FRACTION, ROMANSH_IDIOMS, _format_number, _gsm_import, _is_integer,
                                          _load_alpaca, _load_arena, _load_humaneval, _load_math, _load_sotu,
                                          _udhr_loader, udhr_blocks)
-from refspec.eval.corpus_sources import (ARTIFACTS, Artifact, CorpusError, CorpusFetchError, CorpusFormatError,
+from refspec.eval.corpora.sources import (ARTIFACTS, Artifact, CorpusError, CorpusFetchError, CorpusFormatError,
                                          CorpusIntegrityError, _download, _jsonl_objects, _normalise, _Record,
                                          artifact_path, corpora_dir, refspec_home, sha256_file, split_of)
 
 # ``refspec.eval.corpora`` stays the one public name: the artifact and loader layers are re-exported.
-# To replace one in a test, patch the module that defines it (``refspec.eval.corpus_sources._download``).
+# To replace one in a test, patch the module that defines it (``refspec.eval.corpora.sources._download``).
 __all__ = [
     "Kind", "KINDS", "SPLITS", "COLUMNS", "CorpusSpec", "CORPORA", "list_corpora", "licence_text", "fetch_corpora",
     "load_corpus", "training_texts", "assert_disjoint", "PromptTokenizer", "build_prompts",

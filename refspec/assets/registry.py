@@ -2,7 +2,7 @@
 small file helpers shared by their download, conversion and verification.
 
 Fetching and verifying is :mod:`refspec.assets`; the download from PyPI is
-:mod:`refspec.asset_download`; the GGUF conversion is :mod:`refspec.gguf_convert`.
+:mod:`refspec.assets.download`; the GGUF conversion is :mod:`refspec.assets.gguf_convert`.
 """
 from __future__ import annotations
 

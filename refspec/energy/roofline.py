@@ -34,8 +34,8 @@ coefficients are priors from the paper's range, to be calibrated on a real GPU. 
 measures this machine's bandwidth and peak at first use; its energy coefficients are
 uncalibrated priors (no RAPL counter is readable here), so every CPU energy figure is modelled.
 
-Run ``python -m refspec.roofline --help`` for the batch x k prediction CLI
-(:mod:`refspec.roofline_cli`); named target architectures are in :mod:`refspec.architectures`.
+Run ``python -m refspec.eval roofline --help`` for the batch x k prediction CLI
+(:mod:`refspec.eval.roofline_cli`); named target architectures are in :mod:`refspec.energy.architectures`.
 """
 from __future__ import annotations
 
@@ -43,13 +43,12 @@ import dataclasses
 import functools
 import logging
 import math
-import sys
 import time
 from typing import Any, Sequence
 
-from refspec.architectures import ARCHS, arch  # noqa: F401  (re-exported: named target architectures)
+from refspec.energy.architectures import ARCHS, arch  # noqa: F401  (re-exported: named target architectures)
 from refspec.config import ModelArgs
-from refspec.phases import ForwardShape
+from refspec.energy.phases import ForwardShape
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class HardwareProfile:
 
 # GPU energy coefficients are the midpoints of REFERENCE section 5's priors (static 60-100 W,
 # 0.4-0.8 pJ/FLOP, 30-50 pJ/B); idle ~70 W is typical of an idle SXM board. Overhead 30 us per
-# forward assumes CUDA-graph replay. Calibrate with refspec.attribution on a real GPU.
+# forward assumes CUDA-graph replay. Calibrate with refspec.energy.attribution on a real GPU.
 H100_SXM = HardwareProfile(name="h100-sxm", peak_flops=989e12, bandwidth_Bps=3.35e12, static_w=80.0,
                            pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
 H200_SXM = HardwareProfile(name="h200-sxm", peak_flops=989e12, bandwidth_Bps=4.8e12, static_w=80.0,
@@ -481,15 +480,3 @@ def compute_bound_batch(target: ModelArgs, profile: HardwareProfile, *, k: int, 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if bound(mid) else (mid, hi)
     return hi
-
-
-# ---- CLI (in refspec.roofline_cli) -----------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point of ``python -m refspec.roofline`` (:func:`refspec.roofline_cli.main`)."""
-    from refspec.roofline_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -228,7 +228,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     file = folder / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise TokenizerError(f"no tokenizer.json at {folder}; fetch or convert the model with "
-                             f"`python -m refspec.assets` first")
+                             f"`python -m refspec.eval assets` first")
     try:
         backend = Backend.from_file(str(file))
     except Exception as exc:  # the Rust library raises a bare Exception

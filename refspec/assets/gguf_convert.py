@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from refspec import __version__
-from refspec.asset_registry import AssetError, _check_free_space, _sha256_file, _tqdm
+from refspec.assets.registry import AssetError, _check_free_space, _sha256_file, _tqdm
 from refspec.config import ModelArgs
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """The energy ledger: one JSON line per phase of every step, the only input of the accounting.
 
-A :class:`Ledger` is a :data:`~refspec.phases.PhaseObserver`: the engine calls it with every
-:class:`~refspec.phases.PhaseEvent`, and it appends one ``"phase"`` record per event to a JSONL
+A :class:`Ledger` is a :data:`~refspec.energy.phases.PhaseObserver`: the engine calls it with every
+:class:`~refspec.energy.phases.PhaseEvent`, and it appends one ``"phase"`` record per event to a JSONL
 file. A run starts with one ``"run"`` header record (configuration id, labels, meter source,
 idle power). Several runs may share a file; every record carries its ``run_id``.
 
 Counts (drafted, accepted, emitted, verified) may sit on one phase record of a step or be
-repeated on several: :mod:`refspec.accounting` takes each count's maximum across the records of
+repeated on several: :mod:`refspec.energy.accounting` takes each count's maximum across the records of
 one step. The first token of each row, produced by the prompt forward, belongs on the prefill
 record (step -1).
 
@@ -24,8 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from refspec.phases import PhaseEvent
-from refspec.roofline import total_cost
+from refspec.energy.phases import PhaseEvent
+from refspec.energy.roofline import total_cost
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ SCHEMA: dict[str, str] = {
     "energy_j": "energy of the phase, J, or null for time-only meters (float or null)",
     "source": "where energy_j came from: measured:<counter> | modelled:roofline(<profile>) | none:time-only",
     "forwards": "model forwards the phase ran (int)",
-    "flops": "modelled FLOPs of the phase's forwards, refspec.roofline.forward_cost (float)",
+    "flops": "modelled FLOPs of the phase's forwards, refspec.energy.roofline.forward_cost (float)",
     "bytes": "modelled main-memory bytes of the phase's forwards (float)",
     "weight_bytes": "modelled weight bytes read (float)",
     "kv_read_bytes": "modelled KV-cache bytes read (float)",
@@ -94,7 +94,7 @@ def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
 
 
 class Ledger:
-    """Writes one JSONL record per :class:`~refspec.phases.PhaseEvent` (a PhaseObserver).
+    """Writes one JSONL record per :class:`~refspec.energy.phases.PhaseEvent` (a PhaseObserver).
 
     Args:
         path: JSONL file to write; parent directories are created.

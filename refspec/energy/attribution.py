@@ -1,8 +1,8 @@
 """Phase attribution when one step is shorter than the energy counter's period.
 
 NVML's total-energy counter updates every 20-100 ms; a draft or verify phase lasts
-milliseconds, so per-phase windows read 0 J or a whole update's worth. Two remedies
-(REFERENCE section 4), both pure functions here:
+milliseconds, so per-phase windows read 0 J or a whole update's worth. Two remedies, both
+pure functions here:
 
 (A) **Phase-isolated loops** (:func:`additivity_check`): run each phase alone in a loop for
     >= 10 s, divide the loop's energy by its iterations to get J per step of that phase, and

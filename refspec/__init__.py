@@ -1,3 +1,39 @@
-"""refspec: a pure-PyTorch reference speculative decoder with an auditable energy ledger."""
+"""refspec: a pure-PyTorch reference speculative decoder with an auditable energy ledger.
+
+The decode core, read top-down:
+
+1. :mod:`refspec.config`: ``ModelArgs``, the architecture of a target or a drafter head.
+2. :mod:`refspec.cache`: the static KV cache ``[L, B, Hkv, T, D]`` with per-row lengths, and
+   the masks built from them (causal, sliding window, tree).
+3. :mod:`refspec.sampling`: greedy choice and the warped distribution (temperature, top-k,
+   top-p) that both target and drafter sample from.
+4. :mod:`refspec.verify`: pure acceptance functions (greedy prefix match, lossless rejection
+   sampling, trees); no model calls.
+5. :mod:`refspec.drafting`: the drafter protocol, what a drafter sees (``DecodeState``) and
+   returns (``Draft``).
+6. :mod:`refspec.engine`: the one loop, plain decoding being K = 0: draft, verify, accept,
+   commit, every phase metered.
+7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed.
+
+Rooms beside the core: :mod:`refspec.energy` (meters, ledger, accounting, roofline, latency,
+DVFS, attribution) and :mod:`refspec.assets` (pinned real models, download, GGUF conversion,
+tokenizer). Layers outside it: ``refspec.models`` (targets), ``refspec.drafters`` (one file per
+drafter), ``refspec.eval`` (every command line). The core imports none of these three.
+
+Shape glossary, used in every shape comment:
+
+==== =======================================================
+B    batch rows (slots)
+S    query tokens per row in one forward
+T    cache slots per row (keys)
+K    draft tokens per row per step
+N    tree nodes per row
+L    decoder layers
+H    query heads; Hkv key/value heads
+D    head dimension
+E    model (hidden) dimension
+V    vocabulary size
+==== =======================================================
+"""
 
 __version__ = "0.1.0"

@@ -54,7 +54,7 @@ def _drafter_help() -> str:
     from refspec.drafters import registry
 
     names = ", ".join(registry.available()) or "(none registered)"
-    return f"none, or a registered drafter: {names}"
+    return f"none, a registered drafter ({names}), or MODULE:CLASS for a drafter class on the Python path"
 
 
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
@@ -202,12 +202,18 @@ def _check_corpora(names: Sequence[str]) -> list[str]:
 
 def _check_drafters(names: Sequence[str]) -> list[str]:
     from refspec.drafters import registry
+    from refspec.drafting import DrafterError
 
     known = registry.available()
     for name in names:
-        if name != "none" and name not in known:
+        if registry.is_plugin(name):
+            try:
+                registry.resolve(name)  # import and protocol check now, before any model loads
+            except DrafterError as exc:
+                raise UsageError(f"--drafter {name}: {exc}") from exc
+        elif name != "none" and name not in known:
             raise UsageError(f"unknown drafter {name!r}; available in this installation: none, "
-                             f"{', '.join(known) or '(no drafter modules)'}")
+                             f"{', '.join(known) or '(no drafter modules)'}, or MODULE:CLASS")
     return list(dict.fromkeys(names))
 
 

@@ -84,9 +84,10 @@ class Generation:
 
     @property
     def tau(self) -> float:
-        """Mean accepted + 1 over the row-steps of active rows."""
-        vals = [a + 1 for step in self.accepted_per_step for a in step if a >= 0]
-        return sum(vals) / len(vals) if vals else float("nan")
+        """Mean accepted + 1 over the row-steps of active rows (NaN without one), as the accounting defines it."""
+        from refspec.energy.accounting import tau_of_steps
+
+        return tau_of_steps(self.accepted_per_step)
 
     @property
     def num_emitted(self) -> int:

@@ -7,7 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import AccountingError, account, format_accounting
+from refspec.energy.accounting import AccountingError, account, pool_runs
+from refspec.energy.accounting_text import format_accounting
 from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 from refspec.config import ModelArgs
 from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, read_ledger

@@ -1,13 +1,17 @@
-"""Headline measures of a run, computed from its ledger records alone.
+"""Headline measures of a run, or of several runs of one configuration, from ledger records alone.
 
-Nothing else in refspec computes these numbers: reports, sweeps and plots call
-:func:`account` on ledger records (:func:`refspec.energy.ledger.read_ledger`). Definitions:
+This module is the one home of the arithmetic: reports, sweeps, the CLI table and the engine's
+:attr:`Generation.tau` read what it returns and compute none of these figures themselves.
+:func:`account` accounts one run of a ledger (:func:`refspec.energy.ledger.read_ledger`);
+:func:`pool_runs` accounts several runs of one configuration (its batches) as one, with the
+same definitions. Definitions:
 
 Per step
     Counts (drafted, accepted, emitted, verified, rows_active, emitted_per_row) are taken as the
     maximum over the step's records, so a count may be written on one phase record or repeated
     on several. ``rows_active`` comes from the verify record when there is one. A step's time is
-    the sum of its records' times (phases do not overlap).
+    the sum of its records' times (phases do not overlap). A (step, phase) pair appears at most
+    once per run.
 
 Only accepted tokens count
     J per output token = total energy (all phases, prefill included) / tokens emitted (all
@@ -41,6 +45,15 @@ Throughput, TPOT and tau
     TPOT. p50 / p99 are linear-interpolated percentiles across rows. tau (acceptance length) =
     (accepted + bonus) / row-steps = (sum accepted + sum rows_active) / sum rows_active over
     steps with a verify, i.e. the mean of accepted + 1 per active row per step.
+
+Pooling
+    Runs of one configuration pool by adding their steps: counts, times and energies add, TPOT
+    percentiles are taken over the rows of every run, and every ratio above is formed from the
+    pooled sums. The runs must agree on idle power.
+
+Comparisons
+    energy saving vs a baseline = 1 - J/token / baseline J/token (negative: a loss); speed-up =
+    tokens/s / baseline tokens/s.
 """
 from __future__ import annotations
 
@@ -53,6 +66,13 @@ import numpy as np
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other")
 CLOSURE_RTOL = 1e-9
+COUNTS = ("drafted", "accepted", "emitted", "verified")
+ENERGY_FIELDS = ("total_energy_j", "j_per_token", "j_per_verified_token", "phase_energy_j", "phase_share",
+                 "phase_j_per_token", "line_items_j", "line_items_sum_j", "rejected_energy_j", "rejected_share",
+                 "verify_rejected_j", "draft_rejected_j", "draft_rejected_share", "closure_error_j", "closes",
+                 "net_energy_j", "net_j_per_token", "net_phase_energy_j")
+
+Record = Mapping[str, Any]
 
 
 class AccountingError(ValueError):
@@ -61,13 +81,13 @@ class AccountingError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Accounting:
-    """Headline measures of one run (see the module docstring for every definition).
+    """Headline measures of one run or of pooled runs (the module docstring defines each).
 
     Energies are in J, powers in W, times in s. Energy fields are None when the ledger holds
     no energy (time-only meter); net fields are None without an idle power.
     """
 
-    run_id: str | None
+    run_ids: tuple[str | None, ...]
     labels: dict[str, Any]
     sources: tuple[str, ...]
     measured: bool
@@ -95,7 +115,9 @@ class Accounting:
     j_per_verified_token: float | None
     phase_energy_j: dict[str, float] | None
     phase_share: dict[str, float] | None
+    phase_j_per_token: dict[str, float] | None
     line_items_j: dict[str, float] | None
+    line_items_sum_j: float | None
     rejected_energy_j: float | None
     rejected_share: float | None
     verify_rejected_j: float | None
@@ -108,14 +130,199 @@ class Accounting:
     net_j_per_token: float | None
     net_phase_energy_j: dict[str, float] | None
 
+    @property
+    def run_id(self) -> str | None:
+        """The run's id; None when several runs are pooled."""
+        return self.run_ids[0] if len(self.run_ids) == 1 else None
 
-def _select_run(records: Sequence[Mapping[str, Any]], run_id: str | None) -> tuple[str | None, dict[str, Any] | None,
-                                                                                    list[Mapping[str, Any]]]:
-    ids = list(dict.fromkeys(r.get("run_id") for r in records))
-    if run_id is None:
-        if len(ids) > 1:
-            raise AccountingError(f"the records hold {len(ids)} runs {ids}; pass run_id= to pick one")
-        run_id = ids[0] if ids else None
+
+# ---- the definitions every caller shares ---------------------------------------------------
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def acceptance_length(accepted: int, row_steps: int) -> float | None:
+    """tau = (accepted + row_steps) / row_steps: accepted + bonus per active row-step; None without one."""
+    return (accepted + row_steps) / row_steps if row_steps else None
+
+
+def tau_of_steps(accepted_per_step: Iterable[Iterable[int]]) -> float:
+    """tau of per-step, per-row accepted counts ([steps][B], -1 where a row was done); NaN without an active row."""
+    active = [a for step in accepted_per_step for a in step if a >= 0]
+    tau = acceptance_length(sum(active), len(active))
+    return math.nan if tau is None else tau
+
+
+def energy_saving(j_per_token: float | None, baseline_j_per_token: float | None) -> float | None:
+    """1 - J/token / baseline J/token (negative: speculation costs energy); None when either is missing."""
+    ratio = _ratio(j_per_token, baseline_j_per_token)
+    return None if ratio is None else 1.0 - ratio
+
+
+def speedup(tokens_per_s: float | None, baseline_tokens_per_s: float | None) -> float | None:
+    """tokens/s / baseline tokens/s; None when either is missing or zero."""
+    return _ratio(tokens_per_s, baseline_tokens_per_s) if tokens_per_s else None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
+# ---- one step of one run -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One step of one run: its records, counts (maxima over the records) and time (their sum)."""
+
+    index: int
+    records: tuple[Record, ...]
+    counts: dict[str, int]
+    rows_active: int
+    has_verify: bool
+    time_s: float
+    emitted_per_row: tuple[int, ...]
+
+    @property
+    def rejected(self) -> int:
+        if not self.counts["verified"]:
+            return 0
+        return max(self.counts["verified"] - self.counts["accepted"] - self.rows_active, 0)
+
+
+def _step(index: int, recs: Sequence[Record]) -> _Step:
+    counts = {f: max(int(r.get(f, 0) or 0) for r in recs) for f in COUNTS}
+    verify = [r for r in recs if r["phase"] == "verify"]
+    rows = [list(r.get("emitted_per_row") or ()) for r in recs]
+    width = max((len(x) for x in rows), default=0)
+    return _Step(index=index, records=tuple(recs), counts=counts,
+                 rows_active=max(int(r["rows_active"]) for r in (verify or recs)),
+                 has_verify=bool(verify) or counts["verified"] > 0,
+                 time_s=sum(float(r["time_s"]) for r in recs),
+                 emitted_per_row=tuple(max((x[i] for x in rows if i < len(x)), default=0) for i in range(width)))
+
+
+def _steps(run_id: str | None, phases: Sequence[Record]) -> list[_Step]:
+    by_step: dict[int, list[Record]] = defaultdict(list)
+    seen: set[tuple[int, str]] = set()
+    for r in phases:
+        key = (int(r["step"]), str(r["phase"]))
+        if key in seen:
+            raise AccountingError(f"run {run_id!r} holds step {key[0]} phase {key[1]!r} twice: two generations "
+                                  f"were written under one run id; give each its own run")
+        seen.add(key)
+        by_step[key[0]].append(r)
+    return [_step(s, recs) for s, recs in by_step.items()]
+
+
+def _line_items(st: _Step) -> dict[str, float]:
+    """The step's energy split into :data:`LINE_ITEMS` (J)."""
+    items = dict.fromkeys(LINE_ITEMS, 0.0)
+    drafted, accepted, verified = st.counts["drafted"], st.counts["accepted"], st.counts["verified"]
+    for r in st.records:
+        e = float(r["energy_j"])
+        if r["phase"] == "verify":
+            bad = e * st.rejected / verified if verified else 0.0
+            items["verify_rejected"] += bad
+            items["verify_useful"] += e - bad
+        elif r["phase"] == "draft":
+            bad = e * max(drafted - accepted, 0) / drafted if drafted else 0.0
+            items["draft_rejected"] += bad
+            items["draft_kept"] += e - bad
+        elif r["phase"] in ("prefill", "commit"):
+            items[r["phase"]] += e
+        else:
+            items["other"] += e
+    return items
+
+
+def _emitted(st: _Step, row: int) -> int:
+    return st.emitted_per_row[row] if row < len(st.emitted_per_row) else 0
+
+
+def _row_tpots(steps: Sequence[_Step]) -> list[float | None]:
+    """TPOT of every row of one run (s), None for rows with fewer than two tokens."""
+    decode = sorted((st for st in steps if st.index >= 0), key=lambda st: st.index)
+    out: list[float | None] = []
+    for row in range(max((len(st.emitted_per_row) for st in steps), default=0)):
+        n = sum(_emitted(st, row) for st in steps)
+        emitting = [st.index for st in decode if _emitted(st, row) > 0]
+        if n < 2 or not emitting:
+            out.append(None)
+            continue
+        out.append(sum(st.time_s for st in decode if st.index <= emitting[-1]) / (n - 1))
+    return out
+
+
+# ---- accounting ----------------------------------------------------------------------------
+def _sum_by(records: Iterable[Record], field: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for r in records:
+        out[str(r["phase"])] += float(r[field])
+    return dict(out)
+
+
+def _energy(phases: Sequence[Record], steps: Sequence[_Step], emitted: int, verified: int,
+            total_time: float, phase_time: Mapping[str, float], idle_w: float | None) -> dict[str, Any]:
+    """Every energy field of :class:`Accounting` (the ledger holds energy on every record)."""
+    total = sum(float(r["energy_j"]) for r in phases)
+    phase_energy = _sum_by(phases, "energy_j")
+    items = dict.fromkeys(LINE_ITEMS, 0.0)
+    for st in steps:
+        for name, e in _line_items(st).items():
+            items[name] += e
+    items_sum = sum(items.values())
+    rejected = items["verify_rejected"] + items["draft_rejected"]
+    out = dict.fromkeys(ENERGY_FIELDS)
+    out.update(
+        total_energy_j=total, j_per_token=_ratio(total, emitted),
+        j_per_verified_token=_ratio(phase_energy.get("verify", 0.0), verified),
+        phase_energy_j=phase_energy,
+        phase_share={p: (e / total if total else math.nan) for p, e in phase_energy.items()},
+        phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted else None),
+        line_items_j=items, line_items_sum_j=items_sum,
+        rejected_energy_j=rejected, rejected_share=_ratio(rejected, total),
+        verify_rejected_j=items["verify_rejected"], draft_rejected_j=items["draft_rejected"],
+        draft_rejected_share=_ratio(items["draft_rejected"], phase_energy.get("draft", 0.0)),
+        closure_error_j=items_sum - total, closes=abs(items_sum - total) <= CLOSURE_RTOL * max(1.0, abs(total)))
+    if idle_w is not None:
+        net = total - idle_w * total_time
+        out.update(net_energy_j=net, net_j_per_token=_ratio(net, emitted),
+                   net_phase_energy_j={p: e - idle_w * phase_time[p] for p, e in phase_energy.items()})
+    return out
+
+
+def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Record]]],
+                idle_w: float | None) -> Accounting:
+    """The :class:`Accounting` of ``runs`` (id, header, phase records) taken together."""
+    phases = [r for _, _, ps in runs for r in ps]
+    per_run = [_steps(run_id, ps) for run_id, _, ps in runs]
+    steps = [st for run in per_run for st in run]
+    total = {f: sum(st.counts[f] for st in steps) for f in COUNTS}
+    row_steps = sum(st.rows_active for st in steps if st.has_verify)
+    total_time = sum(st.time_s for st in steps)
+    prefill_time = sum(st.time_s for st in steps if st.index < 0)
+    phase_time = _sum_by(phases, "time_s")
+    tpots = [t for run in per_run for t in _row_tpots(run)]
+    valid = [t for t in tpots if t is not None]
+    has_energy = all(r.get("energy_j") is not None for r in phases)
+    energy = (_energy(phases, steps, total["emitted"], total["verified"], total_time, phase_time, idle_w)
+              if has_energy else dict.fromkeys(ENERGY_FIELDS))
+    sources = tuple(sorted({str(r["source"]) for r in phases}))
+    label_sets = [dict((h or {}).get("labels") or {}) for _, h, _ in runs]
+    labels = {k: v for k, v in label_sets[0].items() if all(k in s and s[k] == v for s in label_sets)}
+    return Accounting(
+        run_ids=tuple(run_id for run_id, _, _ in runs), labels=labels, sources=sources,
+        measured=all(s.startswith("measured") for s in sources), batch=max(int(r["batch"]) for r in phases),
+        steps=sum(1 for st in steps if st.index >= 0), rows_with_tpot=len(valid), **total,
+        rejected_positions=sum(st.rejected for st in steps), row_steps=row_steps,
+        total_time_s=total_time, prefill_time_s=prefill_time, decode_time_s=total_time - prefill_time,
+        phase_time_s=phase_time, tokens_per_s=_ratio(total["emitted"], total_time),
+        tau=acceptance_length(total["accepted"], row_steps),
+        acceptance_rate=_ratio(total["accepted"], total["drafted"]),
+        tpot_per_row_s=tuple(tpots), tpot_p50_s=_percentile(valid, 50), tpot_p99_s=_percentile(valid, 99),
+        idle_w=idle_w, **energy)
+
+
+def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dict[str, Any] | None, list[Record]]:
     header = next((dict(r) for r in records if r.get("kind") == "run" and r.get("run_id") == run_id), None)
     phases = [r for r in records if r.get("kind", "phase") == "phase" and r.get("run_id") == run_id]
     if not phases:
@@ -123,12 +330,15 @@ def _select_run(records: Sequence[Mapping[str, Any]], run_id: str | None) -> tup
     return run_id, header, phases
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+def _idle_w(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Record]]]) -> float | None:
+    values = {(h or {}).get("idle_w") for _, h, _ in runs}
+    if len(values) > 1:
+        raise AccountingError(f"runs {[r for r, _, _ in runs]} disagree on idle power {sorted(values, key=str)}; "
+                              f"pass idle_w= to account them together")
+    return values.pop()
 
 
-def account(records: Iterable[Mapping[str, Any]], *, run_id: str | None = None,
-            idle_w: float | None = None) -> Accounting:
+def account(records: Iterable[Record], *, run_id: str | None = None, idle_w: float | None = None) -> Accounting:
     """Compute the :class:`Accounting` of one run from its ledger records.
 
     Args:
@@ -140,158 +350,40 @@ def account(records: Iterable[Mapping[str, Any]], *, run_id: str | None = None,
         The run's :class:`Accounting`.
 
     Raises:
-        AccountingError: no phase records, or several runs and no ``run_id``.
+        AccountingError: no phase records, several runs and no ``run_id``, or a (step, phase)
+            that appears twice in the run.
     """
-    run_id, header, phases = _select_run(list(records), run_id)
-    if idle_w is None and header is not None:
-        idle_w = header.get("idle_w")
-    has_energy = all(r.get("energy_j") is not None for r in phases)
-    sources = tuple(sorted({str(r["source"]) for r in phases}))
-    batch = max(int(r["batch"]) for r in phases)
-
-    # 1. group by step; counts are maxima over a step's records, times and energies sums
-    by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in phases:
-        by_step[int(r["step"])].append(r)
-    phase_time: dict[str, float] = defaultdict(float)
-    phase_energy: dict[str, float] = defaultdict(float)
-    items = dict.fromkeys(LINE_ITEMS, 0.0)
-    totals = dict.fromkeys(("emitted", "drafted", "accepted", "verified", "rejected", "row_steps"), 0)
-    step_time: dict[int, float] = {}
-    per_row_steps: dict[int, list[int]] = {}
-    for step, recs in by_step.items():
-        count = {f: max(int(r.get(f, 0) or 0) for r in recs) for f in ("drafted", "accepted", "emitted", "verified")}
-        verify_recs = [r for r in recs if r["phase"] == "verify"]
-        rows_active = max(int(r["rows_active"]) for r in (verify_recs or recs))
-        rows = [list(r.get("emitted_per_row") or ()) for r in recs]
-        width = max((len(x) for x in rows), default=0)
-        per_row_steps[step] = [max((x[i] for x in rows if i < len(x)), default=0) for i in range(width)]
-        step_time[step] = sum(float(r["time_s"]) for r in recs)
-        for f in ("drafted", "accepted", "emitted", "verified"):
-            totals[f] += count[f]
-        rejected = max(count["verified"] - count["accepted"] - rows_active, 0) if count["verified"] else 0
-        if verify_recs or count["verified"]:
-            totals["row_steps"] += rows_active
-        totals["rejected"] += rejected
-        for r in recs:
-            phase_time[r["phase"]] += float(r["time_s"])
-            if not has_energy:
-                continue
-            e = float(r["energy_j"])
-            phase_energy[r["phase"]] += e
-            if r["phase"] == "verify":
-                bad = e * rejected / count["verified"] if count["verified"] else 0.0
-                items["verify_rejected"] += bad
-                items["verify_useful"] += e - bad
-            elif r["phase"] == "draft":
-                bad = e * max(count["drafted"] - count["accepted"], 0) / count["drafted"] if count["drafted"] else 0.0
-                items["draft_rejected"] += bad
-                items["draft_kept"] += e - bad
-            elif r["phase"] in ("prefill", "commit"):
-                items[r["phase"]] += e
-            else:
-                items["other"] += e
-
-    # 2. times, throughput, TPOT per row, tau
-    total_time = sum(step_time.values())
-    prefill_time = sum(t for s, t in step_time.items() if s < 0)
-    decode_steps = sorted(s for s in step_time if s >= 0)
-    tpots: list[float | None] = []
-    for row in range(max((len(v) for v in per_row_steps.values()), default=0)):
-        counts = {s: (v[row] if row < len(v) else 0) for s, v in per_row_steps.items()}
-        emitting = [s for s in decode_steps if counts.get(s, 0) > 0]
-        n = sum(counts.values())
-        if n < 2 or not emitting:
-            tpots.append(None)
-            continue
-        tpots.append(sum(step_time[s] for s in decode_steps if s <= emitting[-1]) / (n - 1))
-    valid = [t for t in tpots if t is not None]
-    emitted = totals["emitted"]
-    tau = (totals["accepted"] + totals["row_steps"]) / totals["row_steps"] if totals["row_steps"] else None
-
-    # 3. energy: totals, shares, per token, rejected, closure, net of idle
-    energy: dict[str, Any] = dict.fromkeys(
-        ("total_energy_j", "j_per_token", "j_per_verified_token", "phase_energy_j", "phase_share", "line_items_j",
-         "rejected_energy_j", "rejected_share", "verify_rejected_j", "draft_rejected_j", "draft_rejected_share",
-         "closure_error_j", "closes", "net_energy_j", "net_j_per_token", "net_phase_energy_j"))
-    if has_energy:
-        total = sum(float(r["energy_j"]) for r in phases)
-        rejected_j = items["verify_rejected"] + items["draft_rejected"]
-        draft_j = phase_energy.get("draft", 0.0)
-        closure = sum(items.values()) - total
-        energy.update(
-            total_energy_j=total,
-            j_per_token=total / emitted if emitted else None,
-            j_per_verified_token=phase_energy.get("verify", 0.0) / totals["verified"] if totals["verified"] else None,
-            phase_energy_j=dict(phase_energy),
-            phase_share={p: (e / total if total else math.nan) for p, e in phase_energy.items()},
-            line_items_j=items,
-            rejected_energy_j=rejected_j,
-            rejected_share=rejected_j / total if total else None,
-            verify_rejected_j=items["verify_rejected"],
-            draft_rejected_j=items["draft_rejected"],
-            draft_rejected_share=items["draft_rejected"] / draft_j if draft_j else None,
-            closure_error_j=closure,
-            closes=abs(closure) <= CLOSURE_RTOL * max(1.0, abs(total)),
-        )
-        if idle_w is not None:
-            net = total - idle_w * total_time
-            energy.update(net_energy_j=net, net_j_per_token=net / emitted if emitted else None,
-                          net_phase_energy_j={p: e - idle_w * phase_time[p] for p, e in phase_energy.items()})
-    return Accounting(
-        run_id=run_id, labels=dict((header or {}).get("labels") or {}), sources=sources,
-        measured=all(s.startswith("measured") for s in sources), batch=batch, steps=len(decode_steps),
-        rows_with_tpot=len(valid), emitted=emitted, drafted=totals["drafted"], accepted=totals["accepted"],
-        verified=totals["verified"], rejected_positions=totals["rejected"], row_steps=totals["row_steps"],
-        total_time_s=total_time, prefill_time_s=prefill_time, decode_time_s=total_time - prefill_time,
-        phase_time_s=dict(phase_time), tokens_per_s=emitted / total_time if total_time else None, tau=tau,
-        acceptance_rate=totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
-        tpot_per_row_s=tuple(tpots), tpot_p50_s=_percentile(valid, 50), tpot_p99_s=_percentile(valid, 99),
-        idle_w=idle_w, **energy)
+    records = list(records)
+    if run_id is None:
+        ids = list(dict.fromkeys(r.get("run_id") for r in records))
+        if len(ids) > 1:
+            raise AccountingError(f"the records hold {len(ids)} runs {ids}; pass run_id= to pick one")
+        run_id = ids[0] if ids else None
+    return pool_runs(records, [run_id], idle_w=idle_w)
 
 
-def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
-    return "n/a" if x is None else format(x * scale, spec)
+def pool_runs(records: Iterable[Record], run_ids: Sequence[str | None], *,
+              idle_w: float | None = None) -> Accounting:
+    """Account several runs of one configuration (e.g. its batches) as one.
+
+    Args:
+        records: ledger records holding every run in ``run_ids`` (others are ignored).
+        run_ids: the runs to pool, in order (``tpot_per_row_s`` follows it).
+        idle_w: idle power in W; default: the runs' common header ``idle_w``.
+
+    Returns:
+        The pooled :class:`Accounting` (labels: those every run shares).
+
+    Raises:
+        AccountingError: no run ids, a run without phase records, a repeated (step, phase)
+            in a run, or runs that disagree on idle power when ``idle_w`` is not given.
+    """
+    if not run_ids:
+        raise AccountingError("no run ids to pool")
+    records = list(records)
+    runs = [_run(records, r) for r in dict.fromkeys(run_ids)]
+    return _accounting(runs, _idle_w(runs) if idle_w is None else idle_w)
 
 
-def format_accounting(acc: Accounting) -> str:
-    """A small text report: sources, tokens, per-token figures, phases, line items, closure."""
-    kind = ("measured" if acc.measured else
-            "modelled" if all(s.startswith("modelled") for s in acc.sources) else "mixed/none")
-    lines = [f"run {acc.run_id}" + (f"  labels {acc.labels}" if acc.labels else ""),
-             f"energy source ({kind}): {', '.join(acc.sources)}",
-             f"batch {acc.batch}, decode steps {acc.steps}, emitted {acc.emitted}, drafted {acc.drafted}, "
-             f"accepted {acc.accepted}, verified {acc.verified}, rejected positions {acc.rejected_positions}",
-             f"tau {_fmt(acc.tau, '.3f')}  acceptance {_fmt(acc.acceptance_rate, '.3f')}  "
-             f"tokens/s {_fmt(acc.tokens_per_s, '.2f')}  TPOT p50 {_fmt(acc.tpot_p50_s, '.3f', 1e3)} ms  "
-             f"p99 {_fmt(acc.tpot_p99_s, '.3f', 1e3)} ms ({acc.rows_with_tpot} rows)",
-             f"time {acc.total_time_s:.6g} s (prefill {acc.prefill_time_s:.6g} s, decode {acc.decode_time_s:.6g} s)"]
-    if acc.total_energy_j is None or acc.phase_energy_j is None or acc.phase_share is None \
-            or acc.line_items_j is None:
-        lines.append("energy: none recorded (time-only meter)")
-        return "\n".join(lines)
-    net = acc.net_energy_j is not None and acc.net_phase_energy_j is not None
-    if net:
-        lines.append(f"energy {acc.total_energy_j:.6g} J gross, {acc.net_energy_j:.6g} J net of idle {acc.idle_w:g} W")
-        lines.append(f"J/token {_fmt(acc.j_per_token, '.6g')} gross, {_fmt(acc.net_j_per_token, '.6g')} net; "
-                     f"J/verified position {_fmt(acc.j_per_verified_token, '.6g')}")
-    else:
-        lines.append(f"energy {acc.total_energy_j:.6g} J gross, net n/a (no idle power)")
-        lines.append(f"J/token {_fmt(acc.j_per_token, '.6g')} gross; "
-                     f"J/verified position {_fmt(acc.j_per_verified_token, '.6g')}")
-    lines.append(f"{'phase':<10}{'time s':>12}{'energy J':>14}{'share':>9}" + (f"{'net J':>14}" if net else ""))
-    for p, e in acc.phase_energy_j.items():
-        row = f"{p:<10}{acc.phase_time_s[p]:>12.6g}{e:>14.6g}{100 * acc.phase_share[p]:>8.1f}%"
-        if net and acc.net_phase_energy_j is not None:
-            row += f"{acc.net_phase_energy_j[p]:>14.6g}"
-        lines.append(row)
-    lines.append("line items (J): " + ", ".join(f"{k} {v:.6g}" for k, v in acc.line_items_j.items()))
-    lines.append(f"rejected drafts: {acc.rejected_energy_j:.6g} J ({_fmt(acc.rejected_share, '.1f', 100)}% of total; "
-                 f"verify {acc.verify_rejected_j:.6g} J, draft {acc.draft_rejected_j:.6g} J = "
-                 f"{_fmt(acc.draft_rejected_share, '.1f', 100)}% of draft energy)")
-    lines.append(f"closure: line items sum to the total within {acc.closure_error_j:.3g} J -> "
-                 + ("OK" if acc.closes else "FAILED"))
-    return "\n".join(lines)
-
-
-__all__ = ["Accounting", "AccountingError", "account", "format_accounting", "LINE_ITEMS"]
+__all__ = ["Accounting", "AccountingError", "account", "pool_runs", "acceptance_length", "tau_of_steps",
+           "energy_saving", "speedup", "LINE_ITEMS", "CLOSURE_RTOL"]

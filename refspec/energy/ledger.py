@@ -10,8 +10,13 @@ repeated on several: :mod:`refspec.energy.accounting` takes each count's maximum
 one step. The first token of each row, produced by the prompt forward, belongs on the prefill
 record (step -1).
 
-Records are flushed to disk after every write, so a crashed run keeps every finished phase;
-:func:`read_ledger` reports (and skips) corrupt or truncated lines by line number.
+A run holds each (step, phase) at most once: a second generation written under the same run
+would be merged into the first by the accounting, so the ledger refuses it
+(:class:`RepeatedPhaseError`); :meth:`Ledger.begin_run` starts the next run in the same file.
+
+Records are flushed to disk after every write, so a crashed run keeps every finished phase; a
+ledger opened for appending first ends a line a crash cut short, and :func:`read_ledger`
+reports (and skips) corrupt or truncated lines by line number.
 """
 from __future__ import annotations
 
@@ -74,7 +79,27 @@ _REQUIRED = ("step", "phase", "batch", "rows_active", "time_s", "source")
 
 
 class LedgerError(ValueError):
-    """A ledger file that cannot be read as asked."""
+    """A ledger file that cannot be read or written as asked."""
+
+
+class RepeatedPhaseError(LedgerError):
+    """A phase event for a (step, phase) the current run already holds."""
+
+
+def ensure_line_end(path: str | os.PathLike[str]) -> None:
+    """Append a newline when ``path`` ends mid-line (a crash), so the next record starts clean."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return
+            fh.seek(-1, os.SEEK_END)
+            last = fh.read(1)
+    except FileNotFoundError:
+        return
+    if last != b"\n":
+        with open(path, "ab") as fh:
+            fh.write(b"\n")
 
 
 def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
@@ -98,11 +123,17 @@ class Ledger:
 
     Args:
         path: JSONL file to write; parent directories are created.
-        run_id: id of this run/configuration; a random one when None.
-        labels: configuration written into the run header (model, drafter, k, batch, ...).
+        run_id: id of the first run; a random one when None.
+        labels: configuration written into the first run's header (model, drafter, k, batch, ...).
         meter_source: the meter's ``source``, for the header.
         idle_w: idle power in W for net-of-idle accounting (header).
         mode: ``"w"`` to start a new file, ``"a"`` to append another run.
+
+    Attributes:
+        run_id: the current run.
+        run_ids: every run this object started, in order.
+        start_offset: byte offset in ``path`` where this object's first record begins
+            (``read_ledger(path, offset=start_offset)`` reads back only what it wrote).
 
     Use as a context manager or call :meth:`close`.
     """
@@ -114,12 +145,31 @@ class Ledger:
             raise ValueError(f"mode must be 'w' or 'a', got {mode!r}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.run_id = run_id or uuid.uuid4().hex[:12]
+        if mode == "a":
+            ensure_line_end(self.path)
+        self.start_offset = self.path.stat().st_size if mode == "a" and self.path.exists() else 0
         self._fh: io.TextIOBase | None = open(self.path, mode, encoding="utf-8")
+        self._meter_source = meter_source
+        self._idle_w = idle_w
         self.records_written = 0
-        self._write({"kind": "run", "version": LEDGER_VERSION, "run_id": self.run_id,
-                     "created_unix_s": time.time(), "meter_source": meter_source, "idle_w": idle_w,
+        self.run_ids: list[str] = []
+        self._seen: set[tuple[int, str]] = set()
+        self.begin_run(run_id or uuid.uuid4().hex[:12], labels=labels)
+
+    def begin_run(self, run_id: str, *, labels: Mapping[str, Any] | None = None) -> None:
+        """Start the next run in this file (same meter source and idle power): its header, then its phases.
+
+        Raises:
+            LedgerError: ``run_id`` was already used by this ledger, or the ledger is closed.
+        """
+        if run_id in self.run_ids:
+            raise LedgerError(f"run {run_id!r} was already written to {self.path}; give each run its own id")
+        self._write({"kind": "run", "version": LEDGER_VERSION, "run_id": run_id,
+                     "created_unix_s": time.time(), "meter_source": self._meter_source, "idle_w": self._idle_w,
                      "labels": dict(labels or {})})
+        self.run_id = run_id
+        self.run_ids.append(run_id)
+        self._seen = set()
 
     def _write(self, record: Mapping[str, Any]) -> None:
         if self._fh is None:
@@ -128,8 +178,19 @@ class Ledger:
         self._fh.flush()  # at least once per step: every record, so a crash loses nothing finished
 
     def __call__(self, event: PhaseEvent) -> None:
-        """Append the record of ``event``."""
+        """Append the record of ``event`` to the current run.
+
+        Raises:
+            RepeatedPhaseError: the run already holds ``(event.step, event.phase)``.
+            LedgerError: the ledger is closed.
+        """
+        key = (event.step, event.phase)
+        if key in self._seen:
+            raise RepeatedPhaseError(
+                f"ledger run {self.run_id!r} already holds step {event.step} phase {event.phase!r}: a second "
+                f"generation under one run would be merged into the first; call begin_run(new_id) before it")
         self._write(phase_record(event, self.run_id))
+        self._seen.add(key)
         self.records_written += 1
 
     def close(self) -> None:
@@ -173,12 +234,14 @@ def _problem(record: Any) -> str | None:
     return f"missing fields {missing}" if missing else None
 
 
-def read_ledger(path: str | os.PathLike[str], *, strict: bool = False) -> LedgerRecords:
+def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: int = 0) -> LedgerRecords:
     """Read a ledger, skipping and reporting lines that are not valid records.
 
     Args:
         path: JSONL ledger file.
         strict: raise :class:`LedgerError` instead of skipping corrupt lines.
+        offset: byte offset to start at (a :attr:`Ledger.start_offset`); line numbers count
+            from there.
 
     Returns:
         The records in file order (``LedgerRecords``, a list of dicts) with ``.corrupt`` listing
@@ -189,7 +252,9 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False) -> Ledger
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        with open(p, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         raise LedgerError(f"no ledger at {p}") from None
     records: list[dict[str, Any]] = []
@@ -216,5 +281,5 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False) -> Ledger
     return LedgerRecords(records, corrupt, p)
 
 
-__all__ = ["Ledger", "LedgerRecords", "LedgerError", "SCHEMA", "RUN_SCHEMA", "LEDGER_VERSION", "read_ledger",
+__all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA", "LEDGER_VERSION", "read_ledger",
            "phase_record"]

@@ -1,0 +1,69 @@
+"""An :class:`~refspec.energy.accounting.Accounting` in words: the run's text statement and its closure line.
+
+Formatting only: every number printed here was computed by :mod:`refspec.energy.accounting`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from refspec.energy.accounting import Accounting
+
+
+def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if x is None else format(x * scale, spec)
+
+
+def format_closure(line_items_j: Mapping[str, float] | None, line_items_sum_j: float | None,
+                   total_energy_j: float | None, closure_error_j: float | None, closes: bool | None) -> str:
+    """The closure line: the line items (J), their sum, the total, and whether they close."""
+    if line_items_j is None or line_items_sum_j is None or total_energy_j is None or closure_error_j is None:
+        return "closure: n/a (no energy recorded)"
+    terms = " + ".join(f"{name.replace('_', ' ')} {e:.6g}" for name, e in line_items_j.items())
+    return (f"closure: {terms} = {line_items_sum_j:.6g} J; total {total_energy_j:.6g} J; "
+            f"error {closure_error_j:.3g} J -> {'OK' if closes else 'FAILED: they do not close'}")
+
+
+def _energy_lines(acc: Accounting) -> list[str]:
+    assert acc.total_energy_j is not None and acc.phase_energy_j is not None and acc.phase_share is not None
+    net = acc.net_energy_j is not None and acc.net_phase_energy_j is not None
+    if net:
+        lines = [f"energy {acc.total_energy_j:.6g} J gross, {acc.net_energy_j:.6g} J net of idle {acc.idle_w:g} W",
+                 f"J/token {_fmt(acc.j_per_token, '.6g')} gross, {_fmt(acc.net_j_per_token, '.6g')} net; "
+                 f"J/verified position {_fmt(acc.j_per_verified_token, '.6g')}"]
+    else:
+        lines = [f"energy {acc.total_energy_j:.6g} J gross, net n/a (no idle power)",
+                 f"J/token {_fmt(acc.j_per_token, '.6g')} gross; "
+                 f"J/verified position {_fmt(acc.j_per_verified_token, '.6g')}"]
+    lines.append(f"{'phase':<10}{'time s':>12}{'energy J':>14}{'share':>9}" + (f"{'net J':>14}" if net else ""))
+    for p, e in acc.phase_energy_j.items():
+        row = f"{p:<10}{acc.phase_time_s[p]:>12.6g}{e:>14.6g}{100 * acc.phase_share[p]:>8.1f}%"
+        if net and acc.net_phase_energy_j is not None:
+            row += f"{acc.net_phase_energy_j[p]:>14.6g}"
+        lines.append(row)
+    lines.append(f"rejected drafts: {acc.rejected_energy_j:.6g} J ({_fmt(acc.rejected_share, '.1f', 100)}% of total; "
+                 f"verify {acc.verify_rejected_j:.6g} J, draft {acc.draft_rejected_j:.6g} J = "
+                 f"{_fmt(acc.draft_rejected_share, '.1f', 100)}% of draft energy)")
+    lines.append(format_closure(acc.line_items_j, acc.line_items_sum_j, acc.total_energy_j, acc.closure_error_j,
+                                acc.closes))
+    return lines
+
+
+def format_accounting(acc: Accounting) -> str:
+    """A small text report: sources, tokens, per-token figures, phases, line items, closure."""
+    kind = ("measured" if acc.measured else
+            "modelled" if all(s.startswith("modelled") for s in acc.sources) else "mixed/none")
+    runs = f"run {acc.run_id}" if acc.run_id is not None else f"runs {', '.join(map(str, acc.run_ids))}"
+    lines = [runs + (f"  labels {acc.labels}" if acc.labels else ""),
+             f"energy source ({kind}): {', '.join(acc.sources)}",
+             f"batch {acc.batch}, decode steps {acc.steps}, emitted {acc.emitted}, drafted {acc.drafted}, "
+             f"accepted {acc.accepted}, verified {acc.verified}, rejected positions {acc.rejected_positions}",
+             f"tau {_fmt(acc.tau, '.3f')}  acceptance {_fmt(acc.acceptance_rate, '.3f')}  "
+             f"tokens/s {_fmt(acc.tokens_per_s, '.2f')}  TPOT p50 {_fmt(acc.tpot_p50_s, '.3f', 1e3)} ms  "
+             f"p99 {_fmt(acc.tpot_p99_s, '.3f', 1e3)} ms ({acc.rows_with_tpot} rows)",
+             f"time {acc.total_time_s:.6g} s (prefill {acc.prefill_time_s:.6g} s, decode {acc.decode_time_s:.6g} s)"]
+    if acc.total_energy_j is None:
+        return "\n".join(lines + ["energy: none recorded (time-only meter)"])
+    return "\n".join(lines + _energy_lines(acc))
+
+
+__all__ = ["format_accounting", "format_closure"]

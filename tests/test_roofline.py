@@ -141,9 +141,20 @@ def test_predict_step_parts_add_up():
     assert p.step_time_s == pytest.approx(p.draft_time_s + p.verify_time_s)
     assert p.step_energy_j == pytest.approx(p.draft_energy_j + p.verify_energy_j)
     assert p.j_per_token == pytest.approx(p.step_energy_j / (4 * expected_tokens_per_step(0.5, 3)))
-    free = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5,
-                        drafter=DrafterModel(name="ngram", fraction=0.0))
-    assert free.draft_energy_j == pytest.approx(3 * H200_SXM.static_w * H200_SXM.overhead_s)
+
+
+def test_a_free_drafter_is_charged_no_forward_and_no_launch_overhead():
+    """n-gram lookup runs no forward: its draft phase costs nothing, not K launch overheads."""
+    a = arch("smollm2-135m")
+    assert H200_SXM.overhead_s > 0, "the bug this guards against needs a per-forward overhead"
+    plain = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5, drafter=None)
+    for drafter in (None, DrafterModel(name="ngram", fraction=0.0)):
+        free = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5, drafter=drafter)
+        assert free.draft_time_s == 0.0 and free.draft_energy_j == 0.0
+        assert free.step_time_s == plain.verify_time_s
+    costly = predict_step(a, H200_SXM, batch=4, k=3, context=100, acceptance=0.5,
+                          drafter=DrafterModel(name="tiny", fraction=1e-9))
+    assert costly.draft_time_s >= 3 * H200_SXM.overhead_s, "a drafter that runs forwards pays their launches"
 
 
 def test_cpu_profile_is_measured():

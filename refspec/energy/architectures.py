@@ -48,7 +48,7 @@ ARCHS: dict[str, dict[str, Any]] = {
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                          rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
                          tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2),
-    # The Qwen2.5-Coder GGUFs refspec loads ship a separate output matrix (REFERENCE section 1).
+    # The Qwen2.5-Coder GGUFs refspec loads ship a separate output matrix (untied LM head).
     "qwen2.5-coder-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                                rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,

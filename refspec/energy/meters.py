@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import Any, Callable, Literal, Sequence
 
+from refspec.energy.hardware import HardwareProfile, cpu_profile, get_profile
 from refspec.energy.phases import ForwardShape, Measurement
-from refspec.energy.roofline import HardwareProfile, cpu_profile, get_profile, total_cost, work_time_s
+from refspec.energy.roofline import total_cost, work_time_s
+from refspec.energy.windows import (DEFAULT_COUNTER_PERIOD_S, MeterError, NoGPUError,  # noqa: F401  (re-exported)
+                                    ShortWindowWarner, Windows)
+from refspec.energy.zeus_meter import ZeusMeter, nvml_energy_counter_available  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -37,65 +40,6 @@ Counter = Callable[[], float]
 
 TIME_ONLY = "none:time-only"
 FAKE_SOURCE = "measured:fake-counter"
-DEFAULT_COUNTER_PERIOD_S = 0.1  # NVML's total-energy counter updates every 20-100 ms
-
-
-class MeterError(RuntimeError):
-    """A window was misused: ended without being begun, or a meter cannot be built."""
-
-
-class NoGPUError(RuntimeError):
-    """An operation needs an NVIDIA GPU (with NVML) and none is visible."""
-
-
-class _Windows:
-    """Open windows by name, each a stack of begin-states (same-name windows nest LIFO)."""
-
-    def __init__(self) -> None:
-        self._open: dict[str, list[Any]] = defaultdict(list)
-
-    def push(self, name: str, state: Any) -> None:
-        self._open[name].append(state)
-
-    def pop(self, name: str) -> Any:
-        stack = self._open.get(name)
-        if not stack:
-            raise MeterError(f"end({name!r}) without a matching begin({name!r}); open windows: {self.names()}")
-        state = stack.pop()
-        if not stack:
-            del self._open[name]
-        return state
-
-    def names(self) -> list[str]:
-        return sorted(self._open)
-
-
-class _ShortWindowWarner:
-    """Warns once per window name when a counter window is too short or reads zero energy.
-
-    Later occurrences are logged at DEBUG and counted in ``counts`` so a report can say how many
-    windows were below the counter's resolution.
-    """
-
-    def __init__(self, source: str, period_s: float) -> None:
-        self.source = source
-        self.period_s = period_s
-        self.counts: dict[str, int] = defaultdict(int)
-
-    def check(self, name: str, time_s: float, energy_j: float) -> None:
-        problems = []
-        if energy_j == 0.0:
-            problems.append("read 0 J")
-        if time_s < self.period_s:
-            problems.append(f"lasted {time_s * 1e3:.3g} ms, shorter than the counter period "
-                            f"(~{self.period_s * 1e3:g} ms)")
-        if not problems:
-            return
-        self.counts[name] += 1
-        level = logging.WARNING if self.counts[name] == 1 else logging.DEBUG
-        logger.log(level, "window %r %s on %s: its energy is unreliable; attribute phase energy with "
-                   "refspec.energy.attribution (phase-isolated loops or NNLS over long windows)",
-                   name, " and ".join(problems), self.source)
 
 
 class TimeMeter:
@@ -112,7 +56,7 @@ class TimeMeter:
     def __init__(self, sync: Callable[[], None] | None = None, clock: Clock = time.perf_counter) -> None:
         self._sync = sync
         self._clock = clock
-        self._windows = _Windows()
+        self._windows = Windows()
 
     def _now(self) -> float:
         if self._sync is not None:
@@ -149,8 +93,8 @@ class FakeMeter:
         self._energy = energy
         self.source = source
         self.idle_w = idle_w
-        self._windows = _Windows()
-        self.short_windows = _ShortWindowWarner(source, counter_period_s)
+        self._windows = Windows()
+        self.short_windows = ShortWindowWarner(source, counter_period_s)
 
     def begin(self, name: str) -> None:
         """Open a window: record clock and counter."""
@@ -163,80 +107,6 @@ class FakeMeter:
         m = Measurement(time_s=t - t0, energy_j=e - e0, source=self.source)
         self.short_windows.check(name, m.time_s, m.energy_j)
         return m
-
-
-class ZeusMeter:
-    """NVML total-energy counter of one GPU, read through ``zeus.monitor.ZeusMonitor``.
-
-    Each window is a Zeus window with a unique key (``refspec:<name>:<serial>``), so windows may
-    nest and overlap. Zeus synchronises CUDA before each read. The energy is the sum of the
-    window's ``gpu_energy`` over the monitored GPU. A window shorter than the counter's update
-    period (20-100 ms) or reading 0 J is logged (once per name at WARNING, then DEBUG) and
-    counted in ``short_windows.counts``.
-
-    Args:
-        gpu_index: CUDA index of the GPU to meter.
-        counter_period_s: the counter period assumed for the short-window warning.
-        monitor: an object with ZeusMonitor's ``begin_window(key)`` / ``end_window(key)``;
-            built lazily from ``zeus`` when None (tests inject a fake).
-
-    Raises:
-        NoGPUError: no CUDA GPU is visible, or Zeus cannot monitor it.
-    """
-
-    def __init__(self, gpu_index: int = 0, *, counter_period_s: float = DEFAULT_COUNTER_PERIOD_S,
-                 monitor: Any | None = None) -> None:
-        self.gpu_index = gpu_index
-        self.source = f"measured:nvml-total-energy(gpu{gpu_index})"
-        self.idle_w: float | None = None
-        self._monitor = monitor if monitor is not None else self._build_monitor(gpu_index)
-        self._windows = _Windows()
-        self._serial = 0
-        self.short_windows = _ShortWindowWarner(self.source, counter_period_s)
-
-    @staticmethod
-    def _build_monitor(gpu_index: int) -> Any:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise NoGPUError("ZeusMeter needs an NVIDIA GPU: torch.cuda.is_available() is False. "
-                             "Use make_meter('roofline') for modelled energy or make_meter('time') for time only.")
-        try:
-            from zeus.monitor import ZeusMonitor
-        except ImportError as exc:
-            raise NoGPUError(f"ZeusMeter needs the 'zeus' package (pip install 'zeus>=0.12'): {exc}") from None
-        try:
-            return ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[], sync_execution_with="torch")
-        except (ValueError, RuntimeError) as exc:
-            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {exc}") from exc
-
-    def begin(self, name: str) -> None:
-        """Open a Zeus window for ``name``."""
-        self._serial += 1
-        key = f"refspec:{name}:{self._serial}"
-        self._monitor.begin_window(key)
-        self._windows.push(name, key)
-
-    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
-        """Close the latest ``name`` window; returns Zeus's time and the GPU's energy in J."""
-        key = self._windows.pop(name)
-        zm = self._monitor.end_window(key)
-        energy = float(sum(zm.gpu_energy.values()))
-        m = Measurement(time_s=float(zm.time), energy_j=energy, source=self.source)
-        self.short_windows.check(name, m.time_s, energy)
-        return m
-
-    def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
-        """Measure idle power over ``seconds`` of sleep (GPU idle), store it in ``idle_w``, in W.
-
-        Use at least 10 counter periods (the default 5 s is 50).
-        """
-        self.begin("idle")
-        sleep(seconds)
-        m = self.end("idle")
-        self.idle_w = (m.energy_j or 0.0) / m.time_s
-        logger.info("idle power of gpu%d: %.1f W over %.2f s (%s)", self.gpu_index, self.idle_w, m.time_s, self.source)
-        return self.idle_w
 
 
 TimeSource = Literal["model", "measured"]
@@ -276,7 +146,7 @@ class RooflineMeter:
         self.source = f"modelled:roofline({profile.name}{suffix})"
         self._sync = sync
         self._clock = clock
-        self._windows = _Windows()
+        self._windows = Windows()
 
     def _now(self) -> float:
         if self.time_source == "model":
@@ -307,21 +177,6 @@ def _cuda_sync() -> Callable[[], None] | None:
     except ImportError:
         return None
     return torch.cuda.synchronize if torch.cuda.is_available() else None
-
-
-def nvml_energy_counter_available(gpu_index: int = 0) -> bool:
-    """Whether CUDA is up and NVML's total-energy counter is readable on ``gpu_index``."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        from zeus.device import get_gpus
-
-        return bool(get_gpus().supports_get_total_energy_consumption(gpu_index))
-    except Exception as exc:  # zeus raises a family of init errors; any of them means "no counter"
-        logger.debug("no NVML energy counter on gpu%d: %r", gpu_index, exc)
-        return False
 
 
 def _profile_for_this_gpu(gpu_index: int) -> HardwareProfile | None:
@@ -371,32 +226,39 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
     if kind == "zeus":
         return ZeusMeter(gpu_index)
     if kind == "roofline":
-        prof = profile if isinstance(profile, HardwareProfile) else None
-        if prof is None:
-            if profile is not None:
-                prof = get_profile(profile, dtype_bytes)
-            elif _cuda_sync() is not None and _profile_for_this_gpu(gpu_index) is not None:
-                prof = _profile_for_this_gpu(gpu_index)
-            else:
-                prof = cpu_profile(dtype_bytes)
-        assert prof is not None
+        prof = _roofline_profile(profile, gpu_index, dtype_bytes)
         if time_source is None:
             time_source = "measured" if prof.measured else "model"
         return RooflineMeter(prof, time_source=time_source, sync=_cuda_sync(), clock=clock or time.perf_counter)
     if kind == "auto":
-        if nvml_energy_counter_available(gpu_index):
-            return ZeusMeter(gpu_index)
-        sync = _cuda_sync()
-        if sync is not None:
-            prof = _profile_for_this_gpu(gpu_index)
-            if prof is None:
-                logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only",
-                               gpu_index)
-                return TimeMeter(sync=sync)
-            logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpu_index, prof.name)
-            return RooflineMeter(prof, time_source=time_source or "measured", sync=sync)
-        return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "measured")
+        return _auto_meter(gpu_index, time_source, dtype_bytes)
     raise ValueError(f"unknown meter kind {kind!r}; choose auto, zeus, roofline, time or fake")
+
+
+def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dtype_bytes: int) -> HardwareProfile:
+    """The profile asked for, else this GPU's data-sheet profile, else this CPU's measured one."""
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if profile is not None:
+        return get_profile(profile, dtype_bytes)
+    gpu = _profile_for_this_gpu(gpu_index) if _cuda_sync() is not None else None
+    return gpu if gpu is not None else cpu_profile(dtype_bytes)
+
+
+def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int) -> Any:
+    """Zeus with an energy counter; a GPU without one: its roofline profile or time only; no GPU:
+    this CPU's measured roofline profile."""
+    if nvml_energy_counter_available(gpu_index):
+        return ZeusMeter(gpu_index)
+    sync = _cuda_sync()
+    if sync is None:
+        return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "measured")
+    prof = _profile_for_this_gpu(gpu_index)
+    if prof is None:
+        logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only", gpu_index)
+        return TimeMeter(sync=sync)
+    logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpu_index, prof.name)
+    return RooflineMeter(prof, time_source=time_source or "measured", sync=sync)
 
 
 __all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "RooflineMeter", "make_meter", "MeterError",

@@ -6,14 +6,22 @@ the work it did as :class:`ForwardShape` records, so an analytic (roofline) mete
 its time and energy and the ledger can record modelled FLOPs and bytes beside the measured
 figures.
 
+Billing path: the work of a phase is what its forwards recorded, never a declaration beside
+them. :class:`MeteredPhase` opens the meter window and a :class:`WorkRecorder`; every forward
+that runs inside it (a target, a draft model, a drafter head) calls :func:`record_forward`
+with the :class:`ForwardShape` it computed from its own tensors (rows, query tokens, keys
+read, LM-head rows of the logits it produced); closing the phase hands exactly that to
+``meter.end`` and to the :class:`PhaseEvent`. A forward outside any phase records nothing.
+
 Phases: ``prefill`` (prompt forward of target and drafter), ``draft`` (the drafter proposes),
 ``verify`` (one target forward over the K+1 positions of each row), ``commit`` (acceptance,
 bookkeeping, drafter state update) and ``other`` (anything else a caller wants to bracket).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from refspec.config import ModelArgs
 
@@ -28,8 +36,12 @@ class ForwardShape:
         args: architecture of the model that ran (a drafter head passes its own).
         rows: rows in the forward (B, active or not: static shapes compute them all).
         tokens_per_row: query tokens per row (S).
-        context_tokens: keys attended, summed over rows (sum of per-row T actually read).
+        context_tokens: keys read by each full-attention layer, summed over rows (refspec's
+            dense masked attention reads and multiplies the whole attended prefix Tk per row).
         dtype_bytes: bytes per weight / activation element (4 fp32, 2 bf16).
+        sliding_context_tokens: keys read by each sliding-window layer, summed over rows; None
+            caps the per-row mean of ``context_tokens`` at the window (an attention that skips
+            keys outside it, as predictions assume).
         lm_head_tokens: tokens that go through the LM head (defaults to rows * S).
         lm_head_rows: rows of the LM head matrix (the vocabulary, or a reduced draft vocab).
         layers: number of decoder layers that ran (defaults to ``args.num_layers``).
@@ -47,12 +59,59 @@ class ForwardShape:
     tokens_per_row: int
     context_tokens: int
     dtype_bytes: int
+    sliding_context_tokens: int | None = None
     lm_head_tokens: int | None = None
     lm_head_rows: int | None = None
     layers: int | None = None
     extra_weight_bytes: int = 0
     extra_flops: int = 0
     matrix_bytes: int | None = None
+
+
+class WorkRecorder:
+    """The :class:`ForwardShape` of every forward run while it is open (a context manager).
+
+    Recorders nest; a forward records into the innermost open one only, so a phase's work is
+    exactly the forwards run inside it.
+    """
+
+    def __init__(self) -> None:
+        self._shapes: list[ForwardShape] = []
+        self._token: contextvars.Token | None = None
+
+    def add(self, shape: ForwardShape) -> None:
+        """Append one forward's shape."""
+        self._shapes.append(shape)
+
+    @property
+    def work(self) -> tuple[ForwardShape, ...]:
+        """The shapes recorded so far, in the order the forwards ran."""
+        return tuple(self._shapes)
+
+    def __enter__(self) -> "WorkRecorder":
+        assert self._token is None, "a WorkRecorder is open already"
+        self._token = _OPEN.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._token is not None, "__exit__ without __enter__"
+        _OPEN.reset(self._token)
+        self._token = None
+
+
+_OPEN: contextvars.ContextVar[WorkRecorder | None] = contextvars.ContextVar("refspec_work_recorder", default=None)
+
+
+def recording() -> bool:
+    """Whether a :class:`WorkRecorder` is open (forwards skip building shapes otherwise)."""
+    return _OPEN.get() is not None
+
+
+def record_forward(shape: ForwardShape) -> None:
+    """Called by a forward with the shape it computed: appended to the innermost open recorder."""
+    rec = _OPEN.get()
+    if rec is not None:
+        rec.add(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +177,30 @@ class PhaseEvent:
 
 
 PhaseObserver = Callable[[PhaseEvent], None]
+
+
+class MeteredPhase:
+    """One metered phase: ``with MeteredPhase(meter, "verify") as phase: ...`` opens the meter
+    window and a :class:`WorkRecorder`; on exit the recorded work goes to ``meter.end``.
+
+    Attributes:
+        name: the phase name.
+        work: forwards recorded inside the phase (set on exit).
+        measurement: what the meter returned (set on exit).
+    """
+
+    def __init__(self, meter: EnergyMeter, name: str) -> None:
+        self.meter, self.name = meter, name
+        self._recorder = WorkRecorder()
+        self.work: tuple[ForwardShape, ...] = ()
+        self.measurement: Measurement | None = None
+
+    def __enter__(self) -> "MeteredPhase":
+        self.meter.begin(self.name)
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._recorder.__exit__(*exc)
+        self.work = self._recorder.work
+        self.measurement = self.meter.end(self.name, self.work)  # also on error: no window stays open

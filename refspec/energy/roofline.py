@@ -16,8 +16,9 @@ element (shape glossary in :mod:`refspec.config`):
   + 3 E I). Norms, biases and activations (O(E) per token) are not counted.
 * **attention FLOPs**: 4 H D per (query, key) pair per layer (2 H D for Q K^T, 2 H D for P V);
   pairs = tokens_per_row x keys per row, i.e. ``tokens_per_row * context_tokens`` summed over
-  rows, as a dense masked attention computes them. On sliding-window layers the keys per row
-  are capped at the window (the per-row mean of ``context_tokens`` is capped).
+  rows, as a dense masked attention computes them. Sliding-window layers read
+  ``sliding_context_tokens`` when a forward reports it; otherwise (predictions) the keys per
+  row are capped at the window (the per-row mean of ``context_tokens`` is capped).
 * **LM head FLOPs**: 2 V E per token that reaches the head.
 * **KV reads**: keys read per layer x 2 Hkv D b (K and V), with the same sliding cap;
   **KV writes**: N x L x 2 Hkv D b.
@@ -29,10 +30,8 @@ element (shape glossary in :mod:`refspec.config`):
 Time of one forward = max(FLOPs / peak, bytes / bandwidth) + a fixed per-forward overhead
 (kernel launches). Energy = static power x time + pJ/FLOP x FLOPs + pJ/byte x bytes.
 
-The GPU profiles' peak and bandwidth are data-sheet numbers (REFERENCE section 5); their energy
-coefficients are priors from the paper's range, to be calibrated on a real GPU. The CPU profile
-measures this machine's bandwidth and peak at first use; its energy coefficients are
-uncalibrated priors (no RAPL counter is readable here), so every CPU energy figure is modelled.
+Hardware profiles (peak, bandwidth, energy coefficients) live in :mod:`refspec.energy.hardware`
+and are re-exported here.
 
 Run ``python -m refspec.eval roofline --help`` for the batch x k prediction CLI
 (:mod:`refspec.eval.roofline_cli`); named target architectures are in :mod:`refspec.energy.architectures`.
@@ -40,142 +39,13 @@ Run ``python -m refspec.eval roofline --help`` for the batch x k prediction CLI
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
-import math
-import time
-from typing import Any, Sequence
+from typing import Sequence
 
-from refspec.energy.architectures import ARCHS, arch  # noqa: F401  (re-exported: named target architectures)
 from refspec.config import ModelArgs
+from refspec.energy.architectures import ARCHS, arch  # noqa: F401  (re-exported: named target architectures)
+from refspec.energy.hardware import (GPU_PROFILES, H100_SXM, H200_SXM, HardwareProfile,  # noqa: F401  (re-exported)
+                                     cpu_profile, get_profile)
 from refspec.energy.phases import ForwardShape
-
-logger = logging.getLogger(__name__)
-
-PICO = 1e-12
-
-
-# ---- hardware profiles -----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HardwareProfile:
-    """Roofline and energy coefficients of one device.
-
-    Attributes:
-        name: short id used in energy sources, e.g. ``"h200-sxm"``.
-        peak_flops: dense peak in FLOP/s for the modelled dtype (bf16 on GPUs).
-        bandwidth_Bps: main-memory bandwidth in bytes/s.
-        static_w: power drawn while a forward runs, independent of the work done, in W.
-        pj_per_flop: dynamic energy per FLOP in pJ.
-        pj_per_byte: dynamic energy per byte moved from/to main memory in pJ.
-        idle_w: power of the idle device in W (what "net of idle" subtracts).
-        overhead_s: fixed time per forward (launch / dispatch) in s.
-        measured: whether peak and bandwidth were measured on this machine (not data sheet).
-    """
-
-    name: str
-    peak_flops: float
-    bandwidth_Bps: float
-    static_w: float
-    pj_per_flop: float
-    pj_per_byte: float
-    idle_w: float
-    overhead_s: float = 0.0
-    measured: bool = False
-
-    @property
-    def ridge(self) -> float:
-        """Balance point in FLOP/byte: above it a forward is compute-bound."""
-        return self.peak_flops / self.bandwidth_Bps
-
-    def time_s(self, cost: "Cost", forwards: int = 1) -> float:
-        """Roofline time of ``cost`` spread over ``forwards`` sequential forwards, in s."""
-        return max(cost.flops / self.peak_flops, cost.bytes / self.bandwidth_Bps) + forwards * self.overhead_s
-
-    def energy_j(self, cost: "Cost", time_s: float) -> float:
-        """Energy in J of ``cost`` done in ``time_s`` seconds: static + per-FLOP + per-byte."""
-        return self.static_w * time_s + PICO * (self.pj_per_flop * cost.flops + self.pj_per_byte * cost.bytes)
-
-
-# GPU energy coefficients are the midpoints of REFERENCE section 5's priors (static 60-100 W,
-# 0.4-0.8 pJ/FLOP, 30-50 pJ/B); idle ~70 W is typical of an idle SXM board. Overhead 30 us per
-# forward assumes CUDA-graph replay. Calibrate with refspec.energy.attribution on a real GPU.
-H100_SXM = HardwareProfile(name="h100-sxm", peak_flops=989e12, bandwidth_Bps=3.35e12, static_w=80.0,
-                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
-H200_SXM = HardwareProfile(name="h200-sxm", peak_flops=989e12, bandwidth_Bps=4.8e12, static_w=80.0,
-                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
-GPU_PROFILES: dict[str, HardwareProfile] = {"h100": H100_SXM, "h100-sxm": H100_SXM,
-                                            "h200": H200_SXM, "h200-sxm": H200_SXM}
-
-# CPU energy priors (uncalibrated: no RAPL here): two cores' share of package static power,
-# AVX-512 FMA energy per FLOP, DRAM + controller energy per byte.
-CPU_STATIC_W = 15.0
-CPU_IDLE_W = 5.0
-CPU_PJ_PER_FLOP = 10.0
-CPU_PJ_PER_BYTE = 100.0
-
-
-def _bench(fn: Any, reps: int = 5, budget_s: float = 0.15) -> float:
-    """Best wall time of up to ``reps`` calls of ``fn`` (stopping after ``budget_s``), after a warm-up."""
-    fn()
-    best = math.inf
-    spent = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-        if spent > budget_s:
-            break
-    return best
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_profile(dtype_bytes: int = 2, weight_mib: int = 64) -> HardwareProfile:
-    """Profile of this CPU, with bandwidth and peak measured now (~0.5 s, cached per process).
-
-    Bandwidth is what a decode forward sees: ``F.linear`` of one token against a ``weight_mib`` MiB
-    weight matrix (larger than the last-level cache), bytes of the matrix / best time. Peak is
-    ``F.linear`` of 512 tokens against a 512 x 512 matrix, 2 x 512^3 FLOPs / best time (the
-    model's own GEMM path; plain ``a @ b`` in bf16 is far slower on CPUs without AVX512_BF16).
-    Both use the current torch thread count.
-
-    Args:
-        dtype_bytes: 2 measures bf16 kernels, 4 fp32.
-        weight_mib: size of the streamed matrix in MiB; keep it above the last-level cache.
-
-    Returns:
-        A profile named ``cpu-<dtype>-<threads>t`` with ``measured=True`` and the CPU energy
-        priors (modelled, not measured: there is no energy counter on this machine).
-    """
-    import torch
-
-    if dtype_bytes not in (2, 4):
-        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes}")
-    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
-    w = torch.full(((weight_mib << 20) // (4096 * dtype_bytes), 4096), 0.5, dtype=dtype)  # values do not matter
-    x = torch.full((1, 4096), 0.5, dtype=dtype)
-    with torch.inference_mode():
-        bandwidth = w.numel() * dtype_bytes / _bench(lambda: torch.nn.functional.linear(x, w))
-        n = 512
-        a = torch.full((n, n), 0.5, dtype=dtype)
-        b = torch.full((n, n), 0.25, dtype=dtype)
-        peak = 2 * n**3 / _bench(lambda: torch.nn.functional.linear(a, b))
-    threads = torch.get_num_threads()
-    name = f"cpu-{'bf16' if dtype_bytes == 2 else 'fp32'}-{threads}t"
-    logger.info("measured %s: %.1f GB/s matrix-vector, %.1f GFLOP/s matmul", name, bandwidth / 1e9, peak / 1e9)
-    return HardwareProfile(name=name, peak_flops=peak, bandwidth_Bps=bandwidth, static_w=CPU_STATIC_W,
-                           pj_per_flop=CPU_PJ_PER_FLOP, pj_per_byte=CPU_PJ_PER_BYTE, idle_w=CPU_IDLE_W,
-                           overhead_s=0.0, measured=True)
-
-
-def get_profile(name: str, dtype_bytes: int = 2) -> HardwareProfile:
-    """Profile by name: ``h100``/``h100-sxm``, ``h200``/``h200-sxm``, or ``cpu`` (measured now)."""
-    if name == "cpu" or name.startswith("cpu-"):
-        return cpu_profile(dtype_bytes)
-    try:
-        return GPU_PROFILES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown hardware profile {name!r}; choose cpu, {', '.join(sorted(GPU_PROFILES))}") from None
 
 
 # ---- cost of one forward ---------------------------------------------------------------------
@@ -246,7 +116,9 @@ def layer_parameters(args: ModelArgs) -> tuple[int, int]:
 
 
 def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
-    """Keys read by ``layer``, summed over rows (sliding layers capped at the window per row)."""
+    """Keys read by ``layer``, summed over rows (sliding layers: as reported, else capped at the window)."""
+    if shape.args.is_sliding(layer) and shape.sliding_context_tokens is not None:
+        return float(shape.sliding_context_tokens)
     if shape.args.is_sliding(layer) and shape.args.sliding_window:
         mean = shape.context_tokens / shape.rows
         return shape.rows * min(mean, shape.args.sliding_window)
@@ -308,21 +180,23 @@ def work_time_s(work: Sequence[ForwardShape], profile: HardwareProfile) -> float
 # ---- one speculative step ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterModel:
-    """What one draft forward costs, for predictions (the engine's real drafters report work).
+    """What one draft forward costs, for predictions (a drafter provides its own through the
+    optional ``roofline_model`` method of :class:`refspec.drafting.Drafter`).
 
     Three ways to describe a drafter, in order of precedence:
 
     * ``fraction``: each draft forward costs this fraction of one target decode forward (T = 1)
-      of the same batch and context (0 for n-gram lookup);
-    * ``args``: a separate draft model; a draft forward runs all its layers;
+      of the same batch and context; 0 is a free drafter that runs no forwards at all;
+    * ``args``: a separate draft model; a draft forward runs all ``args.num_layers`` layers;
     * otherwise an EAGLE-style head: ``layers`` decoder layers with the target's architecture,
-      an ``fc`` of ``fc_inputs x E -> E`` (2 for EAGLE-1/2, 3 for EAGLE-3, 0 for none), and the
-      target's LM head.
+      an ``fc`` of ``fc_inputs x E -> E`` (2 for EAGLE-1/2, 3 for EAGLE-3, 0 for none), and an
+      LM head of ``lm_head_rows`` rows (default: the target's vocabulary).
 
     Attributes:
         name: label for tables.
         layers: decoder layers of an EAGLE-style head.
         fc_inputs: EAGLE ``fc`` input width in multiples of E.
+        lm_head_rows: LM-head rows of an EAGLE-style head (a reduced draft vocabulary).
         args: architecture of a separate draft model.
         fraction: cost of one draft forward as a fraction of a target decode forward.
         parallel: True for block drafters that propose all K tokens in one forward of K
@@ -332,9 +206,15 @@ class DrafterModel:
     name: str
     layers: int = 1
     fc_inputs: int = 2
+    lm_head_rows: int | None = None
     args: ModelArgs | None = None
     fraction: float | None = None
     parallel: bool = False
+
+    @property
+    def free(self) -> bool:
+        """Whether the drafter runs no forwards (n-gram lookup)."""
+        return self.fraction == 0
 
     def forward_cost(self, target: ModelArgs, *, rows: int, tokens_per_row: int, context_tokens: int,
                      dtype_bytes: int) -> Cost:
@@ -350,7 +230,8 @@ class DrafterModel:
         fc = self.fc_inputs * e * e
         return forward_cost(ForwardShape(args=target, rows=rows, tokens_per_row=tokens_per_row,
                                          context_tokens=context_tokens, dtype_bytes=dtype_bytes,
-                                         layers=self.layers, extra_weight_bytes=fc * dtype_bytes,
+                                         layers=self.layers, lm_head_rows=self.lm_head_rows,
+                                         extra_weight_bytes=fc * dtype_bytes,
                                          extra_flops=2 * fc * rows * tokens_per_row))
 
 
@@ -410,12 +291,14 @@ class StepPrediction:
 
 
 def predict_step(target: ModelArgs, profile: HardwareProfile, *, batch: int, k: int, context: int,
-                 acceptance: float, drafter: DrafterModel = EAGLE_HEAD, dtype_bytes: int = 2) -> StepPrediction:
+                 acceptance: float, drafter: DrafterModel | None = EAGLE_HEAD,
+                 dtype_bytes: int = 2) -> StepPrediction:
     """Model one speculative step: K draft forwards (or one block forward), one verify forward.
 
     The verify forward runs K + 1 tokens per row over ``context + K + 1`` keys per row; a chain
     drafter runs K forwards of one token per row over the same context (its own cache), a block
-    drafter one forward of K tokens. Acceptance, commit and sampling cost nothing here.
+    drafter one forward of K tokens, a free drafter none (no launch overhead either).
+    Acceptance, commit and sampling cost nothing here.
 
     Args:
         target: target architecture.
@@ -424,7 +307,8 @@ def predict_step(target: ModelArgs, profile: HardwareProfile, *, batch: int, k: 
         k: draft length; 0 means plain autoregressive decoding (no draft phase).
         context: tokens in each row's cache before the step.
         acceptance: per-token acceptance a (ignored when k = 0).
-        drafter: draft cost model (default: EAGLE-style one-layer head).
+        drafter: draft cost model (default: EAGLE-style one-layer head); None or a free model
+            (``fraction=0``) for a drafter that runs no forwards.
         dtype_bytes: bytes per weight / KV element.
 
     Returns:
@@ -436,7 +320,7 @@ def predict_step(target: ModelArgs, profile: HardwareProfile, *, batch: int, k: 
     verify_time = profile.time_s(verify)
     verify_energy = profile.energy_j(verify, verify_time)
     draft_time = draft_energy = 0.0
-    if k > 0:
+    if k > 0 and drafter is not None and not drafter.free:
         if drafter.parallel:
             one = drafter.forward_cost(target, rows=batch, tokens_per_row=k,
                                        context_tokens=batch * (context + k), dtype_bytes=dtype_bytes)

@@ -1,0 +1,100 @@
+"""The measured meter: NVML's total-energy counter of one GPU, read through Zeus."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from refspec.energy.phases import ForwardShape, Measurement
+from refspec.energy.windows import DEFAULT_COUNTER_PERIOD_S, NoGPUError, ShortWindowWarner, Windows
+
+logger = logging.getLogger("refspec.energy.meters")
+
+
+class ZeusMeter:
+    """NVML total-energy counter of one GPU, read through ``zeus.monitor.ZeusMonitor``.
+
+    Each window is a Zeus window with a unique key (``refspec:<name>:<serial>``), so windows may
+    nest and overlap. Zeus synchronises CUDA before each read. The energy is the sum of the
+    window's ``gpu_energy`` over the monitored GPU. A window shorter than the counter's update
+    period (20-100 ms) or reading 0 J is logged (once per name at WARNING, then DEBUG) and
+    counted in ``short_windows.counts``.
+
+    Args:
+        gpu_index: CUDA index of the GPU to meter.
+        counter_period_s: the counter period assumed for the short-window warning.
+        monitor: an object with ZeusMonitor's ``begin_window(key)`` / ``end_window(key)``;
+            built lazily from ``zeus`` when None (tests inject a fake).
+
+    Raises:
+        NoGPUError: no CUDA GPU is visible, or Zeus cannot monitor it.
+    """
+
+    def __init__(self, gpu_index: int = 0, *, counter_period_s: float = DEFAULT_COUNTER_PERIOD_S,
+                 monitor: Any | None = None) -> None:
+        self.gpu_index = gpu_index
+        self.source = f"measured:nvml-total-energy(gpu{gpu_index})"
+        self.idle_w: float | None = None
+        self._monitor = monitor if monitor is not None else self._build_monitor(gpu_index)
+        self._windows = Windows()
+        self._serial = 0
+        self.short_windows = ShortWindowWarner(self.source, counter_period_s)
+
+    @staticmethod
+    def _build_monitor(gpu_index: int) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NoGPUError("ZeusMeter needs an NVIDIA GPU: torch.cuda.is_available() is False. "
+                             "Use make_meter('roofline') for modelled energy or make_meter('time') for time only.")
+        try:
+            from zeus.monitor import ZeusMonitor
+        except ImportError as exc:
+            raise NoGPUError(f"ZeusMeter needs the 'zeus' package (pip install 'zeus>=0.12'): {exc}") from None
+        try:
+            return ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[], sync_execution_with="torch")
+        except (ValueError, RuntimeError) as exc:
+            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {exc}") from exc
+
+    def begin(self, name: str) -> None:
+        """Open a Zeus window for ``name``."""
+        self._serial += 1
+        key = f"refspec:{name}:{self._serial}"
+        self._monitor.begin_window(key)
+        self._windows.push(name, key)
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window; returns Zeus's time and the GPU's energy in J."""
+        key = self._windows.pop(name)
+        zm = self._monitor.end_window(key)
+        energy = float(sum(zm.gpu_energy.values()))
+        m = Measurement(time_s=float(zm.time), energy_j=energy, source=self.source)
+        self.short_windows.check(name, m.time_s, energy)
+        return m
+
+    def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Measure idle power over ``seconds`` of sleep (GPU idle), store it in ``idle_w``, in W.
+
+        Use at least 10 counter periods (the default 5 s is 50).
+        """
+        self.begin("idle")
+        sleep(seconds)
+        m = self.end("idle")
+        self.idle_w = (m.energy_j or 0.0) / m.time_s
+        logger.info("idle power of gpu%d: %.1f W over %.2f s (%s)", self.gpu_index, self.idle_w, m.time_s, self.source)
+        return self.idle_w
+
+
+def nvml_energy_counter_available(gpu_index: int = 0) -> bool:
+    """Whether CUDA is up and NVML's total-energy counter is readable on ``gpu_index``."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        from zeus.device import get_gpus
+
+        return bool(get_gpus().supports_get_total_energy_consumption(gpu_index))
+    except Exception as exc:  # zeus raises a family of init errors; any of them means "no counter"
+        logger.debug("no NVML energy counter on gpu%d: %r", gpu_index, exc)
+        return False

@@ -1,0 +1,193 @@
+"""Which GEMM form each CPU product takes, chosen by timing the candidates on this machine.
+
+CPUs differ in what they multiply fast: one emulates bf16 products and gains from fp32 copies
+of the weights, another has bf16 matrix units and loses by them; one streams a column-major
+matrix faster for a single row, another does not. So no path is chosen by CPU model: the first
+load on a machine times every candidate form for the shapes decoding uses (one row, a few rows
+for verification and small batches, many rows for prefill and large batches) in each dtype,
+keeps the fastest, and caches the choice under ``$REFSPEC_HOME/calibration`` keyed by the CPU's
+model name and flags, the torch version and the thread count. A change of any of them
+recalibrates.
+
+Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
+
+- ``linear``: ``F.linear`` on the weight (the reference);
+- ``wxt``: ``(W @ x^T)^T`` on the weight, with a row-major ``x``;
+- ``column``: ``x @ Wc`` through a column-major copy ``Wc [in, out]`` of the weight;
+- ``fp32``: ``(W32 @ x^T)^T`` through an fp32 copy, rounded back to the model's dtype
+  (half-precision models only).
+
+A model keeps at most one kind of copy: the plan drops the copy whose saving is smaller when
+the fastest forms would need two.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1
+BUCKETS = ("one", "few", "many")
+BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMS = {"fp32": ("linear", "wxt", "column"), "bf16": ("linear", "wxt", "column", "fp32"),
+         "fp16": ("linear", "wxt", "column", "fp32")}
+COPY_FORMS = ("column", "fp32")
+# (out, in) of the products timed: a decoder's q/k/v, MLP up and down projections, repeated
+# until they fill WEIGHT_BYTES, well beyond a CPU's caches, as a decode step streams them
+SHAPES = ((1728, 576), (3072, 576), (576, 1536))
+WEIGHT_BYTES = 64 * 2**20
+
+Timer = Callable[[str, str, str], float]
+"""``(dtype name, bucket, form) -> seconds``: how long one form takes for one bucket."""
+
+
+def bucket_of(rows: int) -> str:
+    """The bucket a product of ``rows`` rows belongs to."""
+    return "one" if rows == 1 else "few" if rows < 32 else "many"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmPlan:
+    """The chosen form per dtype and bucket, with the timings it was chosen from.
+
+    Attributes:
+        forms: ``{dtype name: {bucket: form}}``.
+        timings_s: ``{dtype name: {bucket: {form: seconds}}}`` as measured (or injected).
+        machine: the key the plan was measured under (see :func:`machine_key`).
+    """
+
+    forms: dict[str, dict[str, str]]
+    timings_s: dict[str, dict[str, dict[str, float]]]
+    machine: dict[str, str]
+
+    def form(self, dtype: torch.dtype, rows: int) -> str:
+        """The form for a product of ``rows`` rows in ``dtype`` (``linear`` when unplanned)."""
+        return self.forms.get(dtype_name(dtype), {}).get(bucket_of(rows), "linear")
+
+    def copy_kind(self, dtype: torch.dtype) -> str | None:
+        """The weight copy this dtype's forms need, or None."""
+        kinds = {f for f in self.forms.get(dtype_name(dtype), {}).values() if f in COPY_FORMS}
+        assert len(kinds) <= 1, f"a plan uses one copy kind per dtype, got {kinds}"
+        return kinds.pop() if kinds else None
+
+    def describe(self) -> str:
+        """One line: ``fp32 one=column few=wxt many=wxt; bf16 ...``."""
+        return "; ".join(f"{d} " + " ".join(f"{b}={f[b]}" for b in BUCKETS) for d, f in self.forms.items())
+
+    def to_json(self) -> dict:
+        return {"version": PLAN_VERSION, "forms": self.forms, "timings_s": self.timings_s, "machine": self.machine}
+
+
+REFERENCE = GemmPlan(forms={}, timings_s={}, machine={})
+"""No calibration: ``F.linear`` everywhere and no weight copies."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+
+
+def _cpu_fields() -> tuple[str, str]:
+    """The CPU's model name and flags line (from Linux ``/proc/cpuinfo``; the platform elsewhere)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return fields.get("model name", platform.processor() or platform.machine()), fields.get("flags", "")
+
+
+def machine_key(threads: int | None = None) -> dict[str, str]:
+    """What a plan depends on: CPU model and flags, torch version, thread count."""
+    model, flags = _cpu_fields()
+    return {"cpu": model, "flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+            "torch": torch.__version__, "threads": str(threads if threads is not None else torch.get_num_threads())}
+
+
+def _apply(form: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | None) -> torch.Tensor:
+    if form == "linear":
+        return F.linear(x, w)
+    if form == "wxt":
+        return torch.mm(w, x.t()).t()
+    if form == "column":
+        return torch.mm(x, copy)
+    return torch.mm(copy, x.float().t()).t().to(x.dtype)  # fp32
+
+
+def measure(dtype: str, bucket: str, form: str, *, repeats: int = 2) -> float:
+    """Seconds one pass over :data:`WEIGHT_BYTES` of matrices takes in ``form``, summed over the
+    bucket's rows (best of ``repeats``)."""
+    dt, gen = DTYPES[dtype], torch.Generator().manual_seed(0)
+    per_set = sum(o * i for o, i in SHAPES) * dt.itemsize
+    weights = [torch.randn(shape, generator=gen).to(dt) for _ in range(-(-WEIGHT_BYTES // per_set)) for shape in SHAPES]
+    copies = [w.t().contiguous() if form == "column" else w.float() if form == "fp32" else None for w in weights]
+    total = 0.0
+    for rows in BUCKET_ROWS[bucket]:
+        xs = [torch.randn(rows, w.shape[1], generator=gen).to(dt) for w in weights]
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first pass warms caches and kernels
+            start = time.perf_counter()
+            for x, w, c in zip(xs, weights, copies):
+                _apply(form, x, w, c)
+            best = min(best, time.perf_counter() - start)
+        total += best
+    return total
+
+
+def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Fastest form per bucket; when those need two copy kinds, the best plan with only one."""
+    def fastest(allowed: set[str]) -> dict[str, str]:
+        return {b: min((f for f in t if f not in COPY_FORMS or f in allowed), key=t.get) for b, t in timings.items()}
+
+    best = fastest(set(COPY_FORMS))
+    kinds = {f for f in best.values() if f in COPY_FORMS}
+    if len(kinds) <= 1:
+        return best
+    return min((fastest({k}) for k in kinds), key=lambda p: sum(timings[b][f] for b, f in p.items()))
+
+
+def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None = None) -> GemmPlan:
+    """Time every form for every bucket in each dtype and keep the fastest (see module doc)."""
+    timer = timer or measure
+    timings = {d: {b: {f: timer(d, b, f) for f in FORMS[d]} for b in BUCKETS} for d in dtypes}
+    return GemmPlan(forms={d: _choose(t) for d, t in timings.items()}, timings_s=timings, machine=machine_key())
+
+
+def plan_path(home: Path, machine: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
+    return home / "calibration" / f"gemm-{digest}.json"
+
+
+def load_or_calibrate(home: Path, *, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+                      timer: Timer | None = None) -> GemmPlan:
+    """The cached plan for this machine, or a fresh calibration written atomically to the cache."""
+    machine = machine_key()
+    path = plan_path(home, machine)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == PLAN_VERSION and data.get("machine") == machine and \
+                all(d in data["forms"] for d in dtypes):
+            return GemmPlan(forms=data["forms"], timings_s=data["timings_s"], machine=machine)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: calibrate again
+    start = time.perf_counter()
+    plan = calibrate(dtypes, timer=timer)
+    log.info("calibrated CPU GEMM forms in %.1f s: %s", time.perf_counter() - start, plan.describe())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(plan.to_json(), indent=1))
+    os.replace(tmp, path)
+    return plan

@@ -1,0 +1,95 @@
+"""CPU GEMM calibration: the fastest measured form is chosen, cached per machine, and every form
+computes the reference product."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from refspec.models import calibration as C
+
+
+def table(fast: dict[tuple[str, str], str]):
+    """A fake timer: 1 s for every form except the one named fast per (dtype, bucket)."""
+    calls = []
+
+    def timer(dtype, bucket, form):
+        calls.append((dtype, bucket, form))
+        return 0.5 if fast.get((dtype, bucket)) == form else 1.0
+    return timer, calls
+
+
+def test_fake_timing_table_picks_the_fast_form():
+    timer, _ = table({("fp32", "one"): "column", ("fp32", "few"): "wxt", ("bf16", "many"): "fp32"})
+    plan = C.calibrate(("fp32", "bf16"), timer=timer)
+    assert plan.form(torch.float32, 1) == "column"
+    assert plan.form(torch.float32, 8) == "wxt"
+    assert plan.form(torch.bfloat16, 200) == "fp32"
+    assert plan.copy_kind(torch.float32) == "column" and plan.copy_kind(torch.bfloat16) == "fp32"
+
+
+def test_one_copy_kind_per_dtype_keeps_the_larger_saving():
+    def timer(dtype, bucket, form):
+        return {("one", "column"): 0.9, ("many", "fp32"): 0.2}.get((bucket, form), 1.0)
+    plan = C.calibrate(("bf16",), timer=timer)
+    assert plan.forms["bf16"]["many"] == "fp32"  # saves 0.8 s against column's 0.1 s
+    assert plan.forms["bf16"]["one"] in ("linear", "wxt")
+    assert plan.copy_kind(torch.bfloat16) == "fp32"
+
+
+def test_unplanned_products_take_the_reference():
+    assert C.REFERENCE.form(torch.float32, 1) == "linear" and C.REFERENCE.copy_kind(torch.bfloat16) is None
+
+
+def test_cached_plan_is_reused(tmp_path):
+    timer, calls = table({("fp32", "one"): "wxt"})
+    first = C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    n = len(calls)
+    second = C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert len(calls) == n and second.forms == first.forms
+    saved = json.loads(C.plan_path(tmp_path, C.machine_key()).read_text())
+    assert saved["forms"]["fp32"]["one"] == "wxt"
+
+
+@pytest.mark.parametrize("change", ["torch", "threads"])
+def test_a_new_torch_or_thread_count_recalibrates(tmp_path, monkeypatch, change):
+    timer, calls = table({})
+    C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    n = len(calls)
+    if change == "torch":
+        monkeypatch.setattr(C.torch, "__version__", "0.0.0-other")
+    else:
+        threads = torch.get_num_threads()
+        monkeypatch.setattr(C.torch, "get_num_threads", lambda: threads + 1)
+    C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert len(calls) == 2 * n
+
+
+def test_a_corrupt_cache_recalibrates(tmp_path):
+    timer, calls = table({})
+    path = C.plan_path(tmp_path, C.machine_key())
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert calls and json.loads(path.read_text())["version"] == C.PLAN_VERSION
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_every_form_computes_the_reference_product(dtype, rows):
+    dt = C.DTYPES[dtype]
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(dt)
+    x = torch.randn(rows, 64, generator=g).to(dt)
+    ref = F.linear(x.double(), w.double())
+    for form in C.FORMS[dtype]:
+        copy = w.t().contiguous() if form == "column" else w.float() if form == "fp32" else None
+        out = C._apply(form, x, w, copy)
+        assert out.dtype == dt and out.shape == (rows, 96)
+        # fp32: summation order only; bf16: one rounding of the fp32 accumulator (2^-8 relative)
+        tol = 1e-5 if dtype == "fp32" else 2 ** -8
+        assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()), form
+
+
+def test_measure_times_a_real_product():
+    assert C.measure("fp32", "one", "linear", repeats=1) > 0

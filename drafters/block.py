@@ -30,7 +30,7 @@ from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION,
 from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
                                              sample_blocks, text_labels)
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.phases import ForwardShape
+from refspec.energy.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,6 @@ class BlockDrafter:
         self.cache: StaticKVCache | None = None
         self.forwards = 0
         self._pending: tuple[list[torch.Tensor], torch.Tensor] | None = None
-        self._absorbed = 0  # feature positions per row projected by the latest absorb (for the cost model)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (ctx [B, S, E], start [B]) of that absorb
 
     @property
@@ -117,7 +116,6 @@ class BlockDrafter:
         if not 1 <= k <= self.block_size:
             raise DrafterError(f"the block head drafts at most {self.block_size} tokens per forward (its block "
                                f"size); got k={k}. Use k <= {self.block_size} or train a head with a larger block")
-        self._absorbed = 0
         if self._pending is not None:
             self._absorb()
         assert self.cache is not None, "reset() must run before propose()"
@@ -133,9 +131,8 @@ class BlockDrafter:
         ctx, start = self._last
         last_idx = (base - 1 - start).clamp_(0, ctx.shape[1] - 1)  # [B] index of position L-1 in ctx
         last_ctx = ctx.gather(1, last_idx[:, None, None].expand(b, 1, ctx.shape[-1]))  # [B, 1, E]
-        x = self.head.block_inputs(self.target, state.pending[:, None], k, last_ctx)[:, 0]  # [B, K+1, E]
-        h = self.head.run(x, positions, self.cache, positions, mask, num_keys)  # [B, K+1, E]
-        logits = self.target.logits(h[:, 1:])  # [B, K, V] fp32
+        logits = self.head.draft(self.target, state.pending, k, last_ctx, positions, self.cache, mask,
+                                 num_keys)  # [B, K, V] fp32
         self.forwards += 1
         if state.sampling.greedy:
             return Draft(tokens=logits.argmax(-1), probs=None)
@@ -151,45 +148,13 @@ class BlockDrafter:
         s = hidden[0].shape[1]
         t = self.cache.max_len
         pos = (start[:, None] + torch.arange(s, device=start.device)).clamp_(max=t - 1)  # [B, S]
-        ctx = self.head.project([h.to(self.target.dtype) for h in hidden])
-        self.head.write_context(self.cache, ctx, pos, pos)
-        self._absorbed = s
+        ctx = self.head.absorb(self.cache, [h.to(self.target.dtype) for h in hidden], pos)
         self._last = (ctx, start)
 
-    # ---- cost model ---------------------------------------------------------------------------
-    def _absorb_shape(self, rows: int, positions: int) -> ForwardShape:
-        """The feature projection of ``positions`` per row: ``fc`` and every head layer's K/V
-        projection. Modelled as a forward with no decoder layer and no LM head: its FLOPs and
-        its weight, feature-read and context-write bytes are declared as extras (the model
-        also counts an embedding-sized read and write of E per token, a slight overcount)."""
-        a, bts = self.head.args, self.dtype_bytes
-        e, n = a.hidden_size, rows * positions
-        f = len(self.hidden_layers)
-        kv_width = 2 * a.num_kv_heads * a.head_dim
-        flops = 2 * n * (f * e * e + self.head.num_layers * e * kv_width)
-        weight_bytes = bts * (f * e * e + e + self.head.num_layers * e * kv_width)
-        io_bytes = bts * n * (f * e + self.head.num_layers * kv_width)  # features in, context K/V out
-        return ForwardShape(args=a, rows=rows, tokens_per_row=positions, context_tokens=0, dtype_bytes=bts,
-                            lm_head_tokens=0, layers=0, extra_weight_bytes=weight_bytes + io_bytes, extra_flops=flops)
-
-    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]:
-        """One absorb of the last step's features and one head forward of K+1 tokens per row
-        (K of which reach the target's LM head)."""
-        b, a = state.batch, self.head.args
-        e, n = a.hidden_size, b * (k + 1)
-        fusion = 2 * e * e if self.head.in_fc is not None else 0  # in_fc over every block input
-        # the model's embedding-gather term (B(K+1) rows) covers the B pending-token rows and the K mask rows
-        block = ForwardShape(args=a, rows=b, tokens_per_row=k + 1, context_tokens=b * (state.max_length_bound + k),
-                             dtype_bytes=self.dtype_bytes, lm_head_tokens=b * k, layers=self.head.num_layers,
-                             extra_weight_bytes=self.dtype_bytes * fusion, extra_flops=2 * n * fusion)
-        if self._absorbed:
-            return (self._absorb_shape(b, self._absorbed), block)
-        return (block,)
-
-    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]:
-        """Projection of the whole (padded) prompt's features into the context cache."""
-        s = state.hidden[0].shape[1] if state.hidden else int(state.prompt_lengths.max().item())
-        return (self._absorb_shape(state.batch, s),)
+    def roofline_model(self, target_args) -> DrafterModel:
+        """One forward of K tokens per row through the head's layers (``in_fc`` fusing 2E -> E)."""
+        return DrafterModel(name="block", layers=self.head.num_layers, fc_inputs=2 if self.head.in_fc is not None else 0,
+                            parallel=True)
 
 
 # ---- finding heads and the registry ------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
+from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.ops import apply_rope, attention_bias, rope_inv_freq, rope_tables
 
@@ -234,6 +235,58 @@ class BlockHead(nn.Module):
         if self.in_fc is None:
             return x
         return self.in_fc(torch.cat([x, last_ctx[:, :, None].to(x.dtype).expand(b, m, k + 1, e)], dim=-1))
+
+    def absorb(self, cache, features: Sequence[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`project` target features and :meth:`write_context` them at ``positions [B, S]``
+        (slots = positions); records the work. Returns the ``[B, S, E]`` context features."""
+        ctx = self.project(features)
+        self.write_context(cache, ctx, positions, positions)
+        if recording():
+            record_forward(self.absorb_shape(*ctx.shape[:2]))
+        return ctx
+
+    def absorb_shape(self, rows: int, positions: int) -> ForwardShape:
+        """The work of :meth:`absorb` over ``positions`` per row: ``fc`` and every head layer's
+        K/V projection. A forward with no decoder layer and no LM head: its FLOPs and its weight,
+        feature-read and context-write bytes are extras (the cost model also counts an
+        embedding-sized read and write of E per token, a slight overcount)."""
+        a, bts = self.args, torch.finfo(self.fc.weight.dtype).bits // 8
+        e, n = a.hidden_size, rows * positions
+        kv_width = 2 * a.num_kv_heads * a.head_dim
+        matrices = self.fc.weight.numel() + self.num_layers * e * kv_width  # fc + each layer's wk, wv
+        io_bytes = bts * n * (self.fc.weight.shape[1] + self.num_layers * kv_width)  # features in, K/V out
+        return ForwardShape(args=a, rows=rows, tokens_per_row=positions, context_tokens=0, dtype_bytes=bts,
+                            lm_head_tokens=0, layers=0, extra_weight_bytes=bts * (matrices + e) + io_bytes,
+                            extra_flops=2 * n * matrices)
+
+    def draft(self, target, first: torch.Tensor, k: int, last_ctx: torch.Tensor, positions: torch.Tensor, cache,
+              mask: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """One drafting forward: :meth:`block_inputs`, :meth:`run` and the target's LM head over
+        the K mask slots; records the work.
+
+        Args:
+            target: the target (embedding and LM head, frozen).
+            first: ``[B]`` pending token of each row.
+            k: mask slots.
+            last_ctx: ``[B, 1, E]`` context feature of the position before the block.
+            positions, cache, mask, num_keys: as for :meth:`run` (slots = positions).
+
+        Returns:
+            ``[B, K, V]`` fp32 logits of the mask slots.
+        """
+        x = self.block_inputs(target, first[:, None], k, last_ctx)[:, 0]  # [B, K+1, E]
+        h = self.run(x, positions, cache, positions, mask, num_keys)  # [B, K+1, E]
+        logits = target.logits(h[:, 1:])  # [B, K, V]
+        if recording():
+            b, s, e = x.shape
+            bts = torch.finfo(x.dtype).bits // 8
+            fusion = self.in_fc.weight.numel() if self.in_fc is not None else 0
+            # the embedding-gather term (B(K+1) rows) covers the B pending-token rows and the K mask rows
+            record_forward(ForwardShape(args=self.args, rows=b, tokens_per_row=s, context_tokens=b * num_keys,
+                                        dtype_bytes=bts, lm_head_tokens=logits.shape[0] * logits.shape[1],
+                                        lm_head_rows=logits.shape[-1], layers=self.num_layers,
+                                        extra_weight_bytes=bts * fusion, extra_flops=2 * b * s * fusion))
+        return logits
 
     def init_from_target(self, target) -> None:
         """Start from the target's last ``Lh`` layers and final norm (same shapes required),

@@ -12,10 +12,12 @@ forwards feed one draft each.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.phases import ForwardShape
+from refspec.energy.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 
@@ -55,11 +57,6 @@ class DraftModelDrafter:
     @property
     def dtype_bytes(self) -> int:
         return torch.finfo(self.model.dtype).bits // 8
-
-    def _shape(self, rows: int, s: int, context: int) -> ForwardShape:
-        return ForwardShape(args=self.model.args, rows=rows, tokens_per_row=s, context_tokens=context,
-                            dtype_bytes=self.dtype_bytes, layers=self.model.num_layers,
-                            matrix_bytes=self.model.multirow_matrix_bytes())
 
     def reset(self, state: DecodeState) -> None:
         b, t = state.tokens.shape
@@ -104,14 +101,13 @@ class DraftModelDrafter:
     def commit(self, state: DecodeState) -> None:
         return None  # the next propose re-derives the draft cache position from the target's
 
-    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]:
-        b = state.batch
-        ctx = state.max_length_bound * b
-        return tuple(self._shape(b, 2 if i == 0 else 1, ctx + i * b) for i in range(k))
-
-    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]:
-        b, s = state.batch, int(state.prompt_lengths.max().item())
-        return (self._shape(b, s, b * s),)
+    def roofline_model(self, target_args) -> DrafterModel:
+        """A separate model running its own layers (a truncated target runs only its first)."""
+        args = self.model.args
+        if self.model.num_layers != args.num_layers:
+            types = args.layer_types[: self.model.num_layers]
+            args = dataclasses.replace(args, num_layers=self.model.num_layers, layer_types=types)
+        return DrafterModel(name="draft-model", args=args)
 
 
 def register_builtin(register) -> None:

@@ -41,7 +41,7 @@ from refspec.drafters.eagle_head import (CONFIG, KEY_MAP, KINDS, WEIGHTS, Eagle1
 from refspec.drafters.training.eagle import EagleTrainer, EagleTrainingModule
 from refspec.drafters.head_files import find_head, head_dir_name, shipped_heads_dir
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
-from refspec.energy.phases import ForwardShape
+from refspec.energy.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,6 @@ class EagleDrafter:
         return min(self.cache.max_len, _round_up(state.max_length_bound + width + max(k, self._span) + 1,
                                                  self.kv_bucket))
 
-    def _head_args(self, args):
-        hc = self.head.config
-        return dataclasses.replace(args, num_layers=1, vocab_size=hc.draft_vocab_size, layer_types=(),
-                                   tie_word_embeddings=False)
-
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., Vd]`` -> ``[..., V]`` with -inf outside the draft vocabulary."""
         if self.head.config.draft_vocab_size == self.head.config.vocab_size:
@@ -144,10 +139,11 @@ class EagleDrafter:
         positions = (start[:, None] + torch.arange(w, device=start.device)).clamp_(max=self.cache.max_len - 1)
         nxt = state.tokens.gather(1, (positions + 1).clamp(max=t - 1))  # x_{j+1}
         emb = self.target.embed_tokens(nxt).to(head.dtype)
-        h = head.prepare([x.to(head.dtype) for x in state.hidden])
-        out = head.step(emb, h, positions, self.cache, positions, causal_mask(positions, num_keys), num_keys)
-        feat = out.gather(1, pick.clamp(0, w - 1)[:, None, None].expand(b, 1, out.shape[-1])).squeeze(1)
-        return feat, head.draft_logits(feat, self.target)
+        pick = pick.clamp(0, w - 1)[:, None]  # [B, 1]
+        out, logits = head.forward_draft(emb, list(state.hidden), positions, self.cache, positions,
+                                         causal_mask(positions, num_keys), num_keys, self.target, logits_at=pick)
+        feat = out.gather(1, pick[..., None].expand(b, 1, out.shape[-1])).squeeze(1)  # [B, E]
+        return feat, logits[:, 0]
 
     # -- protocol ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,7 +157,9 @@ class EagleDrafter:
         self.cache.reset()
         w = state.hidden[0].shape[1]
         start = torch.zeros(b, dtype=torch.long, device=dev)
-        self._primed = self._catch_up(state, start, state.prompt_lengths - 1, self._num_keys(state, w, 0))
+        # the prompt's pairs sit at slots 0..w-1 and attend causally: no key beyond them is read
+        num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
+        self._primed = self._catch_up(state, start, state.prompt_lengths - 1, num_keys)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Draft:
@@ -194,9 +192,9 @@ class EagleDrafter:
                 break
             pos = (state.lengths + i).clamp(max=self.cache.max_len - 1)[:, None]  # [B, 1]
             emb = self.target.embed_tokens(tok[:, None]).to(head.dtype)
-            out = head.step(emb, feat[:, None], pos, self.cache, pos, causal_mask(pos, num_keys), num_keys)
-            feat = out[:, 0]
-            logits = head.draft_logits(feat, self.target)
+            out, logits = head.forward_draft(emb, feat[:, None], pos, self.cache, pos, causal_mask(pos, num_keys),
+                                             num_keys, self.target)
+            feat, logits = out[:, 0], logits[:, 0]  # [B, E], [B, Vd]
         tokens = torch.stack(drafts, dim=1)  # [B, K]
         return Draft(tokens=tokens, probs=None if state.sampling.greedy else torch.stack(probs, dim=1))
 
@@ -225,8 +223,9 @@ class EagleDrafter:
             rows = rows | (key_slot[None, None] == slots[..., None])  # ancestors + self
             pos = (base + level - 1)[:, None].expand(b, kk)
             emb = self.target.embed_tokens(head.to_target_ids(tok)).to(head.dtype)
-            out = head.step(emb, node_feat, pos, self.cache, slots, rows[:, None], num_keys)  # [B, k, E]
-            logp = torch.log_softmax(head.draft_logits(out, self.target), -1)  # [B, k, Vd]
+            out, logits = head.forward_draft(emb, node_feat, pos, self.cache, slots, rows[:, None], num_keys,
+                                             self.target)  # [B, k, E], [B, k, Vd]
+            logp = torch.log_softmax(logits, -1)  # [B, k, Vd]
             top = logp.topk(kk, dim=-1)  # [B, k, k]
             child_score = (score[..., None] + top.values.double().clamp_max(-1e-6)).reshape(b, kk * kk)
             child_tok = top.indices.reshape(b, kk * kk)
@@ -256,30 +255,12 @@ class EagleDrafter:
     def commit(self, state: DecodeState) -> None:
         return None  # the next propose catches up from state.hidden
 
-    # -- analytic work ----------------------------------------------------------------------
-    def _shape(self, state: DecodeState, rows: int, s: int, context: int, lm_tokens: int) -> ForwardShape:
+    def roofline_model(self, target_args) -> DrafterModel:
+        """One decoder layer shaped like the target's, the ``fc`` (2E or 3E wide) and an LM head
+        over the draft vocabulary, per draft forward."""
         hc = self.head.config
-        fc_in = 2 if hc.kind == "eagle" else 3
-        return ForwardShape(args=self._head_args(state.target_args), rows=rows, tokens_per_row=s,
-                            context_tokens=context, dtype_bytes=torch.finfo(self.head.dtype).bits // 8,
-                            lm_head_tokens=lm_tokens, lm_head_rows=hc.draft_vocab_size, layers=1,
-                            extra_weight_bytes=fc_in * hc.hidden_size ** 2 * torch.finfo(self.head.dtype).bits // 8,
-                            extra_flops=2 * fc_in * hc.hidden_size ** 2 * rows * s)
-
-    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]:
-        b, ctx = state.batch, state.max_length_bound * state.batch
-        w = state.hidden[0].shape[1]
-        work = [self._shape(state, b, w, ctx, b)]
-        if self.tree is not None:
-            kk = self.tree.topk
-            work += [self._shape(state, b, kk, ctx + i * kk * b, b * kk) for i in range(self.tree.depth - 1)]
-        else:
-            work += [self._shape(state, b, 1, ctx + i * b, b) for i in range(1, k)]
-        return tuple(work)
-
-    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]:
-        b, s = state.batch, state.hidden[0].shape[1]
-        return (self._shape(state, b, s, b * s * (s + 1) // 2, b),)
+        return DrafterModel(name=f"{hc.kind}-1layer", layers=1, fc_inputs=2 if hc.kind == "eagle" else 3,
+                            lm_head_rows=hc.draft_vocab_size)
 
 
 # ---- the registry hook --------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.phases import ForwardShape
 
 
 class NgramDrafter:
@@ -93,11 +92,9 @@ class NgramDrafter:
     def commit(self, state: DecodeState) -> None:
         return None
 
-    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]:
-        return ()
-
-    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]:
-        return ()
+    def roofline_model(self, target_args) -> None:
+        """None: a lookup runs no forward, so a prediction charges its draft phase nothing."""
+        return None
 
 
 def register_builtin(register) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
+from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.ops import WeightCopy, attention_bias, rope_inv_freq, rope_tables
 
@@ -133,13 +134,25 @@ class Transformer(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out
 
+    def forward_shape(self, rows: int, tokens_per_row: int, num_keys: int, lm_head_tokens: int) -> ForwardShape:
+        """The work of one forward of ``rows x tokens_per_row`` queries over ``num_keys`` cache
+        slots per row, ``lm_head_tokens`` of which reach the LM head (what :meth:`forward` records;
+        a CUDA-graph replay records the same for the forward it replays)."""
+        a = self.args
+        sliding = any(blk.sliding for blk in self.layers)
+        return ForwardShape(args=a, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
+                            sliding_context_tokens=rows * num_keys if sliding else None,
+                            dtype_bytes=torch.finfo(self.dtype).bits // 8, lm_head_tokens=lm_head_tokens,
+                            layers=self.num_layers, matrix_bytes=self.multirow_matrix_bytes())
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, *,
                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                 sliding_mask: torch.Tensor | None = None, num_keys: int | None = None,
                 logits_at: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
                 inputs_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Run the decoder over new tokens, writing their K/V into ``cache``.
+        """Run the decoder over new tokens, writing their K/V into ``cache``; records its
+        :meth:`forward_shape` (:func:`refspec.energy.phases.record_forward`).
 
         Args:
             tokens: ``[B, S]`` token ids.
@@ -163,40 +176,49 @@ class Transformer(nn.Module):
         b, s = positions.shape
         tk = cache.max_len if num_keys is None else num_keys
         slots = positions if slots is None else slots
-        if mask is None:
-            mask = causal_mask(positions, tk)
         x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        dtype = x.dtype
-        rope_g = rope_tables(positions, self.inv_freq_global, dtype)
-        has_sliding = any(blk.sliding for blk in self.layers)
-        if has_sliding:
-            rope_l = rope_tables(positions, self.inv_freq_local, dtype)
-            if sliding_mask is None:
-                sliding_mask = causal_mask(positions, tk, self.args.sliding_window)
-        bias = self.attention_bias(mask, dtype)
-        sliding_bias = self.attention_bias(sliding_mask, dtype) if has_sliding else None
+        rope, bias = self._attention_inputs(positions, tk, mask, sliding_mask, x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         wanted = set(hidden_layers)
         for i, blk in enumerate(self.layers):
-            if blk.sliding:
-                x = blk(x, rope_l, cache, slots, sliding_bias, tk)
-            else:
-                x = blk(x, rope_g, cache, slots, bias, tk)
+            x = blk(x, rope[blk.sliding], cache, slots, bias[blk.sliding], tk)  # [1]: the sliding layers'
             if i in wanted:
                 hidden[i] = x
-        final_idx = self.num_layers
-        need_logits = logits_at is None or logits_at.shape[1] > 0
-        if need_logits or final_idx in wanted:
-            if logits_at is not None and final_idx not in wanted:
-                x = x.gather(1, logits_at[..., None].expand(b, logits_at.shape[1], x.shape[-1]))
-                h = self.norm(x)
-            else:
-                h = self.norm(x)
-                hidden[final_idx] = h
-                if logits_at is not None:
-                    h = h.gather(1, logits_at[..., None].expand(b, logits_at.shape[1], h.shape[-1]))
-        logits = self.logits(h) if need_logits else None
+        logits = self._head(x, logits_at, hidden, self.num_layers in wanted)
         missing = wanted - hidden.keys()
         if missing:
             raise ValueError(f"hidden layers {sorted(missing)} are out of range for {self.num_layers} layers")
+        if recording():
+            record_forward(self.forward_shape(b, s, tk, 0 if logits is None else logits.shape[0] * logits.shape[1]))
         return logits, [hidden[i] for i in hidden_layers]
+
+    def _attention_inputs(self, positions: torch.Tensor, tk: int, mask: torch.Tensor | None,
+                          sliding_mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[tuple, tuple]:
+        """Rotary tables and attention biases, each as ``(full layers, sliding layers)`` (the
+        sliding entries are None for a model without sliding layers)."""
+        rope_g = rope_tables(positions, self.inv_freq_global, dtype)
+        bias = self.attention_bias(causal_mask(positions, tk) if mask is None else mask, dtype)
+        if not any(blk.sliding for blk in self.layers):
+            return (rope_g, None), (bias, None)
+        rope_l = rope_tables(positions, self.inv_freq_local, dtype)
+        if sliding_mask is None:
+            sliding_mask = causal_mask(positions, tk, self.args.sliding_window)
+        return (rope_g, rope_l), (bias, self.attention_bias(sliding_mask, dtype))
+
+    def _head(self, x: torch.Tensor, logits_at: torch.Tensor | None, hidden: dict[int, torch.Tensor],
+              want_final: bool) -> torch.Tensor | None:
+        """Final norm and LM head over ``x [B, S, E]`` (only at ``logits_at`` when given); stores
+        the final-normed state in ``hidden`` when ``want_final``."""
+        b = x.shape[0]
+        need_logits = logits_at is None or logits_at.shape[1] > 0
+        if not need_logits and not want_final:
+            return None
+        if logits_at is not None and not want_final:  # norm only the rows the LM head reads
+            h = self.norm(x.gather(1, logits_at[..., None].expand(b, logits_at.shape[1], x.shape[-1])))
+        else:
+            h = self.norm(x)
+            if want_final:
+                hidden[self.num_layers] = h
+            if logits_at is not None:
+                h = h.gather(1, logits_at[..., None].expand(b, logits_at.shape[1], h.shape[-1]))
+        return self.logits(h) if need_logits else None

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 
-from refspec.energy.phases import ForwardShape
 from refspec.sampling import SamplingConfig
 
 
@@ -104,8 +103,20 @@ class Drafter(Protocol):
         name: registry name (``ngram``, ``draft-model``, ...).
         hidden_layers: target layers whose hidden states the drafter reads (see
             ``Transformer.forward``); empty for drafters that need none.
-        lookahead: extra cache slots beyond K+1 the drafter may make the target write
+        extra_slots: optional; cache slots beyond K+1 the drafter may make the target write
             (tree drafters: nodes beyond K).
+
+    Billing: a drafter declares no cost. The work of ``reset`` (billed to ``prefill``) and of
+    ``propose`` (billed to ``draft``) is what the forwards it runs record through
+    :func:`refspec.energy.phases.record_forward`: refspec's ``Transformer`` and drafter heads
+    record themselves; a drafter running modules of its own records a
+    :class:`~refspec.energy.phases.ForwardShape` per forward, computed from the tensors it ran.
+    ``commit`` should run no forward (the engine bills it as bookkeeping).
+
+    Optional method ``roofline_model(self, target_args) -> refspec.energy.roofline.DrafterModel |
+    None``: the drafter's cost per draft forward for roofline predictions of a steady-state step
+    (``target_args`` is the target's ``ModelArgs``); None means a free drafter that runs no
+    forwards (n-gram lookup). A drafter without the method gets no prediction.
     """
 
     name: str
@@ -116,10 +127,6 @@ class Drafter(Protocol):
     def propose(self, state: DecodeState, k: int) -> Draft: ...
 
     def commit(self, state: DecodeState) -> None: ...
-
-    def draft_work(self, state: DecodeState, k: int) -> tuple[ForwardShape, ...]: ...
-
-    def prefill_work(self, state: DecodeState) -> tuple[ForwardShape, ...]: ...
 
 
 class DrafterError(ValueError):

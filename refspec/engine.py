@@ -12,8 +12,10 @@ Each step, for a batch of ragged rows with static shapes:
 
 Rejected KV entries stay in the cache but are never attended and are overwritten next step.
 Finished rows keep riding along (static shapes) but emit nothing. Every phase is bracketed
-by an :class:`~refspec.energy.phases.EnergyMeter` and reported to observers as a
-:class:`~refspec.energy.phases.PhaseEvent`.
+by an :class:`~refspec.energy.phases.EnergyMeter` through a
+:class:`~refspec.energy.phases.MeteredPhase` and reported to observers as a
+:class:`~refspec.energy.phases.PhaseEvent`; the work a phase is billed is what the forwards run
+inside it recorded (target, draft model, drafter heads), never a declaration beside them.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from refspec.cache import causal_mask, tree_mask
+from refspec.cache import tree_mask
 from refspec.drafting import DecodeState, Draft, Drafter
-from refspec.energy.phases import EnergyMeter, ForwardShape, Measurement, PhaseEvent, PhaseObserver
+from refspec.energy.meters import TimeMeter
+from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
 from refspec.verify import (Acceptance, emitted_tokens, greedy_accept, speculative_sample, tree_ancestors,
                             tree_greedy_accept)
@@ -94,26 +97,22 @@ class Generation:
         return sum(len(t) for t in self.tokens)
 
 
-class _WallClock:
-    """Minimal time-only meter used when the caller supplies none."""
-
-    source = "none:time-only"
-
-    def __init__(self) -> None:
-        import time
-
-        self._now = time.perf_counter
-        self._start: dict[str, float] = {}
-
-    def begin(self, name: str) -> None:
-        self._start[name] = self._now()
-
-    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
-        return Measurement(self._now() - self._start.pop(name), None, self.source)
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+@dataclasses.dataclass
+class _Batch:
+    """What the loop carries between steps (device tensors, and the host copies of one sync)."""
+
+    state: DecodeState
+    cache: object  # the target's StaticKVCache (or a CUDA-graph runner's view of its pool)
+    slots: int  # T, cache slots per row
+    out: torch.Tensor  # [B, budget + K + 1] emitted tokens
+    n_out: torch.Tensor  # [B] tokens emitted so far
+    done_host: list[bool]
+    lengths_host: list[int]
+    events: list[PhaseEvent]
 
 
 class Engine:
@@ -123,7 +122,7 @@ class Engine:
         target: a ``refspec.models.Transformer`` (anything with its forward signature).
         drafter: the drafter, or None for plain decoding.
         config: engine settings.
-        meter: energy meter bracketing every phase (default: wall clock only).
+        meter: energy meter bracketing every phase (default: wall time, synchronising CUDA).
         observers: called with every :class:`PhaseEvent` (the ledger is one).
         eos_token_ids: tokens that end a row.
         verify_fn: callable with the target forward's signature used for verify steps
@@ -146,7 +145,8 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.config = config
-        self.meter = meter if meter is not None else _WallClock()
+        sync = torch.cuda.synchronize if target.device.type == "cuda" else None
+        self.meter = meter if meter is not None else TimeMeter(sync=sync)
         self.observers = list(observers)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=target.device)
         self.verify_fn = verify_fn if verify_fn is not None else target
@@ -167,12 +167,6 @@ class Engine:
             self._cache = c = new_cache(batch, max_len)
         c.reset()
         return c
-
-    def _target_shape(self, rows: int, tokens_per_row: int, context: int, lm_tokens: int | None = None) -> ForwardShape:
-        multirow = getattr(self.target, "multirow_matrix_bytes", None)
-        return ForwardShape(args=self.target.args, rows=rows, tokens_per_row=tokens_per_row, context_tokens=context,
-                            dtype_bytes=self.dtype_bytes, lm_head_tokens=lm_tokens, layers=self.target.num_layers,
-                            matrix_bytes=multirow() if multirow is not None else None)
 
     def _emit(self, event: PhaseEvent, events: list[PhaseEvent]) -> None:
         events.append(event)
@@ -224,65 +218,23 @@ class Engine:
             The emitted tokens and per-step statistics.
         """
         cfg, drafter, dev = self.config, self.drafter, self.target.device
-        t_slots = self._validate(prompts, max_new_tokens, max_len)
-        b = len(prompts)
-        plens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-        s_max = int(max(len(p) for p in prompts))
-        cache = self._cache_for(b, t_slots)
-        tokens = torch.zeros(b, t_slots, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        out = torch.zeros(b, max_new_tokens + cfg.k + 1, dtype=torch.long, device=dev)
-        events: list[PhaseEvent] = []
-        hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-
-        # prefill: the whole prompt; the first token comes from its last logits
-        self.meter.begin("prefill")
-        positions = torch.arange(s_max, device=dev)[None].expand(b, s_max)
-        logits, hidden = self.target(tokens[:, :s_max], positions, cache, num_keys=_round_up(s_max, cfg.kv_bucket),
-                                     logits_at=(plens - 1)[:, None], hidden_layers=hidden_layers)
-        first = choose(logits[:, 0], cfg.sampling, generator)
-        cache.lengths.copy_(plens)
-        tokens.scatter_(1, plens[:, None], first[:, None])
-        out[:, 0] = first
-        n_out = torch.ones(b, dtype=torch.long, device=dev)
-        done = torch.isin(first, self.eos) | (n_out >= max_new_tokens)
-        state = DecodeState(tokens=tokens, lengths=cache.lengths, prev_lengths=torch.zeros_like(plens),
-                            pending=first.clone(), prompt_lengths=plens, done=done, hidden=hidden,
-                            num_accepted=torch.zeros_like(plens), sampling=cfg.sampling, generator=generator,
-                            step=0, max_length_bound=s_max + 1, target_args=self.target.args,
-                            dtype_bytes=self.dtype_bytes)
-        work = (self._target_shape(b, s_max, b * s_max, lm_tokens=b),)  # keys read per row, summed
-        if drafter is not None:
-            drafter.reset(state)
-            work += tuple(drafter.prefill_work(state))
-        m = self.meter.end("prefill", work)
-        done_host = done.tolist()
-        lengths_host = plens.tolist()
-        self._emit(PhaseEvent(step=-1, phase="prefill", batch=b, rows_active=b, emitted=b, work=work,
-                              measurement=m, emitted_per_row=tuple([1] * b)), events)
-
+        run = self._prefill(prompts, max_new_tokens, self._validate(prompts, max_new_tokens, max_len), generator)
+        state, cache, b = run.state, run.cache, len(prompts)
         accepted_log: list[list[int]] = []
         emitted_log: list[list[int]] = []
-        step = 0
-        emitted_total = b
-        while not all(done_host):
+        step, emitted_total = 0, b
+        while not all(run.done_host):
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 log.warning("stopping after max_steps=%d with unfinished rows", cfg.max_steps)
                 break
-            active = b - sum(done_host)
+            active = b - sum(run.done_host)
             state.step = step
-            state.max_length_bound = max(lengths_host) + 1
+            state.max_length_bound = max(run.lengths_host) + 1
 
-            # 1. draft
-            self.meter.begin("draft")
-            if drafter is not None:
-                draft = drafter.propose(state, cfg.k)
-                d_work = tuple(drafter.draft_work(state, cfg.k))
-            else:
-                draft = Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=dev))
-                d_work = ()
-            m_draft = self.meter.end("draft", d_work)
+            # 1. draft: up to K tokens per row (a chain) or N nodes (a tree)
+            with MeteredPhase(self.meter, "draft") as draft_phase:
+                draft = drafter.propose(state, cfg.k) if drafter is not None else \
+                    Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=dev))
             n = draft.tokens.shape[1]
             # a chain drafter may cut its draft below K for the whole batch (n-gram trimming)
             assert n <= cfg.k or draft.tree is not None, f"drafter returned {n} tokens for k={cfg.k}"
@@ -290,101 +242,157 @@ class Engine:
                 raise GenerationError(f"injected acceptance needs full drafts of K={cfg.k}; the drafter cut its draft "
                                       f"to {n} (turn off the n-gram option trim)")
 
-            # 2. verify: pending + drafts, one target forward
-            self.meter.begin("verify")
-            inp = torch.cat([state.pending[:, None], draft.tokens], dim=1)  # [B, N+1]
-            base = cache.lengths.clone()
-            num_keys = min(t_slots, _round_up(max(lengths_host) + n + 1, cfg.kv_bucket))
-            slots = (base[:, None] + torch.arange(n + 1, device=dev)).clamp_(max=t_slots - 1)  # [B, N+1]
-            fwd_kw: dict = {}
-            if draft.tree is not None:
-                if not cfg.sampling.greedy:
-                    raise GenerationError("tree drafting supports greedy decoding only; use a chain to sample")
-                anc = tree_ancestors(draft.tree.parents)  # [B, N+1, N+1]
-                depth = torch.cat([torch.zeros_like(draft.tree.depth[:, :1]), draft.tree.depth], dim=1)
-                positions = base[:, None] + depth
-                fwd_kw["slots"] = slots
-                fwd_kw["mask"] = tree_mask(base, anc, positions, num_keys)
-                window = getattr(self.target.args, "sliding_window", None)
-                if window:
-                    fwd_kw["sliding_mask"] = tree_mask(base, anc, positions, num_keys, window)
-            else:
-                positions = slots
-            logits, hidden = self.verify_fn(inp, positions, cache, num_keys=num_keys, hidden_layers=hidden_layers,
-                                            **fwd_kw)
-            context = sum(lengths_host[i] + n + 1 for i in range(b))
-            v_work = (self._target_shape(b, n + 1, context),)
-            m_verify = self.meter.end("verify", v_work)
+            # 2. verify: the pending token and the drafts of every row, one target forward
+            with MeteredPhase(self.meter, "verify") as verify_phase:
+                base = cache.lengths.clone()  # [B] cache length before the step
+                logits, hidden = self._verify(run, draft, base)  # logits [B, N+1, V]
 
-            # 3. accept
-            self.meter.begin("commit")
-            if draft.tree is not None:
-                acc, path = tree_greedy_accept(draft.tokens, draft.tree.parents, draft.tree.depth, logits)
-                chain = draft.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [B, D] tokens on the path
-                src = base[:, None] + path[:, 1:]
-                dst = (base[:, None] + 1 + torch.arange(path.shape[1] - 1, device=dev)).clamp_(max=t_slots - 1)
-                cache.compact(src.clamp_(max=t_slots - 1), dst)
-                hidden = [h.gather(1, path[..., None].expand(b, path.shape[1], h.shape[-1])) for h in hidden]
-            else:
-                chain = draft.tokens
-                acc = self._accept(draft, logits, generator)
-            emit = emitted_tokens(chain, acc)  # [B, D+1]
-            width = emit.shape[1]
-            idx = torch.arange(width, device=dev)[None]
-            n_emit = acc.num_accepted + 1
-            is_eos = torch.isin(emit, self.eos) & (idx < n_emit[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_emit, width))
-            n_emit = torch.minimum(torch.minimum(n_emit, first_eos + 1), max_new_tokens - n_out)
-            n_emit = torch.where(done, torch.zeros_like(n_emit), n_emit)
+            with MeteredPhase(self.meter, "commit") as commit_phase:
+                # 3. accept: per row, the longest verified prefix of drafts plus one target token
+                acc, chain, hidden = self._decide(run, draft, logits, hidden, base, generator)
+                emit = emitted_tokens(chain, acc)  # [B, D+1]: accepted drafts, then the bonus/recovered token
+                idx = torch.arange(emit.shape[1], device=dev)[None]
+                n_emit = acc.num_accepted + 1
+                # a row emits up to and including its first EOS, and never beyond its budget
+                is_eos = torch.isin(emit, self.eos) & (idx < n_emit[:, None])
+                first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_emit, emit.shape[1]))
+                n_emit = torch.minimum(torch.minimum(n_emit, first_eos + 1), max_new_tokens - run.n_out)
+                done = state.done
+                n_emit = torch.where(done, torch.zeros_like(n_emit), n_emit)
 
-            # 4. commit
-            keep = idx < n_emit[:, None]
-            out_idx = (n_out[:, None] + idx).clamp_(max=out.shape[1] - 1)
-            out.scatter_(1, out_idx, torch.where(keep, emit, out.gather(1, out_idx)))
-            advance = torch.where(done, torch.zeros_like(n_emit), acc.num_accepted + 1)
-            tok_idx = (cache.lengths[:, None] + 1 + idx).clamp_(max=t_slots - 1)
-            write = idx < advance[:, None]
-            tokens.scatter_(1, tok_idx, torch.where(write, emit, tokens.gather(1, tok_idx)))
-            state.prev_lengths = base
-            cache.lengths.add_(advance)
-            state.pending = torch.where(done, state.pending, acc.next_token)
-            n_out = n_out + n_emit
-            newly_done = ~done & ((first_eos < acc.num_accepted + 1) | (n_out >= max_new_tokens))
-            num_acc_active = torch.where(done, torch.full_like(n_emit, -1), acc.num_accepted)
-            done = done | newly_done
-            state.done = done
-            state.hidden = hidden
-            state.num_accepted = torch.where(num_acc_active >= 0, num_acc_active, torch.zeros_like(n_emit))
-            if drafter is not None:
-                drafter.commit(state)
-            host = torch.stack([num_acc_active, n_emit, done.long(), advance]).tolist()  # the one host sync
-            m_commit = self.meter.end("commit", ())
+                # 4. commit: emit, append to the row's tokens, advance the cache by accepted + 1
+                keep = idx < n_emit[:, None]
+                out_idx = (run.n_out[:, None] + idx).clamp_(max=run.out.shape[1] - 1)
+                run.out.scatter_(1, out_idx, torch.where(keep, emit, run.out.gather(1, out_idx)))
+                advance = torch.where(done, torch.zeros_like(n_emit), acc.num_accepted + 1)  # KV of accepted + pending
+                tok_idx = (cache.lengths[:, None] + 1 + idx).clamp_(max=run.slots - 1)
+                write = idx < advance[:, None]
+                state.tokens.scatter_(1, tok_idx, torch.where(write, emit, state.tokens.gather(1, tok_idx)))
+                state.prev_lengths = base
+                cache.lengths.add_(advance)  # rejected entries beyond the new length are never read again
+                state.pending = torch.where(done, state.pending, acc.next_token)
+                run.n_out = run.n_out + n_emit
+                newly_done = ~done & ((first_eos < acc.num_accepted + 1) | (run.n_out >= max_new_tokens))
+                num_acc_active = torch.where(done, torch.full_like(n_emit, -1), acc.num_accepted)  # -1: row was done
+                state.done = done | newly_done
+                state.hidden = hidden
+                state.num_accepted = num_acc_active.clamp_min(0)
+                if drafter is not None:
+                    drafter.commit(state)
+                host = torch.stack([num_acc_active, n_emit, state.done.long(), advance]).tolist()  # the one host sync
 
-            acc_row, emit_row, done_host, adv_row = host[0], host[1], [bool(x) for x in host[2]], host[3]
-            lengths_host = [l + a for l, a in zip(lengths_host, adv_row)]
+            acc_row, emit_row, adv_row = host[0], host[1], host[3]
+            run.done_host = [bool(x) for x in host[2]]
+            run.lengths_host = [length + a for length, a in zip(run.lengths_host, adv_row)]
             accepted_log.append(acc_row)
             emitted_log.append(emit_row)
-            n_acc_sum = sum(a for a in acc_row if a > 0)
-            n_emit_sum = sum(emit_row)
+            n_acc_sum, n_emit_sum = sum(a for a in acc_row if a > 0), sum(emit_row)
             emitted_total += n_emit_sum
-            verified = active * (n + 1)
             common = dict(step=step, batch=b, rows_active=active)
-            self._emit(PhaseEvent(**common, phase="draft", drafted=active * n, work=d_work, measurement=m_draft), events)
-            self._emit(PhaseEvent(**common, phase="verify", verified=verified, accepted=n_acc_sum, work=v_work,
-                                  measurement=m_verify), events)
+            self._emit(PhaseEvent(**common, phase="draft", drafted=active * n, work=draft_phase.work,
+                                  measurement=draft_phase.measurement), run.events)
+            self._emit(PhaseEvent(**common, phase="verify", verified=active * (n + 1), accepted=n_acc_sum,
+                                  work=verify_phase.work, measurement=verify_phase.measurement), run.events)
             self._emit(PhaseEvent(**common, phase="commit", accepted=n_acc_sum, emitted=n_emit_sum,
-                                  measurement=m_commit, emitted_per_row=tuple(emit_row)), events)
+                                  work=commit_phase.work, measurement=commit_phase.measurement,
+                                  emitted_per_row=tuple(emit_row)), run.events)
             step += 1
             if self.on_step is not None:
                 self.on_step(step, emitted_total)
+        return self._result(run, prompts, step, accepted_log, emitted_log)
 
-        counts = n_out.tolist()
-        out_host = out.tolist()
+    def _prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, t_slots: int,
+                 generator: torch.Generator | None) -> _Batch:
+        """The whole prompt in one target forward (the first token comes from its last logits),
+        then the drafter's reset; one metered ``prefill`` phase."""
+        cfg, drafter, dev = self.config, self.drafter, self.target.device
+        b = len(prompts)
+        plens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # [B]
+        s_max = int(max(len(p) for p in prompts))
+        cache = self._cache_for(b, t_slots)
+        tokens = torch.zeros(b, t_slots, dtype=torch.long, device=dev)  # [B, T]
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        out = torch.zeros(b, max_new_tokens + cfg.k + 1, dtype=torch.long, device=dev)
+        hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        with MeteredPhase(self.meter, "prefill") as phase:
+            positions = torch.arange(s_max, device=dev)[None].expand(b, s_max)  # [B, S]
+            logits, hidden = self.target(tokens[:, :s_max], positions, cache,
+                                         num_keys=min(t_slots, _round_up(s_max, cfg.kv_bucket)),
+                                         logits_at=(plens - 1)[:, None], hidden_layers=hidden_layers)
+            first = choose(logits[:, 0], cfg.sampling, generator)  # [B]
+            cache.lengths.copy_(plens)
+            tokens.scatter_(1, plens[:, None], first[:, None])
+            out[:, 0] = first
+            n_out = torch.ones(b, dtype=torch.long, device=dev)
+            done = torch.isin(first, self.eos) | (n_out >= max_new_tokens)
+            state = DecodeState(tokens=tokens, lengths=cache.lengths, prev_lengths=torch.zeros_like(plens),
+                                pending=first.clone(), prompt_lengths=plens, done=done, hidden=hidden,
+                                num_accepted=torch.zeros_like(plens), sampling=cfg.sampling, generator=generator,
+                                step=0, max_length_bound=s_max + 1, target_args=self.target.args,
+                                dtype_bytes=self.dtype_bytes)
+            if drafter is not None:
+                drafter.reset(state)
+        run = _Batch(state=state, cache=cache, slots=t_slots, out=out, n_out=n_out, done_host=done.tolist(),
+                     lengths_host=plens.tolist(), events=[])
+        self._emit(PhaseEvent(step=-1, phase="prefill", batch=b, rows_active=b, emitted=b, work=phase.work,
+                              measurement=phase.measurement, emitted_per_row=tuple([1] * b)), run.events)
+        return run
+
+    def _verify(self, run: _Batch, draft: Draft, base: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One target forward over ``[pending, drafts]`` of every row at slots ``base + i``.
+
+        Returns:
+            ``(logits [B, N+1, V], hidden states the drafter asked for, each [B, N+1, E])``.
+        """
+        dev, n = self.target.device, draft.tokens.shape[1]
+        inp = torch.cat([run.state.pending[:, None], draft.tokens], dim=1)  # [B, N+1]
+        num_keys = min(run.slots, _round_up(max(run.lengths_host) + n + 1, self.config.kv_bucket))
+        slots = (base[:, None] + torch.arange(n + 1, device=dev)).clamp_(max=run.slots - 1)  # [B, N+1]
+        hidden_layers = tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+        fwd_kw: dict = {}
+        positions = slots
+        if draft.tree is not None:
+            if not self.config.sampling.greedy:
+                raise GenerationError("tree drafting supports greedy decoding only; use a chain to sample")
+            anc = tree_ancestors(draft.tree.parents)  # [B, N+1, N+1]
+            depth = torch.cat([torch.zeros_like(draft.tree.depth[:, :1]), draft.tree.depth], dim=1)  # [B, N+1]
+            positions = base[:, None] + depth  # a node sits at its depth past the committed prefix
+            fwd_kw["slots"] = slots
+            fwd_kw["mask"] = tree_mask(base, anc, positions, num_keys)
+            window = getattr(self.target.args, "sliding_window", None)
+            if window:
+                fwd_kw["sliding_mask"] = tree_mask(base, anc, positions, num_keys, window)
+        return self.verify_fn(inp, positions, run.cache, num_keys=num_keys, hidden_layers=hidden_layers, **fwd_kw)
+
+    def _decide(self, run: _Batch, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor],
+                base: torch.Tensor, generator: torch.Generator | None):
+        """Acceptance of a chain, or of the best tree path (its KV and features compacted onto
+        the chain slots ``base + 1 ..``).
+
+        Returns:
+            ``(Acceptance, chain [B, D] drafted tokens in emission order, hidden)``.
+        """
+        if draft.tree is None:
+            return self._accept(draft, logits, generator), draft.tokens, hidden
+        b, dev, t = base.shape[0], base.device, run.slots
+        acc, path = tree_greedy_accept(draft.tokens, draft.tree.parents, draft.tree.depth, logits)  # path [B, D+1]
+        chain = draft.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [B, D] tokens on the path
+        src = (base[:, None] + path[:, 1:]).clamp_(max=t - 1)
+        dst = (base[:, None] + 1 + torch.arange(path.shape[1] - 1, device=dev)).clamp_(max=t - 1)
+        run.cache.compact(src, dst)
+        hidden = [h.gather(1, path[..., None].expand(b, path.shape[1], h.shape[-1])) for h in hidden]
+        return acc, chain, hidden
+
+    def _result(self, run: _Batch, prompts: Sequence[Sequence[int]], steps: int, accepted_log: list[list[int]],
+                emitted_log: list[list[int]]) -> Generation:
+        counts = run.n_out.tolist()
+        out_host = run.out.tolist()
         eos_set = set(self.eos.tolist())
-        rows = [out_host[i][: counts[i]] for i in range(b)]
-        return Generation(tokens=rows, prompt_lengths=plens.tolist(),
-                          finished_by_eos=[bool(r) and r[-1] in eos_set for r in rows], steps=step,
-                          accepted_per_step=accepted_log, emitted_per_step=emitted_log, events=events)
+        rows = [out_host[i][: counts[i]] for i in range(len(prompts))]
+        return Generation(tokens=rows, prompt_lengths=[len(p) for p in prompts],
+                          finished_by_eos=[bool(r) and r[-1] in eos_set for r in rows], steps=steps,
+                          accepted_per_step=accepted_log, emitted_per_step=emitted_log, events=run.events)
 
     def _accept(self, draft: Draft, logits: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
         if self.acceptance_fn is not None:

@@ -184,12 +184,6 @@ class _Recorder:
         self.state = state
         self.inner.commit(state)
 
-    def draft_work(self, state, k):
-        return self.inner.draft_work(state, k)
-
-    def prefill_work(self, state):
-        return self.inner.prefill_work(state)
-
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_head_cache_after_tree_steps_holds_exactly_the_accepted_sequence(target, heads, kind):

@@ -2,8 +2,12 @@
 
 Reading order: :mod:`~refspec.eval.corpora.sources` (pinned artifacts, fetch and hash checks),
 :mod:`~refspec.eval.corpora.loaders` (one loader per source format), :mod:`~refspec.eval.corpora.catalog`
-(the named corpora, their splits and prompt building). To replace a piece in a test, patch the
-module that defines it.
+(the named corpora and their splits), :mod:`~refspec.eval.corpora.prompts` (rows to prompt token
+ids). To replace a piece in a test, patch the module that defines it.
 """
+from refspec.eval.corpora import catalog as _catalog
+from refspec.eval.corpora import prompts as _prompts
 from refspec.eval.corpora.catalog import *  # noqa: F401,F403 - the catalog's public names
-from refspec.eval.corpora.catalog import __all__  # noqa: F401
+from refspec.eval.corpora.prompts import *  # noqa: F401,F403 - prompt building
+
+__all__ = [*_catalog.__all__, *_prompts.__all__]

@@ -85,90 +85,125 @@ class _AcceptanceExporter:
         save_acceptance_models(self.path, models)
 
 
-def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
+def _task_configs(args: argparse.Namespace, configs: Sequence[Any], *, sweep: bool) -> list[Any]:
+    """The configurations this invocation runs: the plan, or one Slurm task's configuration."""
+    if sweep and (args.print_sbatch or args.task_index is not None) and args.out is None:
+        raise UsageError("--print-sbatch and --task-index need --out DIR (the tasks share it)")
+    if not (sweep and args.task_index is not None):
+        return list(configs)
+    if not 0 <= args.task_index < len(configs):
+        raise UsageError(f"--task-index {args.task_index} is outside the plan's 0..{len(configs) - 1}")
+    return [configs[args.task_index]]
+
+
+def _write_sbatch(args: argparse.Namespace, plan: Any, argv: Sequence[str], out_dir: Path,
+                  meta: dict[str, Any]) -> int:
+    """Write the Slurm array script of the sweep and say how to submit and merge it."""
+    from refspec.eval.sweep import SBATCH, SWEEP_META, sbatch_script, write_json_atomic
+
+    task_argv = _strip(argv, ("--print-sbatch",), ("--task-index", "--out", "--export-acceptance"))
+    task_argv += ["--out", str(out_dir.resolve()), "--no-progress"]
+    path = out_dir / SBATCH
+    (out_dir / "slurm").mkdir(exist_ok=True)  # Slurm opens --output before the script runs
+    path.write_text(sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
+                                  time_limit=args.slurm_time, partition=args.slurm_partition, gpus=args.slurm_gpus))
+    write_json_atomic(out_dir / SWEEP_META, meta)
+    print(f"wrote {path}: a Slurm array of {len(plan.configs)} tasks, one configuration each")
+    print(f"submit with: sbatch {path}")
+    print(f"then merge with: python -m refspec.eval report {out_dir}")
+    return 0
+
+
+def _note_corrupt(corrupt: Sequence[tuple[str, int, str]]) -> None:
+    if corrupt:
+        print(f"note: skipped {len(corrupt)} corrupt records line(s): "
+              + "; ".join(f"{Path(f).name}:{n}" for f, n, _ in corrupt[:5]), file=sys.stderr)
+
+
+def _writes_summary(args: argparse.Namespace, *, sweep: bool, keep: bool) -> bool:
+    """Whether this invocation keeps ``summary.json`` and the report (Slurm tasks leave both to ``report``)."""
+    return keep and not (sweep and args.task_index is not None)
+
+
+def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], paths: Any, *, sweep: bool,
+                 keep: bool, command: str) -> tuple[list[dict[str, Any]] | None, list[str], Any]:
+    """Run ``configs``, keeping ``summary.json`` current; returns the records (None when
+    interrupted), the ids skipped as done, and the records read before the run."""
     from tqdm.auto import tqdm
 
+    from refspec.eval.session import Session
+    from refspec.eval.sweep import SUMMARY, attach_baselines, read_records, records_files, run_plan, write_json_atomic
+
+    summary = _writes_summary(args, sweep=sweep, keep=keep)
+    existing = read_records(records_files(paths.out_dir)) if sweep else None
+    known: dict[str, dict[str, Any]] = existing.by_id if existing is not None else {}
+    _note_corrupt(existing.corrupt if existing is not None else ())
+    session = Session(**plan.session_kwargs)
+    exporter = _AcceptanceExporter(args.export_acceptance, command)
+    finished: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    bar = tqdm(total=len(configs), unit="config", desc="configurations", file=sys.stderr,
+               disable=args.no_progress or len(configs) < 2, dynamic_ncols=True)
+
+    def on_result(result: Any) -> None:
+        finished.append(result.record)
+        exporter.add(result)
+        bar.update(1)
+        known[result.record["config_id"]] = result.record
+        if summary:
+            mine = [known[c.config_id] for c in configs if c.config_id in known]
+            attach_baselines(mine)
+            write_json_atomic(paths.out_dir / SUMMARY, mine)
+
+    def on_skip(cfg: Any) -> None:
+        skipped.append(cfg.config_id)
+        bar.update(1)
+
+    try:
+        with _logging_to_tqdm():
+            records = run_plan(session, configs, paths, resume=sweep, on_result=on_result, on_skip=on_skip)
+    except KeyboardInterrupt:
+        bar.close()
+        where = f" in {paths.records}" if keep else " (no --out DIR: nothing kept)"
+        print(f"\ninterrupted: {len(finished)} configuration(s) finished and saved{where}; "
+              f"run the same command again to {'resume' if sweep else 'redo'}", file=sys.stderr)
+        return None, skipped, existing
+    bar.close()
+    return records, skipped, existing
+
+
+def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
     from refspec.eval.report import format_table, write_report
-    from refspec.eval.run import Session
-    from refspec.eval.sweep import (SBATCH, SUMMARY, SWEEP_META, SweepPaths, attach_baselines, read_records,
-                                    records_files, run_plan, sbatch_script, write_json_atomic)
+    from refspec.eval.sweep import SUMMARY, SWEEP_META, SweepPaths, attach_baselines, write_json_atomic
 
     started = time.perf_counter()
     plan = _build_plan(args, sweep=sweep)
     _threads(args.threads)
     command = "python -m refspec.eval " + " ".join(shlex.quote(a) for a in argv)
-    if sweep and (args.print_sbatch or args.task_index is not None) and args.out is None:
-        raise UsageError("--print-sbatch and --task-index need --out DIR (the tasks share it)")
-    configs = plan.configs
-    if sweep and args.task_index is not None:
-        if not 0 <= args.task_index < len(configs):
-            raise UsageError(f"--task-index {args.task_index} is outside the plan's 0..{len(configs) - 1}")
-        configs = [configs[args.task_index]]
+    configs = _task_configs(args, plan.configs, sweep=sweep)
     with _out_dir(plan.out_dir) as (out_dir, keep):
         meta = {"command": command, "argv": list(argv), "latency_target_s": args.latency_target,
                 "configs": [c.config_id for c in plan.configs]}
         if sweep and args.print_sbatch:
-            task_argv = _strip(argv, ("--print-sbatch",), ("--task-index", "--out", "--export-acceptance"))
-            task_argv += ["--out", str(out_dir.resolve()), "--no-progress"]
-            path = out_dir / SBATCH
-            (out_dir / "slurm").mkdir(exist_ok=True)  # Slurm opens --output before the script runs
-            path.write_text(sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
-                                          time_limit=args.slurm_time, partition=args.slurm_partition,
-                                          gpus=args.slurm_gpus))
-            write_json_atomic(out_dir / SWEEP_META, meta)
-            print(f"wrote {path}: a Slurm array of {len(plan.configs)} tasks, one configuration each")
-            print(f"submit with: sbatch {path}")
-            print(f"then merge with: python -m refspec.eval report {out_dir}")
-            return 0
+            return _write_sbatch(args, plan, argv, out_dir, meta)
         if sweep and args.task_index is None:
             write_json_atomic(out_dir / SWEEP_META, meta)
         paths = SweepPaths.for_task(out_dir, args.task_index if sweep else None)
-        existing = read_records(records_files(out_dir)) if sweep else None
-        known: dict[str, dict[str, Any]] = existing.by_id if existing is not None else {}
-        if existing is not None and existing.corrupt:
-            print(f"note: skipped {len(existing.corrupt)} corrupt records line(s): "
-                  + "; ".join(f"{Path(f).name}:{n}" for f, n, _ in existing.corrupt[:5]), file=sys.stderr)
-        session = Session(**plan.session_kwargs)
-        exporter = _AcceptanceExporter(args.export_acceptance, command)
-        finished: list[dict[str, Any]] = []
-        skipped: list[str] = []
-        bar = tqdm(total=len(configs), unit="config", desc="configurations", file=sys.stderr,
-                   disable=args.no_progress or len(configs) < 2, dynamic_ncols=True)
-
-        def on_result(result: Any) -> None:
-            finished.append(result.record)
-            exporter.add(result)
-            bar.update(1)
-            known[result.record["config_id"]] = result.record
-            if keep and not (sweep and args.task_index is not None):  # tasks leave summary.json to report
-                mine = [known[c.config_id] for c in configs if c.config_id in known]
-                attach_baselines(mine)
-                write_json_atomic(out_dir / SUMMARY, mine)
-
-        def on_skip(cfg: Any) -> None:
-            skipped.append(cfg.config_id)
-            bar.update(1)
-
-        try:
-            with _logging_to_tqdm():
-                records = run_plan(session, configs, paths, resume=sweep, on_result=on_result, on_skip=on_skip)
-        except KeyboardInterrupt:
-            bar.close()
-            where = f" in {paths.records}" if keep else " (no --out DIR: nothing kept)"
-            print(f"\ninterrupted: {len(finished)} configuration(s) finished and saved{where}; "
-                  f"run the same command again to {'resume' if sweep else 'redo'}", file=sys.stderr)
+        summary = _writes_summary(args, sweep=sweep, keep=keep)
+        records, skipped, existing = _run_configs(args, plan, configs, paths, sweep=sweep, keep=keep,
+                                                  command=command)
+        if records is None:
             return EXIT_INTERRUPTED
-        bar.close()
         attach_baselines(records)
-        if keep and not (sweep and args.task_index is not None):
+        if summary:
             write_json_atomic(out_dir / SUMMARY, records)
         print(format_table(records))
         if skipped:
             print(f"\n{len(skipped)} configuration(s) were already done and skipped (resume).")
-        if keep and not (sweep and args.task_index is not None):
-            ledgers = [paths.ledger] if paths.ledger.exists() else []
+        if summary:
             rep = write_report(out_dir, records, latency_target_s=args.latency_target,
-                               corrupt=existing.corrupt if existing else (), ledgers=ledgers)
+                               corrupt=existing.corrupt if existing else (),
+                               ledgers=[paths.ledger] if paths.ledger.exists() else [])
             print(f"\nwrote {out_dir}: {SUMMARY}, {paths.records.name}, {paths.ledger.name}, {rep.markdown.name}, "
                   + ", ".join(p.name for p in rep.plots))
         elif keep:
@@ -213,9 +248,7 @@ def _report(args: argparse.Namespace) -> int:
         loaded = read_records(files)
     except OSError as exc:
         raise UsageError(f"cannot read records in {out_dir}: {exc.strerror or exc}") from None
-    if loaded.corrupt:
-        print(f"note: skipped {len(loaded.corrupt)} corrupt records line(s): "
-              + "; ".join(f"{Path(f).name}:{n}" for f, n, _ in loaded.corrupt[:5]), file=sys.stderr)
+    _note_corrupt(loaded.corrupt)
     if not loaded.records:
         raise UsageError(f"no finished configuration in {', '.join(str(f) for f in files)}")
     target = args.latency_target

@@ -1,33 +1,29 @@
-"""A configuration's record: its fields, and the figures computed from the ledger runs it wrote.
+"""A configuration's record: its fields, the accounting's figures under them, the comparisons.
 
-:func:`refspec.eval.run.run_configuration` reads back the ledger records of its batch runs
-(:func:`ledger_records_since`); each batch run is accounted by :func:`refspec.energy.accounting.account`,
-and the batches are pooled by :func:`pool_accountings` (sums of time, energy and counts;
-J/token = energy / emitted tokens; TPOT percentiles over the rows of every batch; tau =
-(accepted + row-steps) / row-steps). The record also carries the roofline model's prediction
-of the same configuration (:func:`roofline_prediction`, modelled, never measured) and the
-comparison with the baseline at the same batch (:func:`compare_with_baseline`). The fields are
-:data:`RECORD_FIELDS`.
+:func:`refspec.eval.run.run_configuration` reads back the ledger runs of its batches and pools
+them with :func:`refspec.energy.accounting.pool_runs`; :func:`accounting_fields` copies that
+:class:`~refspec.energy.accounting.Accounting` into the record under the record's field names and
+computes nothing. The record also carries the roofline model's prediction of the same
+configuration (:func:`roofline_prediction`, modelled, never measured) and the comparison with
+the baseline at the same batch (:func:`compare_with_baseline`, whose saving and speed-up come
+from the accounting too). The fields are :data:`RECORD_FIELDS`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import numpy as np
-
-from refspec.energy.accounting import Accounting
+from refspec.energy.accounting import Accounting, energy_saving, speedup
+from refspec.energy.ledger import ensure_line_end
 
 if TYPE_CHECKING:
     from refspec.eval.run import RunConfig, Session
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 RECORD_FIELDS: dict[str, str] = {
     # identity
@@ -46,7 +42,7 @@ RECORD_FIELDS: dict[str, str] = {
     "prompts_unique": "distinct prompts N", "rows": "rows decoded, ceil(N / B) * B (prompts repeat cyclically)",
     "batches": "batches run, ceil(N / B)", "max_new_tokens": "budget per row",
     "run_ids": "ledger run ids, one per batch", "ledger": "ledger file name (in the output directory)",
-    # pooled accounting of the batches (refspec.energy.accounting, then pool_accountings)
+    # the accounting of the batches pooled (refspec.energy.accounting.pool_runs), copied
     "emitted": "output tokens", "drafted": "draft tokens proposed", "accepted": "draft tokens accepted",
     "row_steps": "active row-steps with a verify", "steps": "decode steps, summed over batches",
     "verified": "target positions verified", "rejected_positions": "verified positions refuted",
@@ -58,7 +54,9 @@ RECORD_FIELDS: dict[str, str] = {
     "total_energy_j": "energy of every phase (J); null without energy",
     "energy_per_token_j": "J per output token: all phases, prefill included, / emitted (only accepted count)",
     "phase_energy_j": "energy by phase (J)", "phase_share": "energy share by phase",
+    "phase_energy_per_token_j": "energy by phase per output token (J)",
     "line_items_j": "prefill, draft kept/rejected, verify useful/rejected, commit, other (J)",
+    "line_items_sum_j": "the line items added up (J)", "closure_error_j": "line items sum - total energy (J)",
     "rejected_energy_j": "J spent on refuted drafts", "closes": "line items sum to the total",
     "idle_w": "idle power for net-of-idle figures (W)", "net_energy_j": "energy net of idle (J)",
     "net_energy_per_token_j": "J/token net of idle power (null without idle power)",
@@ -95,103 +93,22 @@ def describe_source(source: str) -> str:
     return f"unknown source {source!r}"
 
 
-# ---- reading the ledger back ----------------------------------------------------------------
-def ensure_line_end(path: Path) -> None:
-    """Append a newline when ``path`` ends mid-line (a crash), so the next record starts clean."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            if fh.tell() == 0:
-                return
-            fh.seek(-1, os.SEEK_END)
-            last = fh.read(1)
-    except FileNotFoundError:
-        return
-    if last != b"\n":
-        with open(path, "ab") as fh:
-            fh.write(b"\n")
+# ---- the accounting's figures under the record's names -------------------------------------
+_RENAMED = {"j_per_token": "energy_per_token_j", "net_j_per_token": "net_energy_per_token_j",
+            "phase_j_per_token": "phase_energy_per_token_j"}
+_COPIED = ("emitted", "drafted", "accepted", "row_steps", "steps", "verified", "rejected_positions", "total_time_s",
+           "prefill_time_s", "phase_time_s", "tokens_per_s", "tau", "acceptance_rate", "rows_with_tpot",
+           "tpot_p50_s", "tpot_p99_s", "total_energy_j", "j_per_token", "phase_energy_j", "phase_share",
+           "phase_j_per_token", "line_items_j", "line_items_sum_j", "closure_error_j", "rejected_energy_j",
+           "closes", "idle_w", "net_energy_j", "net_j_per_token")
 
 
-def ledger_records_since(path: Path, offset: int, run_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """Ledger records of ``run_ids`` written at or after byte ``offset`` of ``path``."""
-    wanted = set(run_ids)
-    out = []
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        data = fh.read().decode("utf-8", errors="replace")
-    for line in data.split("\n"):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            log.warning("skipping a corrupt ledger line in %s", path)
-            continue
-        if isinstance(rec, dict) and rec.get("run_id") in wanted:
-            out.append(rec)
+def accounting_fields(acc: Accounting) -> dict[str, Any]:
+    """The record fields of a (pooled) accounting: its figures renamed, its sources in words."""
+    out = {_RENAMED.get(name, name): getattr(acc, name) for name in _COPIED}
+    out.update(energy_source=", ".join(acc.sources), energy_measured=acc.measured,
+               energy_source_text="; ".join(describe_source(s) for s in acc.sources))
     return out
-
-
-# ---- pooling batch accountings --------------------------------------------------------------
-def _sum_dicts(dicts: Sequence[Mapping[str, float] | None]) -> dict[str, float] | None:
-    if any(d is None for d in dicts):
-        return None
-    out: dict[str, float] = {}
-    for d in dicts:
-        for key, value in (d or {}).items():
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def pool_accountings(accs: Sequence[Accounting]) -> dict[str, Any]:
-    """Pool the accountings of a configuration's batches into its headline figures.
-
-    Times, energies and counts add; J/token = energy / emitted; tokens/s = emitted / time;
-    tau = (accepted + row-steps) / row-steps; TPOT percentiles are taken over the rows of all
-    batches (linear interpolation, as in :mod:`refspec.energy.accounting`).
-    """
-    if not accs:
-        raise ValueError("no batch accountings to pool")
-    emitted = sum(a.emitted for a in accs)
-    drafted = sum(a.drafted for a in accs)
-    accepted = sum(a.accepted for a in accs)
-    row_steps = sum(a.row_steps for a in accs)
-    total_time = sum(a.total_time_s for a in accs)
-    tpots = [t for a in accs for t in a.tpot_per_row_s if t is not None]
-    energies = [a.total_energy_j for a in accs]
-    has_energy = all(e is not None for e in energies)
-    total_energy = float(sum(e for e in energies if e is not None)) if has_energy else None
-    phase_energy = _sum_dicts([a.phase_energy_j for a in accs]) if has_energy else None
-    net = [a.net_energy_j for a in accs]
-    net_total = float(sum(n for n in net if n is not None)) if has_energy and all(n is not None for n in net) else None
-    sources = sorted({s for a in accs for s in a.sources})
-    return {
-        "emitted": emitted, "drafted": drafted, "accepted": accepted, "row_steps": row_steps,
-        "steps": sum(a.steps for a in accs),
-        "verified": sum(a.verified for a in accs), "rejected_positions": sum(a.rejected_positions for a in accs),
-        "total_time_s": total_time, "prefill_time_s": sum(a.prefill_time_s for a in accs),
-        "phase_time_s": _sum_dicts([a.phase_time_s for a in accs]),
-        "tokens_per_s": emitted / total_time if total_time else None,
-        "tau": (accepted + row_steps) / row_steps if row_steps else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "rows_with_tpot": len(tpots),
-        "tpot_p50_s": float(np.percentile(tpots, 50)) if tpots else None,
-        "tpot_p99_s": float(np.percentile(tpots, 99)) if tpots else None,
-        "total_energy_j": total_energy,
-        "energy_per_token_j": total_energy / emitted if total_energy is not None and emitted else None,
-        "phase_energy_j": phase_energy,
-        "phase_share": ({p: e / total_energy for p, e in phase_energy.items()}
-                        if phase_energy is not None and total_energy else None),
-        "line_items_j": _sum_dicts([a.line_items_j for a in accs]) if has_energy else None,
-        "rejected_energy_j": (sum(float(a.rejected_energy_j or 0.0) for a in accs) if has_energy else None),
-        "closes": all(bool(a.closes) for a in accs) if has_energy else None,
-        "idle_w": accs[0].idle_w,
-        "net_energy_j": net_total,
-        "net_energy_per_token_j": net_total / emitted if net_total is not None and emitted else None,
-        "energy_source": ", ".join(sources),
-        "energy_measured": all(a.measured for a in accs),
-        "energy_source_text": "; ".join(describe_source(s) for s in sources),
-    }
 
 
 # ---- the roofline prediction ----------------------------------------------------------------
@@ -274,10 +191,9 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     fields = ("config_id", "tau", "tokens_per_s", "tpot_p50_s", "tpot_p99_s", "energy_per_token_j",
               "energy_source", "phase_energy_j", "phase_share", "net_energy_per_token_j", "run_ids")
     record["baseline"] = {f: baseline.get(f) for f in fields}
-    e, be = record.get("energy_per_token_j"), baseline.get("energy_per_token_j")
-    record["energy_saving_vs_baseline"] = 1.0 - e / be if e is not None and be else None
-    s, bs = record.get("tokens_per_s"), baseline.get("tokens_per_s")
-    record["speedup_vs_baseline"] = s / bs if s and bs else None
+    record["energy_saving_vs_baseline"] = energy_saving(record.get("energy_per_token_j"),
+                                                        baseline.get("energy_per_token_j"))
+    record["speedup_vs_baseline"] = speedup(record.get("tokens_per_s"), baseline.get("tokens_per_s"))
     comparable = record.get("greedy") and not record.get("acceptance_injected") and not baseline.get(
         "acceptance_injected")
     if comparable and baseline.get("row_digests") and record.get("row_digests"):
@@ -287,3 +203,7 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     else:
         record["greedy_match_baseline"] = None
         record["greedy_rows_matching"] = None
+
+
+__all__ = ["RECORD_FIELDS", "RECORD_VERSION", "accounting_fields", "acceptance_from_tau", "compare_with_baseline",
+           "describe_source", "ensure_line_end", "roofline_prediction"]

@@ -1,19 +1,11 @@
-"""Reports of evaluation records: text tables, Markdown and PNG plots (matplotlib, Agg).
+"""Reports of evaluation records: the CLI's text table and ``report.md`` (plots: :mod:`refspec.eval.plots`).
 
 Input: configuration records (:data:`refspec.eval.records.RECORD_FIELDS`) from ``records.jsonl``
-and any Slurm task files (:func:`refspec.eval.sweep.read_records`). Output, in the sweep
-directory: ``report.md`` and four plots:
-
-* ``energy_vs_batch.png``: J per output token against batch per drafter and K, one panel per
-  corpus, with the roofline prediction of the same configurations dashed;
-* ``tau_by_corpus.png``: acceptance length tau per corpus per drafter and K;
-* ``phase_energy.png``: J per output token of each configuration, stacked by phase;
-* ``latency_energy.png``: p99 TPOT against J per output token, one panel per corpus, the
-  latency target drawn and the lowest-energy configuration meeting it marked
-  (:func:`refspec.energy.latency.choose_config`).
-
-Every figure says where its energy came from (measured by which counter, or modelled by which
-roofline profile), and every injected-acceptance run is labelled as such.
+and any Slurm task files (:func:`refspec.eval.sweep.read_records`). Every figure printed is a
+record field computed by :mod:`refspec.energy.accounting`; this module formats, never
+recomputes. ``report.md`` states where the energy came from (measured by which counter, or
+modelled by which roofline profile), labels every injected-acceptance run, and prints each
+configuration's closure line: its energy line items, their sum, the total, and whether they close.
 """
 from __future__ import annotations
 
@@ -24,6 +16,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+from refspec.energy.accounting_text import format_closure
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +101,8 @@ def _rows(records: Sequence[Mapping[str, Any]]) -> str:
     return "rows decoded: " + ", ".join(f"{n} at batch {b}" for b, n in sorted(by_batch.items()))
 
 
-def _sort_key(r: Mapping[str, Any]) -> tuple:
+def sort_key(r: Mapping[str, Any]) -> tuple:
+    """Records in report order: corpus, batch, baseline first, drafter, K."""
     return (str(r.get("corpus")), int(r.get("batch", 0)), r.get("drafter") != "none", str(r.get("drafter")),
             int(r.get("k", 0)))
 
@@ -121,7 +116,7 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     for line in injection_lines(records):
         lines.append(f"!! {line}")
     by_corpus: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in sorted(records, key=_sort_key):
+    for r in sorted(records, key=sort_key):
         by_corpus[str(r.get("corpus"))].append(r)
     for corpus, rows in by_corpus.items():
         first = rows[0]
@@ -149,7 +144,13 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
 
 
 # ---- latency targets --------------------------------------------------------------------------
-def _with_energy(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def corpora(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The records' corpora, sorted."""
+    return sorted({str(r["corpus"]) for r in records})
+
+
+def with_energy(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records that have both J/token and p99 TPOT."""
     return [r for r in records if r.get("energy_per_token_j") is not None and r.get("tpot_p99_s") is not None]
 
 
@@ -159,185 +160,12 @@ def latency_choices(records: Sequence[Mapping[str, Any]], target_s: float) -> di
 
     out: dict[str, dict[str, Any]] = {}
     by_corpus: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in _with_energy(records):
+    for r in with_energy(records):
         by_corpus[str(r["corpus"])].append(r)
     for corpus, rows in by_corpus.items():
         out[corpus] = {"chosen": choose_config(rows, target_s),
                        "tighter": cost_of_tighter_target(rows, [target_s * f for f in TIGHTER])}
     return out
-
-
-# ---- plots ------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _suptitle(fig: Any, text: str) -> None:
-    """A figure title wrapped to the figure's width, with room kept for it above the panels."""
-    import textwrap
-
-    width_chars = max(40, int(fig.get_figwidth() * 14))
-    wrapped = textwrap.fill(text, width_chars)
-    fig.suptitle(wrapped, fontsize=8)
-    fig.tight_layout()  # matplotlib keeps room for the suptitle
-
-
-def _energy_label(records: Sequence[Mapping[str, Any]]) -> str:
-    measured = all(r.get("energy_measured") for r in records)
-    return "J per output token (" + ("measured" if measured else "MODELLED") + ")"
-
-
-def _corpora(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    return sorted({str(r["corpus"]) for r in records})
-
-
-def _panels(n: int, width: float = 5.0, height: float = 4.0):
-    plt = _plt()
-    cols = min(n, 3)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
-    flat = [ax for row in axes for ax in row]
-    for ax in flat[n:]:
-        ax.set_visible(False)
-    return plt, fig, flat[:n]
-
-
-def _colors(records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    names = sorted({series_label(r) for r in records}, key=lambda s: (not s.startswith("none"), s))
-    return {name: f"C{i % 10}" for i, name in enumerate(names)}
-
-
-def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
-    """J/token against batch per series, roofline predictions dashed, one panel per corpus."""
-    recs = [r for r in records if r.get("energy_per_token_j") is not None]
-    if not recs:
-        return None
-    corpora = _corpora(recs)
-    colors = _colors(recs)
-    plt, fig, axes = _panels(len(corpora))
-    for ax, corpus in zip(axes, corpora):
-        series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        for r in recs:
-            if r["corpus"] == corpus:
-                series[series_label(r)].append(r)
-        for name, rows in sorted(series.items()):
-            rows = sorted(rows, key=lambda r: r["batch"])
-            bs = [r["batch"] for r in rows]
-            ax.plot(bs, [r["energy_per_token_j"] for r in rows], "o-", color=colors[name], label=name)
-            pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
-            if pred:
-                ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{corpus}", fontsize=10)
-        ax.set_xlabel("batch")
-        ax.set_ylabel(_energy_label(recs))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, title="solid: run; dashed: roofline", title_fontsize=7)
-    _suptitle(fig, "Energy per output token vs batch (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
-    """Grouped bars: tau (mean over batches) per corpus per drafter and K."""
-    recs = [r for r in records if r.get("drafter") != "none" and r.get("tau") is not None]
-    if not recs:
-        return None
-    plt = _plt()
-    corpora = _corpora(recs)
-    names = sorted({series_label(r) for r in recs})
-    colors = _colors(recs)
-    # width grows with the bars but stays readable; the legend goes beside the axes
-    fig, ax = plt.subplots(figsize=(min(13.0, max(5.0, 0.25 * len(corpora) * len(names) + 4)), 4.5))
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        vals = []
-        for corpus in corpora:
-            taus = [r["tau"] for r in recs if r["corpus"] == corpus and series_label(r) == name]
-            vals.append(sum(taus) / len(taus) if taus else 0.0)
-        ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(corpora))], vals, width,
-               label=name, color=colors[name])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(corpora)))
-    ax.set_xticklabels(corpora, rotation=20, fontsize=8)
-    ax.set_ylabel("tau (accepted + 1 per verify step)")
-    injected = " (includes INJECTED acceptance)" if any(r.get("acceptance_injected") for r in recs) else ""
-    ax.set_title("Acceptance length per corpus" + injected, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(names) // 16)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_phase_energy(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
-    """Stacked bars of J per output token by phase for every configuration."""
-    recs = sorted((r for r in records if r.get("phase_energy_j") and r.get("emitted")), key=_sort_key)
-    if not recs:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(recs) + 2), 4.5))
-    bottom = [0.0] * len(recs)
-    for i, phase in enumerate(PHASE_ORDER):
-        vals = [float(r["phase_energy_j"].get(phase, 0.0)) / r["emitted"] for r in recs]
-        if not any(vals):
-            continue
-        ax.bar(range(len(recs)), vals, bottom=bottom, label=phase, color=f"C{i}")
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(recs)))
-    ax.set_xticklabels([f"{config_label(r)}\n{r['corpus']}" for r in recs], rotation=70, fontsize=6)
-    ax.set_ylabel(_energy_label(recs) + " by phase")
-    ax.legend(fontsize=7)
-    ax.grid(True, axis="y", alpha=0.3)
-    _suptitle(fig, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target_s: float | None,
-                        choices: Mapping[str, Mapping[str, Any]] | None) -> Path | None:
-    """p99 TPOT against J/token per corpus; the target line and the chosen configuration marked."""
-    recs = _with_energy(records)
-    if not recs:
-        return None
-    corpora = _corpora(recs)
-    colors = _colors(recs)
-    plt, fig, axes = _panels(len(corpora))
-    for ax, corpus in zip(axes, corpora):
-        rows = [r for r in recs if r["corpus"] == corpus]
-        for name in sorted({series_label(r) for r in rows}):
-            sel = sorted((r for r in rows if series_label(r) == name), key=lambda r: r["batch"])
-            ax.plot([1e3 * r["tpot_p99_s"] for r in sel], [r["energy_per_token_j"] for r in sel], "o-",
-                    color=colors[name], label=name, alpha=0.8)
-            for r in sel:
-                ax.annotate(f"b{r['batch']}", (1e3 * r["tpot_p99_s"], r["energy_per_token_j"]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")
-        if target_s is not None:
-            ax.axvline(1e3 * target_s, color="r", ls="--", lw=1, label=f"target p99 {1e3 * target_s:g} ms")
-            chosen = (choices or {}).get(corpus, {}).get("chosen")
-            if chosen is not None:
-                ax.plot([1e3 * chosen["tpot_p99_s"]], [chosen["energy_per_token_j"]], "*", ms=16, color="gold",
-                        markeredgecolor="k", label=f"chosen: {config_label(chosen)}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("TPOT p99 (ms per token per user)")
-        ax.set_ylabel(_energy_label(recs))
-        ax.set_title(corpus, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    _suptitle(fig, "Latency-energy trade-off (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ---- Markdown -----------------------------------------------------------------------------------
@@ -392,30 +220,20 @@ def _latency_md(records: Sequence[Mapping[str, Any]], target_s: float | None,
     return lines
 
 
-def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency_target_s: float | None = None,
-                 corrupt: Sequence[tuple[str, int, str]] = (), ledgers: Sequence[Path] = (),
-                 title: str = "refspec evaluation") -> Report:
-    """Write ``report.md`` and the plots into ``out_dir``.
+def _closure_md(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each configuration's closure line, as the accounting formats it."""
+    lines = ["## Closure", "",
+             "Each configuration's energy split into line items (prefill, draft kept and rejected, verify "
+             "useful and rejected, commit, other, in J); the items must add up to the total energy.", ""]
+    for r in records:
+        closure = format_closure(r.get("line_items_j"), r.get("line_items_sum_j"), r.get("total_energy_j"),
+                                 r.get("closure_error_j"), r.get("closes"))
+        lines.append(f"- {config_label(r)}, {r.get('corpus')}: `{closure}`")
+    return lines + [""]
 
-    Args:
-        out_dir: destination (the sweep directory).
-        records: configuration records (comparison fields already attached).
-        latency_target_s: p99 TPOT target in s, or None.
-        corrupt: ``(file, line, reason)`` of records lines that were skipped.
-        ledgers: ledger files behind the records.
-        title: the report's heading.
-    """
-    from refspec.eval.corpora import licence_text
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    recs = sorted(records, key=_sort_key)
-    choices = latency_choices(recs, latency_target_s) if latency_target_s is not None else None
-    plots = [p for p in (
-        plot_energy_vs_batch(recs, out_dir / "energy_vs_batch.png"),
-        plot_tau_by_corpus(recs, out_dir / "tau_by_corpus.png"),
-        plot_phase_energy(recs, out_dir / "phase_energy.png"),
-        plot_latency_energy(recs, out_dir / "latency_energy.png", latency_target_s, choices),
-    ) if p is not None]
+def _intro_md(recs: Sequence[Mapping[str, Any]], title: str) -> list[str]:
+    """Title, model, energy source and the caveats that apply to every figure."""
     md = [f"# {title}", "",
           f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} from {len(recs)} configurations.", ""]
     for line in injection_lines(recs):
@@ -430,8 +248,13 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
         md += ["Modelled energy figures are estimates, not measurements: no energy counter was read.", ""]
     if any(r.get("time_source") == "modelled" for r in recs):
         md += ["**Times are modelled** (roofline meter in model mode): tokens/s and TPOT are not measured.", ""]
-    md += ["## Results", ""]
-    for corpus in _corpora(recs):
+    return md
+
+
+def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One table per corpus, and a note on greedy outputs that differ from the baseline's."""
+    md = ["## Results", ""]
+    for corpus in corpora(recs):
         rows = [r for r in recs if r["corpus"] == corpus]
         first = rows[0]
         md += [f"### {corpus}", "",
@@ -443,21 +266,54 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
     if mismatched:
         md += [f"{len(mismatched)} greedy configuration(s) differ from the baseline's output. In fp32 that is a "
                "near-tie flipped by a different GEMM shape or a bug; in bf16 near-ties flip routinely.", ""]
-    md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    md += _latency_md(recs, latency_target_s, choices)
+    return md
+
+
+def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, int, str]],
+              ledgers: Sequence[Path]) -> list[str]:
+    """Skipped records lines, the ledgers behind the figures, versions and licences."""
+    from refspec.eval.corpora import licence_text
+
+    md = []
     if corrupt:
         md += ["## Skipped records lines", ""] + [f"- {f}, line {n}: {why}" for f, n, why in corrupt] + [""]
-    md += ["## Audit trail", "",
-           "Every figure is computed from the ledger records of its configuration (run ids in each record): "
-           + ", ".join(f"`{p.name}`" for p in ledgers) + ".", "",
-           "Versions: " + ", ".join(f"{k} {v}" for k, v in (recs[0].get("versions") or {}).items()) + "." if recs
-           else "", "",
-           "## Corpora and licences", "", "```", licence_text(), "```", ""]
+    versions = ", ".join(f"{k} {v}" for k, v in (recs[0].get("versions") or {}).items()) if recs else ""
+    return md + ["## Audit trail", "",
+                 "Every figure is computed from the ledger records of its configuration (run ids in each record) "
+                 "by refspec.energy.accounting: " + ", ".join(f"`{p.name}`" for p in ledgers) + ".", "",
+                 f"Versions: {versions}." if versions else "", "",
+                 "## Corpora and licences", "", "```", licence_text(), "```", ""]
+
+
+def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency_target_s: float | None = None,
+                 corrupt: Sequence[tuple[str, int, str]] = (), ledgers: Sequence[Path] = (),
+                 title: str = "refspec evaluation") -> Report:
+    """Write ``report.md`` and the plots into ``out_dir``.
+
+    Args:
+        out_dir: destination (the sweep directory).
+        records: configuration records (comparison fields already attached).
+        latency_target_s: p99 TPOT target in s, or None.
+        corrupt: ``(file, line, reason)`` of records lines that were skipped.
+        ledgers: ledger files behind the records.
+        title: the report's heading.
+
+    Returns:
+        The Markdown file and the plots written.
+    """
+    from refspec.eval.plots import write_plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recs = sorted(records, key=sort_key)
+    choices = latency_choices(recs, latency_target_s) if latency_target_s is not None else None
+    plots = write_plots(recs, out_dir, latency_target_s, choices)
+    md = _intro_md(recs, title) + _results_md(recs) + _closure_md(recs)
+    md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    md += _latency_md(recs, latency_target_s, choices) + _audit_md(recs, corrupt, ledgers)
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
     return Report(markdown=path, plots=plots)
 
 
-__all__ = ["format_table", "write_report", "Report", "latency_choices", "config_label", "energy_sources",
-           "injection_lines", "plot_energy_vs_batch", "plot_tau_by_corpus", "plot_phase_energy",
-           "plot_latency_energy"]
+__all__ = ["format_table", "write_report", "Report", "latency_choices", "config_label", "series_label",
+           "energy_sources", "injection_lines", "corpora", "with_energy", "sort_key", "PHASE_ORDER"]

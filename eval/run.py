@@ -1,24 +1,21 @@
 """Running one evaluation configuration: engine, meter and ledger; the configuration's record.
 
 A :class:`RunConfig` names everything that changes a figure (model, drafter, K, batch,
-corpus, budget, dtype, device, meter, sampling, seed, injection). A :class:`Session` holds
-what configurations share: the loaded target and tokenizer, the energy meter, the verify
-callable (eager or CUDA graphs), built drafters and encoded prompts.
-:func:`run_configuration` runs one configuration and returns its record, a flat JSON-ready
-dict (the ``records.jsonl`` / ``summary.json`` schema, :data:`RECORD_FIELDS`).
+corpus, budget, dtype, device, meter, sampling, seed, injection). A
+:class:`~refspec.eval.session.Session` holds what configurations share: the loaded target and
+tokenizer, the energy meter, the verify callable (eager or CUDA graphs), built drafters and
+encoded prompts. :func:`run_configuration` runs one configuration and returns its record, a
+flat JSON-ready dict (the ``records.jsonl`` / ``summary.json`` schema, :data:`RECORD_FIELDS`).
 
 Batching: with batch B and N prompts a configuration runs ``ceil(N / B)`` batches of exactly B
 rows; prompts repeat cyclically to fill the rows (``prompts_unique`` N, ``rows``
 ``ceil(N / B) * B``), because batch size is the independent variable of the paper.
 
-Every batch is one ledger run (``run_id`` ``<config id>.<attempt>.b<i>``, appended to the
-ledger file with flush). The record's figures come only from the ledger records this
-configuration wrote, read back from disk: each batch run is accounted by
-:func:`refspec.energy.accounting.account`, and the batches are pooled by :func:`pool_accountings`
-(sums of time, energy and counts; J/token = energy / emitted tokens; TPOT percentiles over the
-rows of every batch; tau = (accepted + row-steps) / row-steps). The record's fields, the
-pooling, the roofline prediction and the baseline comparison are in :mod:`refspec.eval.records`
-(re-exported here).
+Every batch is one run of one :class:`~refspec.energy.ledger.Ledger` (``run_id``
+``<config id>.<attempt>.b<i>``, appended to the ledger file with flush); the ledger is the
+engine's observer. The record's figures come only from the ledger records this configuration
+wrote, read back from disk and pooled by :func:`refspec.energy.accounting.pool_runs`; this module
+copies them into the record (:func:`refspec.eval.records.accounting_fields`) and computes none.
 """
 from __future__ import annotations
 
@@ -34,21 +31,18 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from refspec import __version__
-from refspec.energy.accounting import account
-from refspec.energy.phases import PhaseEvent
-from refspec.eval.runtime import LoadedTarget, UsageError, load_target
-from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, acceptance_from_tau, compare_with_baseline,
-                                 describe_source, ensure_line_end, ledger_records_since, pool_accountings,
-                                 roofline_prediction)
+from refspec.energy.accounting import Accounting, pool_runs
+from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
+                                 compare_with_baseline, describe_source, ensure_line_end, roofline_prediction)
+from refspec.eval.runtime import UsageError
+from refspec.eval.session import Session
 
 log = logging.getLogger(__name__)
-
-
 
 
 # ---- configuration --------------------------------------------------------------------------
@@ -190,191 +184,6 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-# ---- the session ----------------------------------------------------------------------------
-class Session:
-    """What the configurations of one invocation share.
-
-    Args:
-        model: model id or directory.
-        dtype: resolved dtype name.
-        device: torch device.
-        meter: meter kind (see :class:`RunConfig`).
-        cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
-        warmup: run a short unrecorded generation before the first measurement of each
-            (drafter, K, batch), so one-time allocation does not land in the ledger.
-        chat: render chat-kind prompts through the tokenizer's chat template when it has one.
-        progress: show progress bars (stderr).
-    """
-
-    def __init__(self, *, model: str, dtype: str, device: torch.device, meter: str = "auto",
-                 cuda_graphs: bool | None = None, warmup: bool = True, chat: bool = True,
-                 progress: bool = True) -> None:
-        from refspec.eval.runtime import parse_dtype
-
-        self.model_name = model
-        self.dtype_name = dtype
-        self.torch_dtype = parse_dtype(dtype)
-        self.device = device
-        self.meter_kind = meter
-        self.cuda_graphs_flag = cuda_graphs
-        self.warmup = warmup
-        self.chat = chat
-        self.progress = progress
-        self._target: LoadedTarget | None = None
-        self._meter: Any = None
-        self._verify_fn: Any = None
-        self._cuda_graphs: bool | None = None
-        self._drafters: dict[tuple, Any] = {}
-        self._prompts: dict[tuple, list[list[int]]] = {}
-        self._warm: set[tuple] = set()
-
-    # ---- shared objects -----------------------------------------------------------------------
-    @property
-    def target(self) -> LoadedTarget:
-        """The loaded target (loaded on first use)."""
-        if self._target is None:
-            t0 = time.perf_counter()
-            target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress)
-            if target.tokenizer is None:
-                raise UsageError(f"{target.path} has no tokenizer.json; the evaluation encodes corpus prompts and "
-                                 f"needs one")
-            log.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype_name, self.device,
-                     time.perf_counter() - t0)
-            self._target = target
-        return self._target
-
-    @property
-    def dtype_bytes(self) -> int:
-        return torch.finfo(self.torch_dtype).bits // 8
-
-    @property
-    def meter(self) -> Any:
-        """The energy meter every configuration is metered with."""
-        if self._meter is None:
-            from refspec.energy.meters import make_meter
-
-            kind, _, profile = self.meter_kind.partition(":")
-            if kind not in ("auto", "zeus", "roofline", "time"):
-                raise UsageError(f"unknown meter {self.meter_kind!r}; use auto, zeus, roofline, roofline:PROFILE "
-                                 f"(cpu, h100, h200) or time")
-            kwargs: dict[str, Any] = {"dtype_bytes": self.dtype_bytes}
-            if profile:
-                kwargs["profile"] = profile
-            self._meter = make_meter(kind, **kwargs)  # type: ignore[arg-type]
-            if hasattr(self._meter, "measure_idle_w") and getattr(self._meter, "idle_w", None) is None:
-                self._meter.measure_idle_w(5.0)
-            log.info("energy meter: %s", describe_source(self._meter.source))
-        return self._meter
-
-    @property
-    def time_source(self) -> str:
-        """``modelled`` when the meter models time (a roofline meter in model mode), else ``measured``."""
-        return "modelled" if getattr(self.meter, "time_source", "measured") == "model" else "measured"
-
-    @property
-    def roofline_profile(self) -> Any:
-        """The hardware profile for roofline predictions: the meter's, or the GPU's data sheet."""
-        prof = getattr(self.meter, "profile", None)
-        if prof is not None:
-            return prof
-        if self.device.type == "cuda":
-            from refspec.energy.roofline import GPU_PROFILES
-
-            name = torch.cuda.get_device_name(self.device).lower()
-            return next((p for key, p in GPU_PROFILES.items() if key in name), None)
-        return None
-
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether verify runs through CUDA graphs (resolved from the flag and the device)."""
-        if self._cuda_graphs is None:
-            if importlib.util.find_spec("refspec.cuda_graphs") is None:
-                if self.cuda_graphs_flag:
-                    raise UsageError("--cuda-graphs: refspec.cuda_graphs is not available in this installation")
-                self._cuda_graphs = False
-            else:
-                from refspec.cuda_graphs import cuda_graphs_enabled
-
-                self._cuda_graphs = cuda_graphs_enabled(self.cuda_graphs_flag, self.device)
-        return self._cuda_graphs
-
-    @property
-    def verify_fn(self) -> Any:
-        """The verify callable: a CUDA-graph runner when enabled, else the eager target."""
-        if self._verify_fn is None:
-            if self.cuda_graphs:
-                from refspec.cuda_graphs import make_verify_fn
-
-                self._verify_fn = make_verify_fn(self.target.model, self.device, True)
-            else:
-                self._verify_fn = self.target.model
-        return self._verify_fn
-
-    def drafter(self, cfg: RunConfig) -> Any:
-        """The drafter of ``cfg`` (built once per name, tree flag and options), or None."""
-        if cfg.is_baseline:
-            return None
-        key = (cfg.drafter, cfg.tree, cfg.k if cfg.tree else None, cfg.drafter_options)
-        if key not in self._drafters:
-            from refspec.drafters import registry
-
-            options: dict[str, Any] = dict(cfg.drafter_options)
-            if cfg.tree:
-                options.update(tree="true", tree_budget=str(cfg.k))
-            if cfg.accept_model and cfg.drafter == "ngram":
-                options.setdefault("trim", "false")  # an injected acceptance distribution is per full K
-            ctx = registry.DrafterContext(target=self.target.model, target_name=self.model_name,
-                                          tokenizer_fingerprint=self.target.fingerprint, dtype=self.torch_dtype,
-                                          device=self.device, options=options)
-            self._drafters[key] = registry.build(cfg.drafter, ctx)
-        return self._drafters[key]
-
-    def prompts(self, corpus: str, num_prompts: int) -> list[list[int]]:
-        """Token ids of the first ``num_prompts`` eval prompts of ``corpus``."""
-        key = (corpus, num_prompts)
-        if key not in self._prompts:
-            from refspec.eval.corpora import build_prompts, load_corpus
-
-            ds = load_corpus(corpus, split="eval")
-            if len(ds) == 0:
-                raise UsageError(f"corpus {corpus!r} has no eval prompts")
-            if len(ds) < num_prompts:
-                log.warning("corpus %s has %d eval prompts, fewer than --num-prompts %d; using all of them",
-                            corpus, len(ds), num_prompts)
-            rows = ds.select(range(min(num_prompts, len(ds))))
-            tok = self.target.tokenizer
-            chat = self.chat and bool(getattr(tok, "has_chat_template", False))
-            self._prompts[key] = build_prompts(rows, tok, chat=chat)
-        return self._prompts[key]
-
-    def warm(self, engine: Any, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
-        """One short unrecorded generation at this (drafter, K, batch), once per session."""
-        key = (cfg.drafter, cfg.k, cfg.tree, cfg.batch)
-        if not self.warmup or key in self._warm:
-            return
-        self._warm.add(key)
-        from refspec.engine import Engine
-
-        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=(),
-                       verify_fn=engine.verify_fn)
-        t0 = time.perf_counter()
-        quiet.generate(list(prompts), max_new_tokens=min(4, cfg.max_new_tokens),
-                       generator=torch.Generator(device=self.device).manual_seed(0))
-        log.debug("warm-up of %s took %.2f s", cfg.label, time.perf_counter() - t0)
-
-
-# ---- ledger plumbing ------------------------------------------------------------------------
-class _Relay:
-    """A phase observer that forwards to the current batch's ledger."""
-
-    def __init__(self) -> None:
-        self.target: Callable[[PhaseEvent], None] | None = None
-
-    def __call__(self, event: PhaseEvent) -> None:
-        if self.target is not None:
-            self.target(event)
-
-
 # ---- one configuration ----------------------------------------------------------------------
 @dataclasses.dataclass
 class ConfigResult:
@@ -411,6 +220,72 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     _acceptance_injection(cfg, session.device)
 
 
+def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
+    """The engine of ``cfg``, every phase event going to ``ledger``."""
+    from refspec.engine import Engine, EngineConfig
+    from refspec.sampling import SamplingConfig
+
+    target = session.target
+    sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
+                  observers=[ledger], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
+                  acceptance_fn=acceptance_fn)
+
+
+def _run_labels(cfg: RunConfig, batches: int, injection_label: str | None) -> list[dict[str, Any]]:
+    """The ledger header labels of each batch run."""
+    injected = {"acceptance_injected": True, "injection": injection_label} if injection_label else {}
+    return [{**cfg.identity(), "config_id": cfg.config_id, "batch_index": i, "batches": batches, **injected}
+            for i in range(batches)]
+
+
+def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, rows: Sequence[Sequence[int]],
+                    run_ids: Sequence[str], labels: Sequence[dict[str, Any]]) -> list[Any]:
+    """Decode ``rows`` in batches of ``cfg.batch``, each batch a ledger run of its own (the first is open)."""
+    from tqdm.auto import tqdm
+
+    budget = cfg.max_new_tokens
+    gens = []
+    with tqdm(total=len(rows) * budget, unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
+              disable=not session.progress, leave=False) as bar:
+        for i, run_id in enumerate(run_ids):
+            if i:
+                ledger.begin_run(run_id, labels=labels[i])
+            chunk = rows[i * cfg.batch:(i + 1) * cfg.batch]
+            counted = [0]
+
+            def on_step(step: int, emitted: int, _counted: list[int] = counted) -> None:
+                bar.update(emitted - _counted[0])
+                _counted[0] = emitted
+
+            engine.on_step = on_step
+            gen = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
+            g = engine.generate(chunk, max_new_tokens=budget, generator=gen)
+            gens.append(g)
+            bar.update(len(chunk) * budget - counted[0])
+            bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {g.tau:.2f}")
+    return gens
+
+
+def _record(session: Session, cfg: RunConfig, acc: Accounting, *, prompts_unique: int, rows: int,
+            generations: Sequence[Any], ledger_path: Path, injection: dict[str, Any] | None) -> dict[str, Any]:
+    """The configuration's record: its identity, what ran, and the pooled accounting's figures."""
+    output_digest, row_digests = _digest([t for g in generations for t in g.tokens])
+    return {
+        "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
+        "baseline_config_id": cfg.baseline().config_id,
+        "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "tree": cfg.tree, "batch": cfg.batch,
+        "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
+        "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
+        "prompts_unique": prompts_unique, "rows": rows, "batches": len(acc.run_ids),
+        "max_new_tokens": cfg.max_new_tokens, "run_ids": list(acc.run_ids), "ledger": ledger_path.name,
+        **accounting_fields(acc),
+        "time_source": session.time_source, "threads": torch.get_num_threads(),
+        "acceptance_injected": injection is not None, "injection": injection,
+        "output_digest": output_digest, "row_digests": row_digests,
+    }
+
+
 def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
                       baseline: Mapping[str, Any] | None = None) -> ConfigResult:
     """Run one configuration, append its ledger runs, and return its record.
@@ -424,90 +299,35 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     Returns:
         The record (see :data:`RECORD_FIELDS`) and the generations.
     """
-    from refspec.engine import Engine, EngineConfig
-    from refspec.energy.ledger import Ledger
-    from refspec.sampling import SamplingConfig
+    from refspec.energy.ledger import Ledger, read_ledger
 
     t_start = time.perf_counter()
-    target = session.target
     prompts = session.prompts(cfg.corpus, cfg.num_prompts)
-    n = len(prompts)
-    batches = math.ceil(n / cfg.batch)
-    rows = [prompts[i % n] for i in range(batches * cfg.batch)]
+    batches = math.ceil(len(prompts) / cfg.batch)
+    rows = [prompts[i % len(prompts)] for i in range(batches * cfg.batch)]
     drafter = session.drafter(cfg)
     acceptance_fn, injection, inj_label = _acceptance_injection(cfg, session.device)
-    sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    relay = _Relay()
-    engine = Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                    observers=[relay], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                    acceptance_fn=acceptance_fn)
-    session.warm(engine, cfg, rows[: cfg.batch])
-
-    ledger_path.parent.mkdir(parents=True, exist_ok=True)
-    ensure_line_end(ledger_path)
-    offset = ledger_path.stat().st_size if ledger_path.exists() else 0
     attempt = uuid.uuid4().hex[:6]
-    labels = {**cfg.identity(), "config_id": cfg.config_id}
-    run_ids: list[str] = []
-    gens = []
-    from tqdm.auto import tqdm
-
-    budget = cfg.max_new_tokens
-    with tqdm(total=len(rows) * budget, unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
-              disable=not session.progress, leave=False) as bar:
-        for i in range(batches):
-            chunk = rows[i * cfg.batch:(i + 1) * cfg.batch]
-            run_id = f"{cfg.config_id}.{attempt}.b{i}"
-            run_ids.append(run_id)
-            counted = [0]
-
-            def on_step(step: int, emitted: int, _counted: list[int] = counted) -> None:
-                bar.update(emitted - _counted[0])
-                _counted[0] = emitted
-
-            engine.on_step = on_step
-            gen_ = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
-            with Ledger(ledger_path, run_id=run_id, mode="a", meter_source=session.meter.source,
-                        idle_w=getattr(session.meter, "idle_w", None),
-                        labels={**labels, "batch_index": i, "batches": batches,
-                                **({"acceptance_injected": True, "injection": inj_label} if inj_label else {})}
-                        ) as ledger:
-                relay.target = ledger
-                g = engine.generate(chunk, max_new_tokens=budget, generator=gen_)
-                relay.target = None
-            gens.append(g)
-            bar.update(len(chunk) * budget - counted[0])
-            bar.set_postfix_str(f"tau {g.tau:.2f}" if drafter is not None else f"batch {i + 1}/{batches}")
-
-    records = ledger_records_since(ledger_path, offset, run_ids)
-    accs = [account(records, run_id=r) for r in run_ids]
-    pooled = pool_accountings(accs)
-    tokens = [t for g in gens for t in g.tokens]
-    output_digest, row_digests = _digest(tokens)
-    record: dict[str, Any] = {
-        "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
-        "baseline_config_id": cfg.baseline().config_id,
-        "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "tree": cfg.tree, "batch": cfg.batch,
-        "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
-        "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
-        "prompts_unique": n, "rows": len(rows), "batches": batches, "max_new_tokens": budget,
-        "run_ids": run_ids, "ledger": ledger_path.name, **pooled,
-        "time_source": session.time_source, "threads": torch.get_num_threads(),
-        "acceptance_injected": injection is not None, "injection": injection,
-        "output_digest": output_digest, "row_digests": row_digests,
-    }
-    record["roofline"] = roofline_prediction(session, cfg, drafter, rows, pooled["tau"])
+    run_ids = [f"{cfg.config_id}.{attempt}.b{i}" for i in range(batches)]
+    labels = _run_labels(cfg, batches, inj_label)
+    with Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a", meter_source=session.meter.source,
+                idle_w=getattr(session.meter, "idle_w", None)) as ledger:
+        engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
+        session.warm(engine, cfg, rows[: cfg.batch])
+        gens = _decode_batches(session, cfg, engine, ledger, rows, run_ids, labels)
+    # the figures come from the ledger as written to disk, never from the engine's own counts
+    acc = pool_runs(read_ledger(ledger_path, offset=ledger.start_offset), ledger.run_ids)
+    record = _record(session, cfg, acc, prompts_unique=len(prompts), rows=len(rows), generations=gens,
+                     ledger_path=ledger_path, injection=injection)
+    record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
     compare_with_baseline(record, baseline)
-    record["versions"] = library_versions()
-    record["wall_s"] = time.perf_counter() - t_start
-    record["created_unix_s"] = time.time()
-    log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label,
-             "n/a" if pooled["tau"] is None else f"{pooled['tau']:.3f}", pooled["tokens_per_s"] or 0.0,
-             "n/a" if pooled["energy_per_token_j"] is None else f"{pooled['energy_per_token_j']:.4g}",
-             pooled["energy_source_text"])
+    record.update(versions=library_versions(), wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
+    log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",
+             acc.tokens_per_s or 0.0, "n/a" if acc.j_per_token is None else f"{acc.j_per_token:.4g}",
+             record["energy_source_text"])
     return ConfigResult(record=record, generations=gens)
 
 
-__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration", "pool_accountings",
+__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration",
            "compare_with_baseline", "auto_dtype", "cpu_has_fast_bf16", "describe_source", "library_versions",
            "acceptance_from_tau", "ensure_line_end", "RECORD_FIELDS"]

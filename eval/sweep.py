@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from refspec.eval.records import compare_with_baseline, ensure_line_end
-from refspec.eval.run import ConfigResult, RunConfig, Session, prepare_configuration, run_configuration
+from refspec.eval.run import ConfigResult, RunConfig, prepare_configuration, run_configuration
+from refspec.eval.session import Session
 
 log = logging.getLogger(__name__)
 

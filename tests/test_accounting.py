@@ -1,17 +1,20 @@
-"""Ledger round trip, accounting arithmetic on a hand-checkable run, phase attribution."""
+"""Ledger round trip, accounting arithmetic on hand-checkable runs (one, and two pooled), phase attribution."""
 from __future__ import annotations
 
 import json
 import logging
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import AccountingError, account, pool_runs
-from refspec.energy.accounting_text import format_accounting
+from refspec.energy.accounting import (AccountingError, account, acceptance_length, energy_saving, pool_runs, speedup,
+                                       tau_of_steps)
+from refspec.energy.accounting_text import format_accounting, format_closure
 from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 from refspec.config import ModelArgs
-from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, read_ledger
+from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, RepeatedPhaseError, read_ledger
 from refspec.energy.meters import FakeMeter
 from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
 from refspec.energy.roofline import forward_cost
@@ -30,17 +33,26 @@ RUN = [
     (2, "verify", 0.25, 30.0, dict(rows_active=1, verified=4)),
     (2, "commit", 0.0625, 4.0, dict(rows_active=1, accepted=1, emitted=2, emitted_per_row=(2, 0))),
 ]
+# The second batch of docs/accounting.md section 5: both rows reject all 3 drafts; the recovered tokens are EOS.
+RUN2 = [
+    (-1, "prefill", 0.5, 50.0, dict(rows_active=2, emitted=2, emitted_per_row=(1, 1))),
+    (0, "draft", 0.125, 12.0, dict(rows_active=2, drafted=6)),
+    (0, "verify", 0.25, 40.0, dict(rows_active=2, verified=8)),
+    (0, "commit", 0.0625, 6.0, dict(rows_active=2, accepted=0, emitted=2, emitted_per_row=(1, 1))),
+]
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "accounting.md"
 
 
-def write_run(path, run=RUN, idle_w=20.0, repeat_counts=False):
-    """Meter RUN with a FakeMeter over a scripted clock and counter, and write its ledger."""
+def write_run(path, run=RUN, idle_w=20.0, repeat_counts=False, run_id="demo", mode="w"):
+    """Meter ``run`` with a FakeMeter over a scripted clock and counter, and write its ledger."""
     world = {"t": 0.0, "e": 1000.0}
     meter = FakeMeter(lambda: world["t"], lambda: world["e"], idle_w=idle_w)
     step_counts: dict[int, dict] = {}
     if repeat_counts:  # the same step counts on every phase record of the step
         for step, _, _, _, c in run:
             step_counts.setdefault(step, {}).update(c)
-    with Ledger(path, run_id="demo", labels={"k": 3, "batch": 2}, meter_source=meter.source, idle_w=idle_w) as led:
+    with Ledger(path, run_id=run_id, labels={"k": 3, "batch": 2}, meter_source=meter.source, idle_w=idle_w,
+                mode=mode) as led:
         for step, phase, dt, de, counts in run:
             meter.begin(phase)
             world["t"] += dt
@@ -129,6 +141,144 @@ def test_several_runs_need_a_run_id(tmp_path):
         account(records)
     assert account(records, run_id="second").total_energy_j == 2.0
     assert account(records, run_id="demo").total_energy_j == 252.0
+
+
+def test_the_documented_closure_line_is_the_one_printed(tmp_path):
+    acc = account(read_ledger(write_run(tmp_path / "run.jsonl")))
+    line = format_closure(acc.line_items_j, acc.line_items_sum_j, acc.total_energy_j, acc.closure_error_j, acc.closes)
+    assert line == ("closure: prefill 95 + draft kept 15 + draft rejected 18 + verify useful 65 + verify rejected 45 "
+                    "+ commit 14 + other 0 = 252 J; total 252 J; error 0 J -> OK")
+    assert line in format_accounting(acc).split("\n")
+    assert line in DOCS.read_text(), "docs/accounting.md quotes the closure line as printed"
+
+
+def test_closure_line_says_when_items_do_not_close():
+    line = format_closure({"prefill": 1.0, "other": 2.0}, 3.0, 4.0, -1.0, False)
+    assert line.endswith("= 3 J; total 4 J; error -1 J -> FAILED: they do not close")
+    assert format_closure(None, None, None, None, None) == "closure: n/a (no energy recorded)"
+
+
+# ---- pooling several runs of one configuration ------------------------------------------------
+def _two_batches(path):
+    write_run(path, run_id="demo.b0")
+    write_run(path, run=RUN2, run_id="demo.b1", mode="a")
+    return read_ledger(path)
+
+
+def test_pooled_runs_equal_a_direct_computation(tmp_path):
+    """docs/accounting.md section 5, by hand: sums first, then every ratio."""
+    acc = pool_runs(_two_batches(tmp_path / "two.jsonl"), ["demo.b0", "demo.b1"])
+    assert acc.run_ids == ("demo.b0", "demo.b1") and acc.run_id is None
+    assert (acc.emitted, acc.drafted, acc.accepted, acc.verified, acc.row_steps) == (14 + 4, 15 + 6, 7, 28, 7)
+    assert acc.total_energy_j == 252.0 + 108.0 == 360.0
+    assert acc.j_per_token == 360.0 / 18 == 20.0
+    assert acc.total_time_s == 1.8125 + 0.9375 and acc.tokens_per_s == 18 / 2.75
+    assert acc.tau == (7 + 0 + 5 + 2) / (5 + 2) == 2.0 and acc.acceptance_rate == 7 / 21
+    assert acc.steps == 3 + 1 and acc.prefill_time_s == 1.0
+    rows = (3 * 0.4375 / 9, 2 * 0.4375 / 3, 0.4375 / 1, 0.4375 / 1)
+    assert acc.tpot_per_row_s == pytest.approx(rows) and acc.rows_with_tpot == 4
+    assert acc.tpot_p50_s == pytest.approx((2 * 0.4375 / 3 + 0.4375) / 2)
+    assert acc.tpot_p99_s == pytest.approx(0.4375)
+    assert acc.phase_energy_j == {"prefill": 145.0, "draft": 45.0, "verify": 150.0, "commit": 20.0}
+    assert acc.phase_share["verify"] == pytest.approx(150 / 360)
+    assert acc.phase_j_per_token == pytest.approx({"prefill": 145 / 18, "draft": 45 / 18, "verify": 150 / 18,
+                                                   "commit": 20 / 18})
+    assert acc.rejected_positions == 8 + (8 - 0 - 2)
+    assert acc.line_items_j == {"prefill": 145.0, "draft_kept": 15.0, "draft_rejected": 30.0, "verify_useful": 75.0,
+                                "verify_rejected": 75.0, "commit": 20.0, "other": 0.0}
+    assert acc.line_items_sum_j == 360.0 and acc.closes and acc.closure_error_j == 0.0
+    assert acc.rejected_energy_j == 105.0 and acc.rejected_share == pytest.approx(105 / 360)
+    assert acc.net_energy_j == 360.0 - 20.0 * 2.75 and acc.net_j_per_token == pytest.approx(305.0 / 18)
+    assert acc.labels == {"k": 3, "batch": 2}
+
+
+def test_pooled_figures_are_not_means_of_the_batches(tmp_path):
+    records = _two_batches(tmp_path / "two.jsonl")
+    first, second = account(records, run_id="demo.b0"), account(records, run_id="demo.b1")
+    assert (first.j_per_token, second.j_per_token, first.tau, second.tau) == (18.0, 27.0, 2.4, 1.0)
+    pooled = pool_runs(records, ["demo.b0", "demo.b1"])
+    assert pooled.j_per_token != (first.j_per_token + second.j_per_token) / 2
+    assert pooled.tau != (first.tau + second.tau) / 2
+
+
+def test_pooling_one_run_is_its_accounting(tmp_path):
+    records = _two_batches(tmp_path / "two.jsonl")
+    assert pool_runs(records, ["demo.b0"]) == account(records, run_id="demo.b0")
+
+
+def test_pooling_refuses_runs_that_disagree_on_idle_power(tmp_path):
+    path = tmp_path / "idle.jsonl"
+    write_run(path, run_id="a")
+    write_run(path, run=RUN2, run_id="b", idle_w=30.0, mode="a")
+    records = read_ledger(path)
+    with pytest.raises(AccountingError, match="disagree on idle power"):
+        pool_runs(records, ["a", "b"])
+    assert pool_runs(records, ["a", "b"], idle_w=0.0).net_energy_j == 360.0
+    with pytest.raises(AccountingError, match="no run ids"):
+        pool_runs(records, [])
+    with pytest.raises(AccountingError, match="no phase records for run 'c'"):
+        pool_runs(records, ["a", "c"])
+
+
+# ---- one definition: the engine's tau, comparisons ----------------------------------------------
+def test_engine_style_tau_is_the_ledger_tau(tmp_path):
+    # RUN per row and step: row 0 accepts 3, 2, 1; row 1 accepts 1, 0 and is done in step 2 (-1)
+    assert tau_of_steps([[3, 1], [2, 0], [1, -1]]) == account(read_ledger(write_run(tmp_path / "r.jsonl"))).tau
+    assert math.isnan(tau_of_steps([[-1, -1]])) and math.isnan(tau_of_steps([]))
+    assert acceptance_length(7, 5) == 2.4 and acceptance_length(0, 0) is None
+
+
+def test_saving_and_speedup_against_a_baseline():
+    assert energy_saving(18.0, 24.0) == 0.25 and energy_saving(30.0, 24.0) == -0.25
+    assert energy_saving(None, 24.0) is None and energy_saving(18.0, None) is None and energy_saving(1.0, 0.0) is None
+    assert speedup(30.0, 20.0) == 1.5 and speedup(None, 20.0) is None and speedup(30.0, 0.0) is None
+
+
+# ---- the ledger refuses what would be merged ------------------------------------------------------
+def _event(step, phase, energy=1.0):
+    return PhaseEvent(step=step, phase=phase, batch=1, rows_active=1, verified=1, emitted=1, emitted_per_row=(1,),
+                      measurement=Measurement(0.5, energy, "measured:fake-counter"))
+
+
+def test_ledger_refuses_a_repeated_step_and_phase_in_one_run(tmp_path):
+    path = tmp_path / "r.jsonl"
+    with Ledger(path, run_id="gen1") as led:
+        led(_event(-1, "prefill"))
+        led(_event(0, "verify"))
+        with pytest.raises(RepeatedPhaseError, match="run 'gen1' already holds step 0 phase 'verify'"):
+            led(_event(0, "verify", energy=9.0))  # a second generation under the same run
+        led(_event(1, "verify"))  # the run goes on
+        led.begin_run("gen2")
+        led(_event(0, "verify", energy=9.0))  # the same step in the next run is fine
+        with pytest.raises(LedgerError, match="already written"):
+            led.begin_run("gen1")
+    records = read_ledger(path)
+    assert led.run_ids == ["gen1", "gen2"] and len(records) == 2 + 3 + 1
+    assert account(records, run_id="gen1").total_energy_j == 3.0, "the refused event was not written"
+    assert account(records, run_id="gen2").total_energy_j == 9.0
+    assert issubclass(RepeatedPhaseError, LedgerError)
+
+
+def test_accounting_refuses_a_repeated_step_and_phase_in_the_records(tmp_path):
+    path = tmp_path / "r.jsonl"
+    for mode in ("w", "a"):  # two ledgers appending under one run id: each is consistent, together they are not
+        with Ledger(path, run_id="same", mode=mode) as led:
+            led(_event(0, "verify"))
+    with pytest.raises(AccountingError, match="step 0 phase 'verify' twice"):
+        account(read_ledger(path))
+
+
+def test_read_ledger_from_an_offset_reads_what_one_ledger_wrote(tmp_path):
+    path = write_run(tmp_path / "o.jsonl", run_id="earlier")
+    with open(path, "a") as fh:
+        fh.write('{"kind": "phase", "vers')  # a crash cut the last line short
+    led = Ledger(path, run_id="later", mode="a")
+    led(_event(0, "verify"))
+    led.close()
+    assert led.start_offset > 0
+    later = read_ledger(path, offset=led.start_offset)
+    assert not later.corrupt and [r["run_id"] for r in later] == ["later", "later"]
+    assert len(read_ledger(path).corrupt) == 1, "the cut line stays reported in the whole file"
 
 
 TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,

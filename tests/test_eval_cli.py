@@ -15,6 +15,8 @@ import pytest
 from refspec.eval import cli
 from refspec.eval.run import RECORD_FIELDS, auto_dtype, cpu_has_fast_bf16
 from refspec.eval.sweep import read_records
+from refspec.energy.accounting import pool_runs
+from refspec.energy.accounting_text import format_closure
 from refspec.energy.ledger import read_ledger
 
 REQUIRED = ("model", "drafter", "k", "batch", "corpus", "dtype", "device", "tau", "tokens_per_s", "tpot_p50_s",
@@ -124,6 +126,36 @@ def test_record_figures_come_from_its_own_ledger_runs(run_dir):
         phases = [r for r in ledger if r.get("kind") == "phase" and r["run_id"] in rec["run_ids"]]
         assert sum(r["energy_j"] for r in phases) == pytest.approx(rec["total_energy_j"], rel=1e-12)
         assert sum(r["emitted"] for r in phases) == rec["emitted"] <= rec["rows"] * 6
+
+
+def test_record_figures_are_the_pooled_accounting_of_its_ledger_runs(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    spec = summary[1]
+    assert len(spec["run_ids"]) == 2, "two batches, two ledger runs, pooled"
+    acc = pool_runs(ledger, spec["run_ids"])
+    pairs = {"energy_per_token_j": acc.j_per_token, "tau": acc.tau, "tpot_p50_s": acc.tpot_p50_s,
+             "tpot_p99_s": acc.tpot_p99_s, "tokens_per_s": acc.tokens_per_s, "phase_share": acc.phase_share,
+             "line_items_j": acc.line_items_j, "closes": acc.closes, "emitted": acc.emitted}
+    for field, value in pairs.items():
+        assert spec[field] == value, field
+    # and directly from the raw phase records of both runs
+    phases = [r for r in ledger if r.get("kind") == "phase" and r["run_id"] in spec["run_ids"]]
+    assert spec["energy_per_token_j"] == pytest.approx(sum(r["energy_j"] for r in phases)
+                                                       / sum(r["emitted"] for r in phases), rel=1e-12)
+
+
+def test_report_prints_the_closure_line_of_every_configuration(run_dir):
+    md = (run_dir / "report.md").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "## Closure" in md
+    for r in summary:
+        assert r["closes"] is True
+        assert r["line_items_sum_j"] == pytest.approx(sum(r["line_items_j"].values()), rel=1e-12)
+        assert r["line_items_sum_j"] == pytest.approx(r["total_energy_j"], rel=1e-9)
+        line = format_closure(r["line_items_j"], r["line_items_sum_j"], r["total_energy_j"], r["closure_error_j"],
+                              r["closes"])
+        assert line.endswith("-> OK") and f"`{line}`" in md, f"{r['config_id']}: closure line missing from report.md"
 
 
 def test_report_states_source_licences_and_caveat(run_dir):

@@ -281,5 +281,5 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: i
     return LedgerRecords(records, corrupt, p)
 
 
-__all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA", "LEDGER_VERSION", "read_ledger",
-           "phase_record"]
+__all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA",
+           "LEDGER_VERSION", "read_ledger", "phase_record"]

@@ -1,0 +1,206 @@
+"""The report's plots (matplotlib, Agg), each drawn from configuration records as they are.
+
+Every value drawn is a field of a record (:data:`refspec.eval.records.RECORD_FIELDS`), computed
+by :mod:`refspec.energy.accounting`; nothing is averaged or divided here. Files, in the report
+directory:
+
+* ``energy_vs_batch.png``: J per output token against batch per drafter and K, one panel per
+  corpus, with the roofline prediction of the same configurations dashed;
+* ``tau_by_corpus.png``: acceptance length tau per corpus per drafter and K, one marker per batch;
+* ``phase_energy.png``: J per output token of each configuration, stacked by phase;
+* ``latency_energy.png``: p99 TPOT against J per output token, one panel per corpus, the
+  latency target drawn and the lowest-energy configuration meeting it marked
+  (:func:`refspec.energy.latency.choose_config`).
+
+Every figure says where its energy came from (measured by which counter, or modelled by which
+roofline profile), and every injected-acceptance run is labelled as such.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from refspec.eval.report import (PHASE_ORDER, config_label, corpora, energy_sources, series_label, sort_key,
+                                 with_energy)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _suptitle(fig: Any, text: str) -> None:
+    """A figure title wrapped to the figure's width, with room kept for it above the panels."""
+    import textwrap
+
+    width_chars = max(40, int(fig.get_figwidth() * 14))
+    wrapped = textwrap.fill(text, width_chars)
+    fig.suptitle(wrapped, fontsize=8)
+    fig.tight_layout()  # matplotlib keeps room for the suptitle
+
+
+def _energy_label(records: Sequence[Mapping[str, Any]]) -> str:
+    measured = all(r.get("energy_measured") for r in records)
+    return "J per output token (" + ("measured" if measured else "MODELLED") + ")"
+
+
+def _panels(n: int, width: float = 5.0, height: float = 4.0):
+    plt = _plt()
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return plt, fig, flat[:n]
+
+
+def _colors(records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    names = sorted({series_label(r) for r in records}, key=lambda s: (not s.startswith("none"), s))
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
+def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """J/token against batch per series, roofline predictions dashed, one panel per corpus."""
+    recs = [r for r in records if r.get("energy_per_token_j") is not None]
+    if not recs:
+        return None
+    corpus_names = corpora(recs)
+    colors = _colors(recs)
+    plt, fig, axes = _panels(len(corpus_names))
+    for ax, corpus in zip(axes, corpus_names):
+        series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for r in recs:
+            if r["corpus"] == corpus:
+                series[series_label(r)].append(r)
+        for name, rows in sorted(series.items()):
+            rows = sorted(rows, key=lambda r: r["batch"])
+            bs = [r["batch"] for r in rows]
+            ax.plot(bs, [r["energy_per_token_j"] for r in rows], "o-", color=colors[name], label=name)
+            pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
+            if pred:
+                ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{corpus}", fontsize=10)
+        ax.set_xlabel("batch")
+        ax.set_ylabel(_energy_label(recs))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, title="solid: run; dashed: roofline", title_fontsize=7)
+    _suptitle(fig, "Energy per output token vs batch (" + "; ".join(energy_sources(recs)) + ")")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """tau of every configuration, grouped by corpus and offset by drafter and K (one marker per batch)."""
+    recs = [r for r in records if r.get("drafter") != "none" and r.get("tau") is not None]
+    if not recs:
+        return None
+    plt = _plt()
+    names = sorted({series_label(r) for r in recs})
+    colors = _colors(recs)
+    corpus_names = corpora(recs)
+    # width grows with the series but stays readable; the legend goes beside the axes
+    fig, ax = plt.subplots(figsize=(min(13.0, max(5.0, 0.25 * len(corpus_names) * len(names) + 4)), 4.5))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        sel = [r for r in recs if series_label(r) == name]
+        xs = [corpus_names.index(str(r["corpus"])) + (j - (len(names) - 1) / 2) * width for r in sel]
+        ax.scatter(xs, [r["tau"] for r in sel], color=colors[name], label=name, s=18)
+        for x, r in zip(xs, sel):
+            ax.annotate(f"b{r['batch']}", (x, r["tau"]), fontsize=5, xytext=(2, 2), textcoords="offset points")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(corpus_names)))
+    ax.set_xticklabels(corpus_names, rotation=20, fontsize=8)
+    ax.set_ylabel("tau (accepted + 1 per verify step)")
+    injected = " (includes INJECTED acceptance)" if any(r.get("acceptance_injected") for r in recs) else ""
+    ax.set_title("Acceptance length per corpus, one marker per batch" + injected, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(names) // 16)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_phase_energy(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Stacked bars of J per output token by phase for every configuration."""
+    recs = sorted((r for r in records if r.get("phase_energy_per_token_j")), key=sort_key)
+    if not recs:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(recs) + 2), 4.5))
+    bottom = [0.0] * len(recs)
+    for i, phase in enumerate(PHASE_ORDER):
+        vals = [float(r["phase_energy_per_token_j"].get(phase, 0.0)) for r in recs]
+        if not any(vals):
+            continue
+        ax.bar(range(len(recs)), vals, bottom=bottom, label=phase, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(recs)))
+    ax.set_xticklabels([f"{config_label(r)}\n{r['corpus']}" for r in recs], rotation=70, fontsize=6)
+    ax.set_ylabel(_energy_label(recs) + " by phase")
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    _suptitle(fig, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + ")")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target_s: float | None,
+                        choices: Mapping[str, Mapping[str, Any]] | None) -> Path | None:
+    """p99 TPOT against J/token per corpus; the target line and the chosen configuration marked."""
+    recs = with_energy(records)
+    if not recs:
+        return None
+    corpus_names = corpora(recs)
+    colors = _colors(recs)
+    plt, fig, axes = _panels(len(corpus_names))
+    for ax, corpus in zip(axes, corpus_names):
+        rows = [r for r in recs if r["corpus"] == corpus]
+        for name in sorted({series_label(r) for r in rows}):
+            sel = sorted((r for r in rows if series_label(r) == name), key=lambda r: r["batch"])
+            ax.plot([1e3 * r["tpot_p99_s"] for r in sel], [r["energy_per_token_j"] for r in sel], "o-",
+                    color=colors[name], label=name, alpha=0.8)
+            for r in sel:
+                ax.annotate(f"b{r['batch']}", (1e3 * r["tpot_p99_s"], r["energy_per_token_j"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+        if target_s is not None:
+            ax.axvline(1e3 * target_s, color="r", ls="--", lw=1, label=f"target p99 {1e3 * target_s:g} ms")
+            chosen = (choices or {}).get(corpus, {}).get("chosen")
+            if chosen is not None:
+                ax.plot([1e3 * chosen["tpot_p99_s"]], [chosen["energy_per_token_j"]], "*", ms=16, color="gold",
+                        markeredgecolor="k", label=f"chosen: {config_label(chosen)}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("TPOT p99 (ms per token per user)")
+        ax.set_ylabel(_energy_label(recs))
+        ax.set_title(corpus, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    _suptitle(fig, "Latency-energy trade-off (" + "; ".join(energy_sources(recs)) + ")")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(records: Sequence[Mapping[str, Any]], out_dir: Path, target_s: float | None,
+                choices: Mapping[str, Mapping[str, Any]] | None) -> list[Path]:
+    """Draw every plot into ``out_dir``; returns the files written (a plot without data is skipped)."""
+    plots = (plot_energy_vs_batch(records, out_dir / "energy_vs_batch.png"),
+             plot_tau_by_corpus(records, out_dir / "tau_by_corpus.png"),
+             plot_phase_energy(records, out_dir / "phase_energy.png"),
+             plot_latency_energy(records, out_dir / "latency_energy.png", target_s, choices))
+    return [p for p in plots if p is not None]
+
+
+__all__ = ["plot_energy_vs_batch", "plot_tau_by_corpus", "plot_phase_energy", "plot_latency_energy", "write_plots"]

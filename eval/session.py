@@ -1,0 +1,196 @@
+"""What the configurations of one evaluation share: target, meter, verify callable, drafters, prompts.
+
+A :class:`Session` loads each of them once, on first use, so a sweep of many configurations
+loads the target once and meters every configuration with the same meter.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from refspec.eval.records import describe_source
+from refspec.eval.runtime import LoadedTarget, UsageError, load_target
+
+if TYPE_CHECKING:
+    from refspec.eval.run import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """What the configurations of one invocation share.
+
+    Args:
+        model: model id or directory.
+        dtype: resolved dtype name.
+        device: torch device.
+        meter: meter kind (see :class:`~refspec.eval.run.RunConfig`).
+        cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
+        warmup: run a short unrecorded generation before the first measurement of each
+            (drafter, K, batch), so one-time allocation does not land in the ledger.
+        chat: render chat-kind prompts through the tokenizer's chat template when it has one.
+        progress: show progress bars (stderr).
+    """
+
+    def __init__(self, *, model: str, dtype: str, device: torch.device, meter: str = "auto",
+                 cuda_graphs: bool | None = None, warmup: bool = True, chat: bool = True,
+                 progress: bool = True) -> None:
+        from refspec.eval.runtime import parse_dtype
+
+        self.model_name = model
+        self.dtype_name = dtype
+        self.torch_dtype = parse_dtype(dtype)
+        self.device = device
+        self.meter_kind = meter
+        self.cuda_graphs_flag = cuda_graphs
+        self.warmup = warmup
+        self.chat = chat
+        self.progress = progress
+        self._target: LoadedTarget | None = None
+        self._meter: Any = None
+        self._verify_fn: Any = None
+        self._cuda_graphs: bool | None = None
+        self._drafters: dict[tuple, Any] = {}
+        self._prompts: dict[tuple, list[list[int]]] = {}
+        self._warm: set[tuple] = set()
+
+    # ---- shared objects -----------------------------------------------------------------------
+    @property
+    def target(self) -> LoadedTarget:
+        """The loaded target (loaded on first use)."""
+        if self._target is None:
+            t0 = time.perf_counter()
+            target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress)
+            if target.tokenizer is None:
+                raise UsageError(f"{target.path} has no tokenizer.json; the evaluation encodes corpus prompts and "
+                                 f"needs one")
+            log.info("loaded %s (%s, %s) in %.1f s", self.model_name, self.dtype_name, self.device,
+                     time.perf_counter() - t0)
+            self._target = target
+        return self._target
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.finfo(self.torch_dtype).bits // 8
+
+    @property
+    def meter(self) -> Any:
+        """The energy meter every configuration is metered with."""
+        if self._meter is None:
+            from refspec.energy.meters import make_meter
+
+            kind, _, profile = self.meter_kind.partition(":")
+            if kind not in ("auto", "zeus", "roofline", "time"):
+                raise UsageError(f"unknown meter {self.meter_kind!r}; use auto, zeus, roofline, roofline:PROFILE "
+                                 f"(cpu, h100, h200) or time")
+            kwargs: dict[str, Any] = {"dtype_bytes": self.dtype_bytes}
+            if profile:
+                kwargs["profile"] = profile
+            self._meter = make_meter(kind, **kwargs)  # type: ignore[arg-type]
+            if hasattr(self._meter, "measure_idle_w") and getattr(self._meter, "idle_w", None) is None:
+                self._meter.measure_idle_w(5.0)
+            log.info("energy meter: %s", describe_source(self._meter.source))
+        return self._meter
+
+    @property
+    def time_source(self) -> str:
+        """``modelled`` when the meter models time (a roofline meter in model mode), else ``measured``."""
+        return "modelled" if getattr(self.meter, "time_source", "measured") == "model" else "measured"
+
+    @property
+    def roofline_profile(self) -> Any:
+        """The hardware profile for roofline predictions: the meter's, or the GPU's data sheet."""
+        prof = getattr(self.meter, "profile", None)
+        if prof is not None:
+            return prof
+        if self.device.type == "cuda":
+            from refspec.energy.roofline import GPU_PROFILES
+
+            name = torch.cuda.get_device_name(self.device).lower()
+            return next((p for key, p in GPU_PROFILES.items() if key in name), None)
+        return None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether verify runs through CUDA graphs (resolved from the flag and the device)."""
+        if self._cuda_graphs is None:
+            if importlib.util.find_spec("refspec.cuda_graphs") is None:
+                if self.cuda_graphs_flag:
+                    raise UsageError("--cuda-graphs: refspec.cuda_graphs is not available in this installation")
+                self._cuda_graphs = False
+            else:
+                from refspec.cuda_graphs import cuda_graphs_enabled
+
+                self._cuda_graphs = cuda_graphs_enabled(self.cuda_graphs_flag, self.device)
+        return self._cuda_graphs
+
+    @property
+    def verify_fn(self) -> Any:
+        """The verify callable: a CUDA-graph runner when enabled, else the eager target."""
+        if self._verify_fn is None:
+            if self.cuda_graphs:
+                from refspec.cuda_graphs import make_verify_fn
+
+                self._verify_fn = make_verify_fn(self.target.model, self.device, True)
+            else:
+                self._verify_fn = self.target.model
+        return self._verify_fn
+
+    def drafter(self, cfg: RunConfig) -> Any:
+        """The drafter of ``cfg`` (built once per name, tree flag and options), or None."""
+        if cfg.is_baseline:
+            return None
+        key = (cfg.drafter, cfg.tree, cfg.k if cfg.tree else None, cfg.drafter_options)
+        if key not in self._drafters:
+            from refspec.drafters import registry
+
+            options: dict[str, Any] = dict(cfg.drafter_options)
+            if cfg.tree:
+                options.update(tree="true", tree_budget=str(cfg.k))
+            if cfg.accept_model and cfg.drafter == "ngram":
+                options.setdefault("trim", "false")  # an injected acceptance distribution is per full K
+            ctx = registry.DrafterContext(target=self.target.model, target_name=self.model_name,
+                                          tokenizer_fingerprint=self.target.fingerprint, dtype=self.torch_dtype,
+                                          device=self.device, options=options)
+            self._drafters[key] = registry.build(cfg.drafter, ctx)
+        return self._drafters[key]
+
+    def prompts(self, corpus: str, num_prompts: int) -> list[list[int]]:
+        """Token ids of the first ``num_prompts`` eval prompts of ``corpus``."""
+        key = (corpus, num_prompts)
+        if key not in self._prompts:
+            from refspec.eval.corpora import build_prompts, load_corpus
+
+            ds = load_corpus(corpus, split="eval")
+            if len(ds) == 0:
+                raise UsageError(f"corpus {corpus!r} has no eval prompts")
+            if len(ds) < num_prompts:
+                log.warning("corpus %s has %d eval prompts, fewer than --num-prompts %d; using all of them",
+                            corpus, len(ds), num_prompts)
+            rows = ds.select(range(min(num_prompts, len(ds))))
+            tok = self.target.tokenizer
+            chat = self.chat and bool(getattr(tok, "has_chat_template", False))
+            self._prompts[key] = build_prompts(rows, tok, chat=chat)
+        return self._prompts[key]
+
+    def warm(self, engine: Any, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
+        """One short unrecorded generation at this (drafter, K, batch), once per session."""
+        key = (cfg.drafter, cfg.k, cfg.tree, cfg.batch)
+        if not self.warmup or key in self._warm:
+            return
+        self._warm.add(key)
+        from refspec.engine import Engine
+
+        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=(),
+                       verify_fn=engine.verify_fn)
+        t0 = time.perf_counter()
+        quiet.generate(list(prompts), max_new_tokens=min(4, cfg.max_new_tokens),
+                       generator=torch.Generator(device=self.device).manual_seed(0))
+        log.debug("warm-up of %s took %.2f s", cfg.label, time.perf_counter() - t0)
+
+
+__all__ = ["Session"]

@@ -217,6 +217,59 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, Any], DataSpec]:
+    """The loop's settings (the trainer's defaults under the flags), trainer options and the data spec."""
+    from refspec.drafters import training
+
+    overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                                   "lr": args.lr, "warmup_steps": args.warmup}.items() if v is not None}
+    cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}
+    config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                                  max_time_s=None if args.max_time_min is None else 60 * args.max_time_min)
+    spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
+                    reply_tokens=args.reply_tokens, chat_references=args.chat_references,
+                    math_references=args.math_references, code_references=args.code_references,
+                    prose_chunks=args.prose_chunks, max_len=args.max_len,
+                    seed=args.seed)
+    return config, _options(args.option), spec
+
+
+def _sequences(args: argparse.Namespace, target: Any, spec: DataSpec) -> tuple[list, dict[str, Any], Path]:
+    """Training sequences from the cache file, or built by self-distillation and cached there."""
+    from refspec.assets import refspec_home
+
+    name = f"{Path(args.model).name}-{spec.key(args.model)}.json"
+    data_path = args.data_cache or refspec_home() / "train-data" / name
+    if data_path.exists():
+        seqs, description = _load_sequences(data_path)
+        log.info("training sequences from %s (%d sequences)", data_path, len(seqs))
+    else:
+        log.info("building training sequences (self-distillation with %s); cached in %s", args.model, data_path)
+        seqs, description = build_sequences(target.model, target.tokenizer, spec, progress=not args.quiet)
+        _save_sequences(data_path, seqs, description)
+    return seqs, description, data_path
+
+
+def _features(args: argparse.Namespace, layers: tuple[int, ...], target: Any, seqs: list, description: dict[str, Any],
+              data_path: Path, out: Path, max_len: int) -> Any:
+    """The target's features of ``seqs``: from ``out/features.safetensors`` when its key matches, else collected."""
+    from refspec.drafters import training
+
+    feat_path = out / "features.safetensors"
+    feat_key = {"data": data_path.name, "layers": list(layers), "dtype": args.dtype, "max_len": max_len}
+    if feat_path.exists():
+        cached = training.FeatureDataset.load(feat_path)
+        if cached.description.get("feature_key") == feat_key:
+            log.info("target features from %s", feat_path)
+            return cached
+    t0 = time.perf_counter()
+    dataset = training.collect_features(target.model, seqs, layers, max_len=max_len, progress=not args.quiet,
+                                        description={**description, "feature_key": feat_key})
+    dataset.save(feat_path)
+    log.info("collected %d positions of features in %.0f s", dataset.num_tokens, time.perf_counter() - t0)
+    return dataset
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from refspec.drafters import training
 
@@ -224,56 +277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(trainers).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
-        from refspec.assets import refspec_home
         from refspec.drafters.head_files import head_dir_name, user_heads_dir
         from refspec.eval.runtime import load_target, parse_dtype, set_threads
 
         set_threads()
         trainer = trainers[args.drafter]
         out = args.out or user_heads_dir() / head_dir_name(args.model, args.drafter)
-        overrides = {k: v for k, v in {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                                       "lr": args.lr, "warmup_steps": args.warmup}.items() if v is not None}
-        cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}
-        config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                                      max_time_s=None if args.max_time_min is None else 60 * args.max_time_min)
-        options = _options(args.option)
-        spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
-                        reply_tokens=args.reply_tokens, chat_references=args.chat_references,
-                        math_references=args.math_references, code_references=args.code_references,
-                        prose_chunks=args.prose_chunks, max_len=args.max_len,
-                        seed=args.seed)
+        config, options, spec = _settings(args, trainer)
         t_start = time.perf_counter()
         target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"),
                              progress=not args.quiet)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer.json; training text cannot be tokenized")
-        data_path = args.data_cache or refspec_home() / "train-data" / f"{Path(args.model).name}-{spec.key(args.model)}.json"
-        if data_path.exists():
-            seqs, description = _load_sequences(data_path)
-            log.info("training sequences from %s (%d sequences)", data_path, len(seqs))
-        else:
-            log.info("building training sequences (self-distillation with %s); cached in %s", args.model, data_path)
-            seqs, description = build_sequences(target.model, target.tokenizer, spec, progress=not args.quiet)
-            _save_sequences(data_path, seqs, description)
+        seqs, description, data_path = _sequences(args, target, spec)
         data_time = time.perf_counter() - t_start
-
-        layers = tuple(trainer.feature_layers(target.model))
         out.mkdir(parents=True, exist_ok=True)
-        feat_path = out / "features.safetensors"
-        feat_key = {"data": data_path.name, "layers": list(layers), "dtype": args.dtype, "max_len": spec.max_len}
-        dataset = None
-        if feat_path.exists():
-            cached = training.FeatureDataset.load(feat_path)
-            if cached.description.get("feature_key") == feat_key:
-                dataset = cached
-                log.info("target features from %s", feat_path)
-        if dataset is None:
-            t0 = time.perf_counter()
-            dataset = training.collect_features(target.model, seqs, layers, max_len=spec.max_len,
-                                                progress=not args.quiet,
-                                                description={**description, "feature_key": feat_key})
-            dataset.save(feat_path)
-            log.info("collected %d positions of features in %.0f s", dataset.num_tokens, time.perf_counter() - t0)
+        layers = tuple(trainer.feature_layers(target.model))
+        dataset = _features(args, layers, target, seqs, description, data_path, out, spec.max_len)
         feature_time = time.perf_counter() - t_start - data_time
         model = target.model.float()  # the loss runs the target's embedding / LM head in float32
         provenance = {"target": args.model, "target_path": str(target.path),
@@ -286,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted; continue with the same command plus --resume", file=sys.stderr)
+        print("interrupted; continue with the same command plus --resume", file=sys.stderr)
         return 130
     print(json.dumps({"drafter": args.drafter, "out": str(result.export_path), "steps": result.steps,
                       "final_loss": round(result.final_loss, 4), "train_time_s": round(result.train_time_s, 1),

@@ -256,8 +256,6 @@ def collect_features(target, sequences: Sequence[TrainingSequence], layers: Iter
     from tqdm.auto import tqdm
 
     layers = tuple(sorted(set(layers)))
-    final = target.num_layers
-    want = tuple(sorted(set(layers) | {final}))
     seqs = [s for s in sequences if len(s.tokens) >= 2]
     if len(seqs) < len(sequences):
         log.warning("dropped %d sequences shorter than 2 tokens", len(sequences) - len(seqs))
@@ -267,31 +265,14 @@ def collect_features(target, sequences: Sequence[TrainingSequence], layers: Iter
     pieces: dict[int, list] = {}
     bar = tqdm(total=sum(min(len(s.tokens), max_len) for s in seqs), desc="target features", unit="tok",
                disable=not progress)
-    dev = target.device
     i = 0
     while i < len(order):
         longest = min(len(seqs[order[i]].tokens), max_len)
         rows = order[i:i + max(1, batch_tokens // longest)]
         i += len(rows)
-        b = len(rows)
-        toks = torch.zeros(b, longest, dtype=torch.long)
-        for r, d in enumerate(rows):
-            t = seqs[d].tokens[:max_len]
-            toks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
-        toks = toks.to(dev)
-        cache = target.new_cache(b, longest)
-        pos = torch.arange(longest, device=dev)[None].expand(b, longest)
-        _, hidden = target(toks, pos, cache, logits_at=pos[:, :0], hidden_layers=want)
-        by_layer = dict(zip(want, hidden))
-        labels = torch.cat([target.logits(by_layer[final][:, j:j + 256]).argmax(-1)
-                            for j in range(0, longest, 256)], dim=1)  # [B, S]
-        for r, d in enumerate(rows):
-            n = min(len(seqs[d].tokens), max_len)
-            mask = torch.zeros(n, dtype=torch.bool)
-            mask[max(0, seqs[d].train_from): n - 1] = True
-            pieces[d] = [toks[r, :n].cpu(), labels[r, :n].cpu(), mask,
-                         {l: by_layer[l][r, :n].to(storage_dtype).cpu() for l in layers}]
-            bar.update(n)
+        for d, piece in _batch_features(target, [seqs[d] for d in rows], longest, layers, storage_dtype).items():
+            pieces[rows[d]] = piece
+            bar.update(piece[0].shape[0])
     bar.close()
     parts = [pieces[d] for d in range(len(seqs))]
     lengths = torch.tensor([p[0].shape[0] for p in parts])
@@ -300,3 +281,30 @@ def collect_features(target, sequences: Sequence[TrainingSequence], layers: Iter
                           loss_mask=torch.cat([p[2] for p in parts]),
                           hidden={l: torch.cat([p[3][l] for p in parts]) for l in layers}, offsets=offsets,
                           description=dict(description or {}))
+
+
+def _batch_features(target, seqs: Sequence[TrainingSequence], longest: int, layers: tuple[int, ...],
+                    storage_dtype: torch.dtype) -> dict[int, list]:
+    """One target forward over ``seqs`` (each cut to ``longest`` tokens): per row, its tokens,
+    the target's argmax labels, the loss mask and the kept layers' hidden states, on the CPU."""
+    final, dev, b = target.num_layers, target.device, len(seqs)
+    want = tuple(sorted(set(layers) | {final}))
+    toks = torch.zeros(b, longest, dtype=torch.long)
+    for r, seq in enumerate(seqs):
+        t = seq.tokens[:longest]
+        toks[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+    toks = toks.to(dev)
+    cache = target.new_cache(b, longest)
+    pos = torch.arange(longest, device=dev)[None].expand(b, longest)
+    _, hidden = target(toks, pos, cache, logits_at=pos[:, :0], hidden_layers=want)
+    by_layer = dict(zip(want, hidden))
+    labels = torch.cat([target.logits(by_layer[final][:, j:j + 256]).argmax(-1)
+                        for j in range(0, longest, 256)], dim=1)  # [B, S]
+    out: dict[int, list] = {}
+    for r, seq in enumerate(seqs):
+        n = min(len(seq.tokens), longest)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[max(0, seq.train_from): n - 1] = True
+        out[r] = [toks[r, :n].cpu(), labels[r, :n].cpu(), mask,
+                  {l: by_layer[l][r, :n].to(storage_dtype).cpu() for l in layers}]
+    return out

@@ -186,10 +186,45 @@ class TrainResult:
     metrics: dict[str, float]
 
 
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+@dataclasses.dataclass
+class _Run:
+    """The state a checkpoint holds: module, optimizer, batch sampler, counters and recent losses."""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    data_gen: torch.Generator
+    step: int = 0
+    elapsed: float = 0.0
+    first_loss: float = float("nan")
+    recent: list[float] = dataclasses.field(default_factory=list)  # losses of the last log_every steps
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def save(self, path: Path, identity: str) -> None:
+        """Write the checkpoint through a temporary file and ``os.replace``."""
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"identity": identity, "step": self.step, "elapsed_s": self.elapsed,
+                    "recent_losses": self.recent, "first_loss": self.first_loss,
+                    "module": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                    "rng_torch": torch.get_rng_state(), "rng_data": self.data_gen.get_state()}, tmp)
+        os.replace(tmp, path)
+
+    def restore(self, path: Path, identity: str) -> None:
+        """Continue from the checkpoint at ``path``, which must be of the same run."""
+        if not path.exists():
+            raise TrainingError(f"--resume: no checkpoint at {path}; run without --resume to start")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["identity"] != identity:
+            raise TrainingError(f"the checkpoint in {path.parent} is from a different run (trainer, settings or "
+                                f"options differ):\n  checkpoint: {state['identity']}\n  this run:   {identity}\n"
+                                "use another --out or the original settings")
+        self.module.load_state_dict(state["module"])
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_torch"])
+        self.data_gen.set_state(state["rng_data"])
+        self.step, self.elapsed = int(state["step"]), float(state["elapsed_s"])
+        self.recent = [float(x) for x in state.get("recent_losses", [])]
+        self.first_loss = float(state.get("first_loss", float("nan")))
 
 
 def _identity(trainer: Trainer, config: TrainConfig, options: dict[str, Any]) -> str:
@@ -228,106 +263,97 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
     options = dict(options or {})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out_dir / CHECKPOINT
-    identity = _identity(trainer, config, options)
-    target.requires_grad_(False)
+    ckpt_path, identity = out_dir / CHECKPOINT, _identity(trainer, config, options)
+    run = _start(trainer, target, dataset, config, options)
+    if resume:
+        run.restore(ckpt_path, identity)
+        log.info("resumed %s at step %d (%.0f s trained so far)", trainer.name, run.step, run.elapsed)
+    elif ckpt_path.exists():
+        log.warning("%s exists and is overwritten by this fresh run (pass resume=True to continue it)", ckpt_path)
+    log_file = (out_dir / TRAIN_LOG).open("a" if resume else "w")
+    bar = tqdm(total=config.steps, initial=run.step, desc=f"train {trainer.name}", unit="step", disable=not progress)
+    try:
+        stopped_early = _loop(trainer, target, dataset, config, run, log_file=log_file, bar=bar, on_log=on_log,
+                              checkpoint=lambda: run.save(ckpt_path, identity))
+    except KeyboardInterrupt:
+        log.warning("interrupted at step %d; saving a checkpoint (continue with --resume)", run.step)
+        run.save(ckpt_path, identity)
+        raise
+    finally:
+        bar.close()
+        log_file.close()
+    run.save(ckpt_path, identity)
+    return _export(trainer, run, dataset, config, options, out_dir, provenance, stopped_early)
 
+
+def _start(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig, options: dict[str, Any]) -> _Run:
+    """A fresh module (seeded, so a resume rebuilds the same one) and its optimizer."""
+    target.requires_grad_(False)
     torch.manual_seed(config.seed)
     module = trainer.build(target, dataset, options)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise TrainingError(f"trainer {trainer.name!r} built a module with no trainable parameters")
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    data_gen = torch.Generator().manual_seed(config.seed)
-    step, elapsed, first_loss = 0, 0.0, float("nan")
-    recent: list[float] = []  # losses of the last log_every steps
-    if resume:
-        if not ckpt_path.exists():
-            raise TrainingError(f"--resume: no checkpoint at {ckpt_path}; run without --resume to start")
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        if state["identity"] != identity:
-            raise TrainingError(f"the checkpoint in {out_dir} is from a different run (trainer, settings or "
-                                f"options differ):\n  checkpoint: {state['identity']}\n  this run:   {identity}\n"
-                                "use another --out or the original settings")
-        module.load_state_dict(state["module"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_torch"])
-        data_gen.set_state(state["rng_data"])
-        step, elapsed = int(state["step"]), float(state["elapsed_s"])
-        recent = [float(x) for x in state.get("recent_losses", [])]
-        first_loss = float(state.get("first_loss", float("nan")))
-        log.info("resumed %s at step %d (%.0f s trained so far)", trainer.name, step, elapsed)
-    elif ckpt_path.exists():
-        log.warning("%s exists and is overwritten by this fresh run (pass resume=True to continue it)", ckpt_path)
+    return _Run(module=module, params=params, opt=opt, data_gen=torch.Generator().manual_seed(config.seed))
 
-    def checkpoint() -> None:
-        _save_checkpoint(ckpt_path, {"identity": identity, "step": step, "elapsed_s": elapsed,
-                                     "recent_losses": recent, "first_loss": first_loss,
-                                     "module": module.state_dict(), "optimizer": opt.state_dict(),
-                                     "rng_torch": torch.get_rng_state(), "rng_data": data_gen.get_state()})
 
-    module.train()
-    metrics: dict[str, float] = {}
-    stopped_early = False
-    log_file = (out_dir / TRAIN_LOG).open("a" if resume else "w")
-    bar = tqdm(total=config.steps, initial=step, desc=f"train {trainer.name}", unit="step", disable=not progress)
-    session_start = time.perf_counter()
-    base_elapsed = elapsed
-    try:
-        while step < config.steps:
-            if config.max_time_s is not None and elapsed >= config.max_time_s:
-                stopped_early = True
-                log.warning("stopping at step %d: time limit of %.0f s reached", step, config.max_time_s)
-                break
-            lr = config.lr_at(step, elapsed)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = dataset.sample_batch(config.batch_size, config.seq_len, data_gen)
-            loss, m = trainer.loss(module, batch, target)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"loss became {loss.item()} at step {step}; lower --lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            opt.step()
-            step += 1
-            elapsed = base_elapsed + time.perf_counter() - session_start
-            value = float(loss.detach())
-            if math.isnan(first_loss) and step == 1:
-                first_loss = value
-            recent = (recent + [value])[-max(1, config.log_every):]
-            metrics = {"loss": value, **m}
-            bar.update(1)
-            if step % config.log_every == 0 or step == config.steps:
-                record = {"step": step, "lr": lr, "elapsed_s": round(elapsed, 2), "loss_avg": sum(recent) / len(recent),
-                          **{k: round(v, 5) for k, v in metrics.items()}}
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-                bar.set_postfix(loss=f"{record['loss_avg']:.4f}")
-                if on_log is not None:
-                    on_log(record)
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                checkpoint()
-    except KeyboardInterrupt:
-        log.warning("interrupted at step %d; saving a checkpoint (continue with --resume)", step)
-        checkpoint()
-        raise
-    finally:
-        bar.close()
-        log_file.close()
-    checkpoint()
-    final_loss = sum(recent) / len(recent) if recent else float("nan")
+def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig, run: _Run, *, log_file: Any,
+          bar: Any, on_log: Callable[[dict[str, Any]], None] | None, checkpoint: Callable[[], None]) -> bool:
+    """Optimizer steps until ``config.steps`` or the time limit; True when the time limit stopped it."""
+    run.module.train()
+    session_start, base_elapsed = time.perf_counter(), run.elapsed
+    while run.step < config.steps:
+        if config.max_time_s is not None and run.elapsed >= config.max_time_s:
+            log.warning("stopping at step %d: time limit of %.0f s reached", run.step, config.max_time_s)
+            return True
+        lr = config.lr_at(run.step, run.elapsed)
+        for group in run.opt.param_groups:
+            group["lr"] = lr
+        batch = dataset.sample_batch(config.batch_size, config.seq_len, run.data_gen)
+        loss, m = trainer.loss(run.module, batch, target)
+        if not torch.isfinite(loss):
+            raise TrainingError(f"loss became {loss.item()} at step {run.step}; lower --lr")
+        run.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(run.params, config.grad_clip)
+        run.opt.step()
+        run.step += 1
+        run.elapsed = base_elapsed + time.perf_counter() - session_start
+        value = float(loss.detach())
+        if math.isnan(run.first_loss) and run.step == 1:
+            run.first_loss = value
+        run.recent = (run.recent + [value])[-max(1, config.log_every):]
+        run.metrics = {"loss": value, **m}
+        bar.update(1)
+        if run.step % config.log_every == 0 or run.step == config.steps:
+            record = {"step": run.step, "lr": lr, "elapsed_s": round(run.elapsed, 2),
+                      "loss_avg": sum(run.recent) / len(run.recent), **{k: round(v, 5) for k, v in run.metrics.items()}}
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+            bar.set_postfix(loss=f"{record['loss_avg']:.4f}")
+            if on_log is not None:
+                on_log(record)
+        if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            checkpoint()
+    return False
+
+
+def _export(trainer: Trainer, run: _Run, dataset: FeatureDataset, config: TrainConfig, options: dict[str, Any],
+            out_dir: Path, provenance: dict[str, Any] | None, stopped_early: bool) -> TrainResult:
+    """Hand the trained module to the trainer's export with its provenance; the run's outcome."""
+    final_loss = sum(run.recent) / len(run.recent) if run.recent else float("nan")
     prov = dict(provenance or {})
-    prov.update({"trainer": trainer.name, "steps": step, "final_loss": round(final_loss, 5),
-                 "train_time_s": round(elapsed, 1), "stopped_early": stopped_early,
+    prov.update({"trainer": trainer.name, "steps": run.step, "final_loss": round(final_loss, 5),
+                 "train_time_s": round(run.elapsed, 1), "stopped_early": stopped_early,
                  "config": dataclasses.asdict(config), "options": options,
                  "data": {**dataset.description, "sequences": dataset.num_sequences,
                           "tokens": dataset.num_tokens, "trained_positions": int(dataset.loss_mask.sum())},
                  "torch": torch.__version__})
-    module.eval()
-    export_path = trainer.export(module, out_dir, prov)
-    log.info("%s: %d steps, final loss %.4f, %.0f s; exported to %s", trainer.name, step, final_loss, elapsed,
+    run.module.eval()
+    export_path = trainer.export(run.module, out_dir, prov)
+    log.info("%s: %d steps, final loss %.4f, %.0f s; exported to %s", trainer.name, run.step, final_loss, run.elapsed,
              export_path)
-    return TrainResult(steps=step, final_loss=final_loss, first_loss=first_loss, train_time_s=elapsed,
-                       stopped_early=stopped_early, export_path=export_path, metrics=metrics)
+    return TrainResult(steps=run.step, final_loss=final_loss, first_loss=run.first_loss, train_time_s=run.elapsed,
+                       stopped_early=stopped_early, export_path=export_path, metrics=run.metrics)

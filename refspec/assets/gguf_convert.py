@@ -148,22 +148,35 @@ def args_from_gguf(reader: Any, source: Path | str = "<gguf>") -> ModelArgs:
     )
     eos = meta.get("tokenizer.ggml.eos_token_id", None)
     kw["eos_token_ids"] = () if eos is None else (int(eos),)
+    kw.update(_family_options(meta, arch, family, kw, source))
+    try:
+        args = ModelArgs(**kw)
+    except ValueError as exc:
+        raise AssetError(f"{source}: inconsistent metadata: {exc}") from None
+    _check_shapes(args, shapes, source)  # the metadata must describe the tensors exactly
+    return args
+
+
+def _family_options(meta: Any, arch: str, family: str, kw: dict[str, Any], source: Path | str) -> dict[str, Any]:
+    """The :class:`ModelArgs` fields that depend on the family and on rope scaling."""
+    a, out = arch + ".", {}
     scaling = meta.get(a + "rope.scaling.type", "none")
     if scaling == "linear":
-        kw["rope_scaling"] = {"rope_type": "linear", "factor": _f32(meta.get(a + "rope.scaling.factor"))}
+        out["rope_scaling"] = {"rope_type": "linear", "factor": _f32(meta.get(a + "rope.scaling.factor"))}
     elif scaling not in ("none", None):
         raise AssetError(f"{source}: rope scaling {scaling!r} is not supported by the converter")
     if family == "qwen2" and not kw["attention_bias"]:
         raise AssetError(f"{source}: a qwen2 GGUF without attn_q.bias; the file is not a Qwen2 checkpoint")
     if family == "qwen3":
-        kw["qk_norm"] = True
+        out["qk_norm"] = True
     if family == "gemma3":
+        layers, hidden, heads, head_dim = kw["num_layers"], kw["hidden_size"], kw["num_heads"], kw["head_dim"]
         pattern = meta.get(a + "attention.sliding_window_pattern", 6)
         if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding
             types = tuple("sliding" if s else "full" for s in pattern)
         else:
             types = tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(layers))
-        kw.update(
+        out.update(
             qk_norm=True, sandwich_norms=True, norm_plus_one=True, embed_scale=True, hidden_act="gelu_tanh",
             sliding_window=int(meta.get(a + "attention.sliding_window")), layer_types=types,
             rope_local_theta=_f32(meta.get(a + "rope.freq_base_swa", 10000.0)),
@@ -172,25 +185,24 @@ def args_from_gguf(reader: Any, source: Path | str = "<gguf>") -> ModelArgs:
             final_logit_softcapping=meta.get(a + "final_logit_softcapping", None),
             attn_logit_softcapping=meta.get(a + "attn_logit_softcapping", None),
         )
-    try:
-        args = ModelArgs(**kw)
-    except ValueError as exc:
-        raise AssetError(f"{source}: inconsistent metadata: {exc}") from None
-    # the metadata must describe the tensors exactly
+    return out
+
+
+def _check_shapes(args: ModelArgs, shapes: dict[str, tuple[int, ...]], source: Path | str) -> None:
+    """Refuse a file whose tensors (by Hugging Face name) are not exactly what ``args`` describes."""
     want = expected_hf_shapes(args)
     got: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         if name == "rope_freqs.weight":
             raise AssetError(f"{source}: per-frequency rope factors (rope_freqs) are not supported")
-        got[gguf_to_hf_name(family, name)] = shape
+        got[gguf_to_hf_name(args.family, name)] = shape
     if args.tie_word_embeddings:
         got.pop("lm_head.weight", None)
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     wrong = [f"{n}: file {got[n]} vs config {want[n]}" for n in sorted(want.keys() & got.keys()) if got[n] != want[n]]
     if missing or extra or wrong:
-        raise AssetError(f"{source}: tensors do not match the metadata ({args.family}, {layers} layers): "
+        raise AssetError(f"{source}: tensors do not match the metadata ({args.family}, {args.num_layers} layers): "
                          f"missing {missing[:6]}, unexpected {extra[:6]}, wrong shapes {wrong[:6]}")
-    return args
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

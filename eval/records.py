@@ -127,23 +127,12 @@ def acceptance_from_tau(tau: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def _drafter_cost_model(cfg: RunConfig, drafter: Any) -> Any:
-    """The roofline's cost model of a drafter, or None when none fits."""
-    from refspec.energy.roofline import EAGLE_HEAD, DrafterModel
-
-    if cfg.drafter == "ngram":
-        return DrafterModel(name="ngram", fraction=0.0)
-    if cfg.drafter == "eagle":
-        return EAGLE_HEAD
-    if cfg.drafter == "eagle3":
-        return DrafterModel(name="eagle3-1layer", layers=1, fc_inputs=3)
-    if cfg.drafter == "block":
-        layers = int(getattr(getattr(drafter, "head", None), "num_layers", 1) or 1)
-        return DrafterModel(name="block", layers=layers, fc_inputs=0, parallel=True)
-    args = getattr(getattr(drafter, "model", None), "args", None)
-    if cfg.drafter == "draft-model" and args is not None:
-        return DrafterModel(name="draft-model", args=args)
-    return None
+def _drafter_cost_model(drafter: Any, target_args: Any) -> tuple[bool, Any]:
+    """The drafter's own roofline cost model, through its optional ``roofline_model`` method
+    (:class:`refspec.drafting.Drafter`): ``(provided, DrafterModel or None)``, None for a free
+    drafter that runs no forwards."""
+    provide = getattr(drafter, "roofline_model", None)
+    return (False, None) if provide is None else (True, provide(target_args))
 
 
 def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]],
@@ -151,24 +140,26 @@ def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts:
     """The analytic (modelled) J/token and TPOT of a steady-state step of ``cfg``, or None.
 
     Context is the mean prompt length plus half the budget; acceptance is the per-draft
-    acceptance that reproduces the measured tau. Prefill is not part of the prediction.
+    acceptance that reproduces the measured tau. Prefill is not part of the prediction. The
+    drafter's cost is its own ``roofline_model`` (a plug-in drafter provides one the same way).
     """
     from refspec.energy.roofline import predict_step
 
     profile = session.roofline_profile
     if profile is None or cfg.tree:
         return None
-    model = _drafter_cost_model(cfg, drafter) if not cfg.is_baseline else None
-    if not cfg.is_baseline and model is None:
-        return None
+    args = session.target.model.args
+    provided, model = (True, None) if cfg.is_baseline else _drafter_cost_model(drafter, args)
+    if not provided:
+        return None  # a drafter without a cost model gets no prediction
     context = int(sum(map(len, prompts)) / len(prompts) + cfg.max_new_tokens / 2)
     a = acceptance_from_tau(tau or 1.0, cfg.k)
-    kwargs = {"drafter": model} if model is not None else {}
-    p = predict_step(session.target.model.args, profile, batch=cfg.batch, k=cfg.k, context=context, acceptance=a,
-                     dtype_bytes=session.dtype_bytes, **kwargs)
+    p = predict_step(args, profile, batch=cfg.batch, k=cfg.k, context=context, acceptance=a,
+                     dtype_bytes=session.dtype_bytes, drafter=model)
+    label = None if cfg.is_baseline else (model.name if model is not None else "free")
     return {"j_per_token": p.j_per_token, "tpot_s": p.tpot_s, "tokens_per_row": p.tokens_per_row,
             "acceptance": a, "context": context, "verify_compute_bound": p.verify_compute_bound,
-            "profile": profile.name, "drafter_model": getattr(model, "name", None),
+            "profile": profile.name, "drafter_model": label,
             "source": f"modelled:roofline({profile.name})", "includes_prefill": False}
 
 

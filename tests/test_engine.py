@@ -204,3 +204,24 @@ def test_injected_acceptance_refuses_a_trimmed_draft(tiny_models):
     with pytest.raises(GenerationError, match="trim"):
         Engine(m, NgramDrafter(trim=True), config=EngineConfig(k=4), acceptance_fn=fn).generate(
             [[20, 21, 22, 23, 24, 25]], max_new_tokens=4)
+
+
+def test_a_tight_cache_holds_a_prefill_whose_bucket_exceeds_it(tiny_models):
+    """max_len below the kv_bucket: prefill attends the whole cache, not a bucket beyond it."""
+    m = tiny_models["llama"]
+    prompts = _prompts(3)
+    plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=6)
+    for drafter, k in ((None, 0), (NgramDrafter(trim=False), 3)):
+        eng = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS)
+        assert eng.config.kv_bucket > 40
+        assert eng.generate(prompts, max_new_tokens=6, max_len=40).tokens == plain.tokens
+
+
+def test_the_default_meter_is_the_time_meter(tiny_models):
+    from refspec.energy.meters import TimeMeter
+
+    seen = []
+    eng = Engine(tiny_models["llama"], observers=[seen.append])
+    assert isinstance(eng.meter, TimeMeter), "the meters' TimeMeter synchronises CUDA before each clock read"
+    eng.generate([[5, 6, 7]], max_new_tokens=3)
+    assert seen and all(e.measurement.source == "none:time-only" and e.measurement.time_s >= 0 for e in seen)

@@ -171,3 +171,50 @@ def test_cli_prints_table_and_writes_plot(tmp_path, capsys):
     assert "modelled:roofline(h200-sxm)" in out and "compute-bound" in out
     assert len(list(tmp_path.glob("*.png"))) == 1 and len(list(tmp_path.glob("*.csv"))) == 1
     assert main(["--model", "no-such-model"]) == 2
+
+
+def test_a_plug_in_drafter_gets_a_prediction_from_its_own_cost_model():
+    """eval.records asks the drafter (no table of names): a class defined here, outside refspec,
+    gets a prediction; a drafter without ``roofline_model`` gets none; None is a free drafter."""
+    from types import SimpleNamespace
+
+    from refspec.eval.records import roofline_prediction
+
+    a = arch("smollm2-135m")
+    session = SimpleNamespace(roofline_profile=H200_SXM, target=SimpleNamespace(model=SimpleNamespace(args=a)),
+                              dtype_bytes=2)
+    cfg = SimpleNamespace(tree=False, is_baseline=False, k=3, batch=2, max_new_tokens=16)
+
+    class PlugIn:
+        def roofline_model(self, target_args):
+            assert target_args is a
+            return DrafterModel(name="plug-in", fraction=0.25)
+
+    class Free:
+        def roofline_model(self, target_args):
+            return None
+
+    p = roofline_prediction(session, cfg, PlugIn(), [[1] * 100], 2.0)
+    free = roofline_prediction(session, cfg, Free(), [[1] * 100], 2.0)
+    assert p["drafter_model"] == "plug-in" and free["drafter_model"] == "free"
+    assert p["tpot_s"] > free["tpot_s"], "the plug-in's draft forwards cost time, the free drafter's none"
+    assert roofline_prediction(session, cfg, object(), [[1] * 100], 2.0) is None
+
+
+def test_builtin_drafters_describe_their_own_cost(tiny_models):
+    from refspec.drafters.block import BlockDrafter
+    from refspec.drafters.block_head import BlockHead, BlockHeadConfig
+    from refspec.drafters.draft_model import DraftModelDrafter
+    from refspec.drafters.eagle import EagleDrafter
+    from refspec.drafters.eagle_head import HeadConfig, new_head
+    from refspec.drafters.ngram import NgramDrafter
+
+    m = tiny_models["gemma3"]
+    a = m.args
+    assert NgramDrafter().roofline_model(a) is None
+    dm = DraftModelDrafter(m.truncated(2), target_vocab_size=a.vocab_size).roofline_model(a)
+    assert dm.args.num_layers == 2 and dm.args.layer_types == a.layer_types[:2], "a truncated draft runs 2 layers"
+    e3 = EagleDrafter(new_head(HeadConfig.for_target("eagle3", a, draft_vocab_size=32)), m).roofline_model(a)
+    assert (e3.fc_inputs, e3.lm_head_rows) == (3, 32)
+    blk = BlockDrafter(BlockHead(a, BlockHeadConfig(feature_layers=(1, 3), num_layers=2)), m).roofline_model(a)
+    assert blk.parallel and blk.layers == 2

@@ -57,6 +57,7 @@ from typing import Any, Sequence
 import torch
 
 from refspec.cache import StaticKVCache, causal_mask
+from refspec.energy.phases import WorkRecorder, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +346,14 @@ class GraphRunner:
                        sliding_mask=sliding_mask, logits_at=logits_at, embeds=inputs_embeds)
             if self.capture:
                 if entry.graph is None:
-                    self._capture(entry)
+                    with WorkRecorder():  # capture's forwards are set-up, not this call's work
+                        self._capture(entry)
                 entry.graph.replay()
                 self.stats.replays += 1
                 logits, hidden = entry.logits, entry.hidden
+                # a replay runs no Python forward: record the work of the forward it replays
+                lm_rows = 0 if logits is None else logits.shape[0] * logits.shape[1]
+                record_forward(self.model.forward_shape(bp, s, key.num_keys, lm_rows))
             else:
                 logits, hidden = self._run(entry)
                 self.stats.static_calls += 1

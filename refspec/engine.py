@@ -30,7 +30,7 @@ from refspec.drafting import DecodeState, Draft, Drafter
 from refspec.energy.meters import TimeMeter
 from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
-from refspec.verify import (Acceptance, emitted_tokens, greedy_accept, speculative_sample, tree_ancestors,
+from refspec.verify import (emitted_tokens, greedy_accept, speculative_sample, tree_ancestors,
                             tree_greedy_accept)
 
 log = logging.getLogger(__name__)
@@ -374,7 +374,12 @@ class Engine:
             ``(Acceptance, chain [B, D] drafted tokens in emission order, hidden)``.
         """
         if draft.tree is None:
-            return self._accept(draft, logits, generator), draft.tokens, hidden
+            if self.acceptance_fn is not None:
+                return self.acceptance_fn(draft, logits, generator), draft.tokens, hidden
+            if self.config.sampling.greedy:
+                return greedy_accept(draft.tokens, logits), draft.tokens, hidden
+            p = probs_from_logits(logits, self.config.sampling)  # [B, K+1, V] target distributions
+            return speculative_sample(draft.tokens, draft.probs, p, generator), draft.tokens, hidden
         b, dev, t = base.shape[0], base.device, run.slots
         acc, path = tree_greedy_accept(draft.tokens, draft.tree.parents, draft.tree.depth, logits)  # path [B, D+1]
         chain = draft.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [B, D] tokens on the path
@@ -393,12 +398,3 @@ class Engine:
         return Generation(tokens=rows, prompt_lengths=[len(p) for p in prompts],
                           finished_by_eos=[bool(r) and r[-1] in eos_set for r in rows], steps=steps,
                           accepted_per_step=accepted_log, emitted_per_step=emitted_log, events=run.events)
-
-    def _accept(self, draft: Draft, logits: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
-        if self.acceptance_fn is not None:
-            return self.acceptance_fn(draft, logits, generator)
-        sampling = self.config.sampling
-        if sampling.greedy:
-            return greedy_accept(draft.tokens, logits)
-        p = probs_from_logits(logits, sampling)
-        return speculative_sample(draft.tokens, draft.probs, p, generator)

@@ -28,10 +28,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec_figures, _refspec_run,
+                                       measure_bandwidth, weight_bytes)
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 
@@ -59,96 +61,6 @@ CODE_PROMPTS = [
     "# Configuration\nDATABASE_HOST = 'localhost'\nDATABASE_PORT = 5432\nDATABASE_USER = 'admin'\n"
     "CACHE_HOST = 'localhost'\nCACHE_PORT = 6379\n",
 ]
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """Best wall time of ``repeats`` runs (after one warm-up) and the last result."""
-    fn()
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
-    """Best wall time of each function and the result of that same run (so figures taken
-    from the result, such as per-step times, describe the run the wall time describes), after
-    one warm-up each, running the functions in turn ``repeats`` times so a slow spell of a
-    shared machine hits them alike."""
-    for fn in fns.values():
-        fn()
-    best: dict[str, tuple[float, Any]] = {name: (float("inf"), None) for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            out = fn()
-            wall = time.perf_counter() - t0
-            if wall < best[name][0]:
-                best[name] = (wall, out)
-    return best
-
-
-def measure_bandwidth(dtype: torch.dtype, mib: int = 128, repeats: int = 5) -> float:
-    """Bytes/s of a matrix-vector product streaming ``mib`` MiB of weights (the decode kernel)."""
-    elem = torch.finfo(dtype).bits // 8
-    cols = 1024
-    rows = mib * 2**20 // (cols * elem)
-    w = torch.randn(rows, cols).to(dtype)
-    x = torch.randn(1, cols).to(dtype)
-    t, _ = _timed(lambda: torch.nn.functional.linear(x, w), repeats)
-    return rows * cols * elem / t
-
-
-def weight_bytes(model) -> int:
-    """Bytes of distinct parameters read by one decode step (tied head counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
-
-
-def _refspec_run(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
-    from refspec.engine import Engine
-
-    engine = Engine(model)  # no EOS: every row decodes the full budget
-    return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
-
-
-def _refspec_figures(wall: float, gen) -> dict[str, float]:
-    """tokens/s over the whole call and the mean decode step (draft + verify + commit)."""
-    steps = [e.measurement.time_s for e in gen.events if e.phase in ("draft", "verify", "commit")]
-    return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * sum(steps) / gen.steps, "wall_s": wall}
-
-
-def _hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> Callable[[], list[list[int]]]:
-    """A call of transformers.generate on left-padded prompts returning the new tokens per row."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        att[i, width - len(p):] = 1
-
-    def run():
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **extra)
-        return [row[width:].tolist() for row in out]
-
-    return run
-
-
-def _load_hf(path: Path, dtype: torch.dtype):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.generation_config.eos_token_id = None  # decode the whole budget, as refspec does here
-    return model.eval()
 
 
 def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Sequence[str] = ("fp32", "bf16"),
@@ -230,69 +142,86 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                                   tokenizer_fingerprint=target.fingerprint, dtype=dtype, device=device, options=opts)
     drafter = registry.build(drafter_name, ctx)
     hf = _load_hf(target.path, dtype)
-    hf_extra: dict[str, Any]
-    if drafter_name == "ngram":
-        hf_extra, hf_method = {"prompt_lookup_num_tokens": k}, "prompt lookup"
-    elif drafter_name == "draft-model":
-        hf_extra = {"assistant_model": _load_hf(drafter_path(drafter_name, opts, model_name), dtype)}
-        hf_extra["assistant_model"].generation_config.num_assistant_tokens = k
-        hf_extra["assistant_model"].generation_config.num_assistant_tokens_schedule = "constant"
-        hf_method = "assisted generation"
-    else:
-        hf_extra, hf_method = {}, None
+    hf_extra, hf_method = _hf_equivalent(drafter_name, opts, model_name, k, dtype)
     out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "drafter_options": opts, "k": k,
                            "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
                            "weight_copies": target.model.weight_copy_kind,
                            "rows": []}
-    plain_engine = Engine(target.model)
-    spec_engine = Engine(target.model, drafter, config=EngineConfig(k=k))
+    engines = (Engine(target.model), Engine(target.model, drafter, config=EngineConfig(k=k)))
     hf_once: tuple[float, list[list[int]]] | None = None
     for b in sorted(batches):  # batch 1 first: its transformers run is reused for the others
-        batches_of = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-        t_plain, plain_tokens = 0.0, []
-        t_spec, spec_tokens, taus = 0.0, [], []
-        t_hf, hf_tokens = 0.0, []
-        for chunk in batches_of:
-            fns = {"plain": lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens),
-                   "spec": lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens)}
-            if hf_method is not None and b == 1:  # transformers' speculative generate: batch 1 only
-                fns["hf"] = _hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
-            best = _interleaved(fns, repeats)
-            t_plain += best["plain"][0]
-            plain_tokens += best["plain"][1].tokens
-            t_spec += best["spec"][0]
-            spec_tokens += best["spec"][1].tokens
-            taus += [a + 1 for step in best["spec"][1].accepted_per_step for a in step if a >= 0]
-            if "hf" in best:
-                t_hf += best["hf"][0]
-                hf_tokens += best["hf"][1]
-        n_tok = sum(map(len, plain_tokens))
-        row = {"batch": b, "plain_tokens_per_s": n_tok / t_plain, "spec_tokens_per_s": sum(map(len, spec_tokens)) / t_spec,
-               "tau": statistics.fmean(taus), "spec_matches_plain": spec_tokens == plain_tokens}
+        with_hf = hf_method is not None and b == 1  # transformers' speculative generate: batch 1 only
+        t, tokens, taus = _timed_chunks(engines, hf if with_hf else None, hf_extra, prompts, b, new_tokens, repeats)
+        n_tok = sum(map(len, tokens["plain"]))
+        row = {"batch": b, "plain_tokens_per_s": n_tok / t["plain"],
+               "spec_tokens_per_s": sum(map(len, tokens["spec"])) / t["spec"],
+               "tau": statistics.fmean(taus), "spec_matches_plain": tokens["spec"] == tokens["plain"]}
         row["spec_speedup_vs_plain"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
-        if hf_method is not None and b == 1:
-            hf_once = (t_hf, hf_tokens)
-        elif hf_method is not None:
-            # transformers' speculative methods run one sequence at a time: batch 1 per prompt,
-            # measured once (interleaved with refspec at batch 1 when that batch is asked for)
-            if hf_once is None:
-                for p in prompts:
-                    best = _interleaved({"hf": _hf_run(hf, [p], new_tokens, pad_id=0, **hf_extra)}, repeats)
-                    t_hf += best["hf"][0]
-                    hf_tokens += best["hf"][1]
-                hf_once = (t_hf, hf_tokens)
-            t_hf, hf_tokens = hf_once
         if hf_method is not None:
+            if with_hf:
+                hf_once = (t["hf"], tokens["hf"])
+            elif hf_once is None:
+                # transformers' speculative methods run one sequence at a time: batch 1 per prompt,
+                # measured once (interleaved with refspec at batch 1 when that batch is asked for)
+                hf_once = _hf_one_by_one(hf, hf_extra, prompts, new_tokens, repeats)
+            t_hf, hf_tokens = hf_once
             row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
             row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
             row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
-            row["hf_matches_plain"] = hf_tokens == plain_tokens
+            row["hf_matches_plain"] = hf_tokens == tokens["plain"]
         out["rows"].append(row)
         log.info("batch %d: plain %.1f tok/s, %s %.1f tok/s (tau %.2f), transformers %s", b,
                  row["plain_tokens_per_s"], drafter_name, row["spec_tokens_per_s"], row["tau"],
                  f"{row.get('hf_tokens_per_s', float('nan')):.1f} tok/s")
     return out
+
+
+def _hf_equivalent(drafter_name: str, opts: dict, model_name: str, k: int,
+                   dtype: torch.dtype) -> tuple[dict[str, Any], str | None]:
+    """transformers' generate arguments doing what the drafter does, and the method's name (None: none)."""
+    if drafter_name == "ngram":
+        return {"prompt_lookup_num_tokens": k}, "prompt lookup"
+    if drafter_name == "draft-model":
+        assistant = _load_hf(drafter_path(drafter_name, opts, model_name), dtype)
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        return {"assistant_model": assistant}, "assisted generation"
+    return {}, None
+
+
+def _timed_chunks(engines: tuple[Any, Any], hf: Any, hf_extra: dict[str, Any], prompts: list[list[int]], b: int,
+                  new_tokens: int, repeats: int) -> tuple[dict[str, float], dict[str, list], list[int]]:
+    """Wall time and tokens of every chunk of ``b`` prompts through the plain and the speculative
+    engine (and transformers when ``hf`` is given), each the best of ``repeats`` interleaved runs;
+    also the acceptance length of every active row-step of the speculative runs."""
+    plain_engine, spec_engine = engines
+    t = {"plain": 0.0, "spec": 0.0, "hf": 0.0}
+    tokens: dict[str, list] = {"plain": [], "spec": [], "hf": []}
+    taus: list[int] = []
+    for i in range(0, len(prompts), b):
+        chunk = prompts[i:i + b]
+        fns = {"plain": lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens),
+               "spec": lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens)}
+        if hf is not None:
+            fns["hf"] = _hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
+        best = _interleaved(fns, repeats)
+        for name, (wall, result) in best.items():
+            t[name] += wall
+            tokens[name] += result if name == "hf" else result.tokens
+        taus += [a + 1 for step in best["spec"][1].accepted_per_step for a in step if a >= 0]
+    return t, tokens, taus
+
+
+def _hf_one_by_one(hf: Any, hf_extra: dict[str, Any], prompts: list[list[int]], new_tokens: int,
+                   repeats: int) -> tuple[float, list[list[int]]]:
+    """transformers' generate over the prompts one at a time: total wall time and the tokens."""
+    t_hf, hf_tokens = 0.0, []
+    for p in prompts:
+        best = _interleaved({"hf": _hf_run(hf, [p], new_tokens, pad_id=0, **hf_extra)}, repeats)
+        t_hf += best["hf"][0]
+        hf_tokens += best["hf"][1]
+    return t_hf, hf_tokens
 
 
 def drafter_path(drafter_name: str, opts: dict, model_name: str) -> Path:

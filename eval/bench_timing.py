@@ -1,0 +1,103 @@
+"""Timing helpers of ``python -m refspec.eval bench``: best-of-N and interleaved wall times, the
+memory-bandwidth floor, and calls of refspec's engine and of ``transformers.generate`` ready to time.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Best wall time of ``repeats`` runs (after one warm-up) and the last result."""
+    fn()
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
+    """Best wall time of each function and the result of that same run (so figures taken
+    from the result, such as per-step times, describe the run the wall time describes), after
+    one warm-up each, running the functions in turn ``repeats`` times so a slow spell of a
+    shared machine hits them alike."""
+    for fn in fns.values():
+        fn()
+    best: dict[str, tuple[float, Any]] = {name: (float("inf"), None) for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out = fn()
+            wall = time.perf_counter() - t0
+            if wall < best[name][0]:
+                best[name] = (wall, out)
+    return best
+
+
+def measure_bandwidth(dtype: torch.dtype, mib: int = 128, repeats: int = 5) -> float:
+    """Bytes/s of a matrix-vector product streaming ``mib`` MiB of weights (the decode kernel)."""
+    elem = torch.finfo(dtype).bits // 8
+    cols = 1024
+    rows = mib * 2**20 // (cols * elem)
+    w = torch.randn(rows, cols).to(dtype)
+    x = torch.randn(1, cols).to(dtype)
+    t, _ = _timed(lambda: torch.nn.functional.linear(x, w), repeats)
+    return rows * cols * elem / t
+
+
+def weight_bytes(model) -> int:
+    """Bytes of distinct parameters read by one decode step (tied head counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _refspec_run(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
+    from refspec.engine import Engine
+
+    engine = Engine(model)  # no EOS: every row decodes the full budget
+    return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
+
+
+def _refspec_figures(wall: float, gen) -> dict[str, float]:
+    """tokens/s over the whole call and the mean decode step (draft + verify + commit)."""
+    steps = [e.measurement.time_s for e in gen.events if e.phase in ("draft", "verify", "commit")]
+    return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * sum(steps) / gen.steps, "wall_s": wall}
+
+
+def _hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> Callable[[], list[list[int]]]:
+    """A call of transformers.generate on left-padded prompts returning the new tokens per row."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+
+    def run():
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=att, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+        return [row[width:].tolist() for row in out]
+
+    return run
+
+
+def _load_hf(path: Path, dtype: torch.dtype):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.generation_config.eos_token_id = None  # decode the whole budget, as refspec does here
+    return model.eval()
+
+
+__all__ = ["measure_bandwidth", "weight_bytes"]

@@ -90,9 +90,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     Returns:
         ``{"profile": {...}, "cells": [...], "raw": {...}, "fitted": {...}}``.
     """
-    from refspec.drafters.ngram import NgramDrafter
-    from refspec.engine import Engine, EngineConfig
-    from refspec.energy.roofline import cpu_profile, work_time_s
+    from refspec.energy.roofline import cpu_profile
 
     if new_tokens <= skip + 1:
         raise ValueError(f"new_tokens ({new_tokens}) must exceed skip + 1 ({skip + 1})")
@@ -105,15 +103,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     for b in batches:
         prompts = [torch.randint(lo, vocab - lo, (prompt_len,), generator=gen_).tolist() for _ in range(b)]
         for k in ks:
-            # untrimmed: every step verifies K + 1 positions per row whatever the drafter found
-            engine = Engine(model, NgramDrafter(trim=False) if k else None, config=EngineConfig(k=k))
-            engine.generate(prompts, max_new_tokens=skip + 2)  # warm-up: allocations, first-touch pages
-            gen = engine.generate(prompts, max_new_tokens=new_tokens)
-            verify_s, step_s, shape = _median_phase_times(gen, skip)
-            pred = work_time_s(shape, prof)
-            cell = {"batch": b, "k": k, "tokens_per_forward": b * (k + 1), "measured_verify_ms": 1e3 * verify_s,
-                    "measured_step_ms": 1e3 * step_s, "predicted_ms": 1e3 * pred,
-                    "verify_ratio": verify_s / pred, "step_ratio": step_s / pred}
+            cell = _measure_cell(model, prompts, k, prof, new_tokens=new_tokens, skip=skip)
             cells.append(cell)
             log.info("B=%-3d K=%d  verify %.1f ms, step %.1f ms, roofline %.1f ms (measured/predicted %.2f)",
                      b, k, cell["measured_verify_ms"], cell["measured_step_ms"], cell["predicted_ms"],
@@ -133,6 +123,24 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
             "raw": {**_errors(pred, meas), "what": "roofline time of the verify forward, no overhead term"},
             "fitted": {**_errors(fitted, meas), "scale": a, "overhead_ms": c0,
                        "what": "measured ~ scale * roofline + overhead_ms, least squares over all cells"}}
+
+
+def _measure_cell(model, prompts: list[list[int]], k: int, prof, *, new_tokens: int, skip: int) -> dict[str, Any]:
+    """Median measured verify and step time of one (batch, k) cell against the roofline's verify time."""
+    from refspec.drafters.ngram import NgramDrafter
+    from refspec.engine import Engine, EngineConfig
+    from refspec.energy.roofline import work_time_s
+
+    b = len(prompts)
+    # untrimmed: every step verifies K + 1 positions per row whatever the drafter found
+    engine = Engine(model, NgramDrafter(trim=False) if k else None, config=EngineConfig(k=k))
+    engine.generate(prompts, max_new_tokens=skip + 2)  # warm-up: allocations, first-touch pages
+    gen = engine.generate(prompts, max_new_tokens=new_tokens)
+    verify_s, step_s, shape = _median_phase_times(gen, skip)
+    pred = work_time_s(shape, prof)
+    return {"batch": b, "k": k, "tokens_per_forward": b * (k + 1), "measured_verify_ms": 1e3 * verify_s,
+            "measured_step_ms": 1e3 * step_s, "predicted_ms": 1e3 * pred,
+            "verify_ratio": verify_s / pred, "step_ratio": step_s / pred}
 
 
 def plot_check(result: dict[str, Any], path: Path) -> Path:

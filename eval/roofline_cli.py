@@ -105,6 +105,36 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: print a prediction table, optionally write plots and a CSV."""
+    args = _parser().parse_args(argv)
+    try:
+        target = arch(args.model)
+        profile = get_profile(args.gpu, args.dtype_bytes)
+        drafter = _drafter(args.drafter)
+        batches, ks, accs = _ints(args.batch), _ints(args.k), _floats(args.acceptance)
+        if 0 not in ks:
+            ks = [0, *ks]
+        rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
+                                drafter=drafter, dtype_bytes=args.dtype_bytes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
+          f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
+          f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
+    print(f"energy source: modelled:roofline({profile.name}) (static {profile.static_w:g} W, "
+          f"{profile.pj_per_flop:g} pJ/FLOP, {profile.pj_per_byte:g} pJ/B)")
+    for k in ks:
+        b = compute_bound_batch(target, profile, k=k, context=args.context, dtype_bytes=args.dtype_bytes)
+        print(f"  k={k}: verify turns compute-bound at batch {b if b else '> 65536'} "
+              f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
+    print(_format_table(rows))
+    if args.out is not None:
+        _write_outputs(args.out, rows, accs, profile, drafter, args)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m refspec.eval roofline``."""
     parser = argparse.ArgumentParser(
         prog="python -m refspec.eval roofline",
         description="Roofline prediction of time and energy per output token of speculative decoding "
@@ -131,44 +161,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "or block:ARCH (one forward drafts k tokens)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
     parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
-    args = parser.parse_args(argv)
-    try:
-        target = arch(args.model)
-        profile = get_profile(args.gpu, args.dtype_bytes)
-        drafter = _drafter(args.drafter)
-        batches, ks, accs = _ints(args.batch), _ints(args.k), _floats(args.acceptance)
-        if 0 not in ks:
-            ks = [0, *ks]
-        rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
-                                drafter=drafter, dtype_bytes=args.dtype_bytes)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
-          f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
-          f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
-    print(f"energy source: modelled:roofline({profile.name}) (static {profile.static_w:g} W, "
-          f"{profile.pj_per_flop:g} pJ/FLOP, {profile.pj_per_byte:g} pJ/B)")
-    for k in ks:
-        b = compute_bound_batch(target, profile, k=k, context=args.context, dtype_bytes=args.dtype_bytes)
-        print(f"  k={k}: verify turns compute-bound at batch {b if b else '> 65536'} "
-              f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
-    print(_format_table(rows))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
-        with open(args.out / f"{stem}.csv", "w") as fh:
-            fh.write(",".join(rows[0]) + "\n")
-            for r in rows:
-                fh.write(",".join(str(v) for v in r.values()) + "\n")
-        for a in accs:
-            path = args.out / f"{stem}_a{a:g}.png"
-            _plot([r for r in rows if r["acceptance"] == a], profile,
-                  f"{args.model} on {profile.name} (modelled), context {args.context}, acceptance {a:g}, "
-                  f"drafter {drafter.name}", path)
-            print(f"wrote {path}")
-        print(f"wrote {args.out / f'{stem}.csv'}")
-    return 0
+    return parser
+
+
+def _write_outputs(out: Path, rows: list[dict[str, Any]], accs: Sequence[float], profile: HardwareProfile,
+                   drafter: DrafterModel, args: argparse.Namespace) -> None:
+    """The table as CSV and one plot per acceptance rate in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
+    with open(out / f"{stem}.csv", "w") as fh:
+        fh.write(",".join(rows[0]) + "\n")
+        for r in rows:
+            fh.write(",".join(str(v) for v in r.values()) + "\n")
+    for a in accs:
+        path = out / f"{stem}_a{a:g}.png"
+        _plot([r for r in rows if r["acceptance"] == a], profile,
+              f"{args.model} on {profile.name} (modelled), context {args.context}, acceptance {a:g}, "
+              f"drafter {drafter.name}", path)
+        print(f"wrote {path}")
+    print(f"wrote {out / f'{stem}.csv'}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("block_tau")
 
 CORPORA = ("conversation", "code", "math", "english", "romansh")
-RIDGE_FLOP_PER_BYTE = {"h100-sxm": 295, "h200-sxm": 206}  # REFERENCE.md section 5
+RIDGE_FLOP_PER_BYTE = {"h100-sxm": 295, "h200-sxm": 206}  # dense bf16 peak / HBM bandwidth of the SXM parts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,8 +90,6 @@ def _generate(target, drafter, k: int, prompts: Sequence[Sequence[int]], max_new
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    from refspec.drafting import DrafterError
-    from refspec.eval.corpora import build_prompts, load_corpus
     from refspec.eval.runtime import load_target, parse_dtype
 
     if args.threads:
@@ -100,69 +98,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed_ks = [int(x) for x in args.speed_ks.split(",")] if args.speed_ks else ks
     tau_dtype = args.tau_dtype or args.dtype
     target = load_target(args.model, dtype=parse_dtype(tau_dtype), device=torch.device("cpu"))
-    prompts: dict[str, list[list[int]]] = {}
-    for name in args.corpora.split(","):
-        rows = load_corpus(name, split="eval").select(range(args.prompts)) if args.prompts else load_corpus(name)
-        prompts[name] = build_prompts(rows, target.tokenizer, chat=True)
-        log.info("%s: %d prompts, %d-%d tokens", name, len(prompts[name]), min(map(len, prompts[name])),
-                 max(map(len, prompts[name])))
-
+    prompts = _corpus_prompts(args.corpora.split(","), args.prompts, target.tokenizer)
     opts = {"head": args.head} if args.head else {}
     compare = [n for n in args.compare.split(",") if n]
     drafters, unavailable = _drafters(target, args.model, opts, compare)
     if "block" not in drafters:
         print(json.dumps({"error": unavailable.get("block")}))
         return 2
-    block = drafters["block"]
-
-    # 1. tau per drafter, K and corpus (one ragged batch per corpus)
-    tau: dict[str, dict[str, dict[str, float]]] = {}
-    steps: dict[str, dict[str, dict[str, int]]] = {}
-    for name, drafter in drafters.items():
-        for k in ks:
-            if name == "block" and k > block.block_size:
-                log.warning("block head drafts at most %d; skipping K=%d", block.block_size, k)
-                continue
-            for corpus, ps in prompts.items():
-                try:
-                    gen, dt = _generate(target, drafter, k, ps, args.max_new_tokens)
-                except DrafterError as exc:
-                    log.warning("%s K=%d: %s", name, k, exc)
-                    break
-                tau.setdefault(name, {}).setdefault(str(k), {})[corpus] = round(gen.tau, 3)
-                steps.setdefault(name, {}).setdefault(str(k), {})[corpus] = gen.steps
-                log.info("tau %s K=%d %s: %.3f (%d steps, %.1f s)", name, k, corpus, gen.tau, gen.steps, dt)
-        for k, row in tau.get(name, {}).items():
-            row["mean"] = round(sum(row[c] for c in prompts) / len(prompts), 3)
-
-    # 2. target positions per verify step
-    verified = {str(b): {str(k): b * (k + 1) for k in [0] + ks} for b in (1, 8, 64)}
-
-    # 3. tokens/s against plain decoding, same prompts, one process
-    if args.dtype != tau_dtype:
+    tau, steps = _taus(target, drafters, ks, prompts, args.max_new_tokens)  # 1. per drafter, K and corpus
+    verified = {str(b): {str(k): b * (k + 1) for k in [0] + ks} for b in (1, 8, 64)}  # 2. positions per verify
+    if args.dtype != tau_dtype:  # 3. tokens/s against plain decoding, same prompts, one process
         del target, drafters
         target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"))
         drafters, _ = _drafters(target, args.model, opts, compare)
-        block = drafters["block"]
-    speed: dict[str, dict[str, Any]] = {}
     pool = prompts.get(args.speed_corpus) or next(iter(prompts.values()))
-    for b in (int(x) for x in args.speed_batches.split(",")):
-        batch = [pool[i % len(pool)] for i in range(b)]
-        _generate(target, None, 0, batch, 8)  # warm-up
-        row: dict[str, Any] = {}
-        runs = [("plain", None, 0)] + [(f"{n}_k{k}", d, k) for n, d in drafters.items() for k in speed_ks
-                                       if not (n == "block" and k > block.block_size)]
-        for label, drafter, k in runs:
-            gen, dt = _generate(target, drafter, k, batch, args.speed_tokens)
-            row[label] = {"tokens_per_s": round(gen.num_emitted / dt, 2), "tau": round(gen.tau, 3),
-                          "steps": gen.steps, "wall_s": round(dt, 2)}
-            log.info("speed b=%d %s: %.1f tok/s (tau %.2f)", b, label, gen.num_emitted / dt, gen.tau)
-        base = row["plain"]["tokens_per_s"]
-        for label, r in row.items():
-            r["speedup"] = round(r["tokens_per_s"] / base, 3)
-        speed[f"batch{b}"] = row
-
-    head = block.head
+    speed = {f"batch{b}": _speed_row(target, drafters, [pool[i % len(pool)] for i in range(b)], speed_ks,
+                                     args.speed_tokens) for b in (int(x) for x in args.speed_batches.split(","))}
+    head = drafters["block"].head
     out = {
         "model": args.model, "tau_dtype": tau_dtype, "throughput_dtype": args.dtype, "device": "cpu", "torch": torch.__version__,
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
@@ -184,6 +136,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _corpus_prompts(names: Sequence[str], count: int, tokenizer) -> dict[str, list[list[int]]]:
+    """The first ``count`` eval prompts of each corpus (all of them for 0), as token ids."""
+    from refspec.eval.corpora import build_prompts, load_corpus
+
+    prompts: dict[str, list[list[int]]] = {}
+    for name in names:
+        rows = load_corpus(name, split="eval").select(range(count)) if count else load_corpus(name)
+        prompts[name] = build_prompts(rows, tokenizer, chat=True)
+        log.info("%s: %d prompts, %d-%d tokens", name, len(prompts[name]), min(map(len, prompts[name])),
+                 max(map(len, prompts[name])))
+    return prompts
+
+
+def _taus(target, drafters: dict[str, Any], ks: Sequence[int], prompts: dict[str, list[list[int]]],
+          max_new: int) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, dict[str, dict[str, int]]]]:
+    """tau and verify steps per drafter, K and corpus (one ragged batch per corpus), with each K's mean."""
+    from refspec.drafting import DrafterError
+
+    tau: dict[str, dict[str, dict[str, float]]] = {}
+    steps: dict[str, dict[str, dict[str, int]]] = {}
+    block_size = drafters["block"].block_size
+    for name, drafter in drafters.items():
+        for k in ks:
+            if name == "block" and k > block_size:
+                log.warning("block head drafts at most %d; skipping K=%d", block_size, k)
+                continue
+            for corpus, ps in prompts.items():
+                try:
+                    gen, dt = _generate(target, drafter, k, ps, max_new)
+                except DrafterError as exc:
+                    log.warning("%s K=%d: %s", name, k, exc)
+                    break
+                tau.setdefault(name, {}).setdefault(str(k), {})[corpus] = round(gen.tau, 3)
+                steps.setdefault(name, {}).setdefault(str(k), {})[corpus] = gen.steps
+                log.info("tau %s K=%d %s: %.3f (%d steps, %.1f s)", name, k, corpus, gen.tau, gen.steps, dt)
+        for k, row in tau.get(name, {}).items():
+            row["mean"] = round(sum(row[c] for c in prompts) / len(prompts), 3)
+    return tau, steps
+
+
+def _speed_row(target, drafters: dict[str, Any], batch: list[list[int]], ks: Sequence[int],
+               max_new: int) -> dict[str, Any]:
+    """tokens/s, tau and speed-up over plain decoding of every drafter and K on one batch."""
+    _generate(target, None, 0, batch, 8)  # warm-up
+    block_size = drafters["block"].block_size
+    row: dict[str, Any] = {}
+    runs = [("plain", None, 0)] + [(f"{n}_k{k}", d, k) for n, d in drafters.items() for k in ks
+                                   if not (n == "block" and k > block_size)]
+    for label, drafter, k in runs:
+        gen, dt = _generate(target, drafter, k, batch, max_new)
+        row[label] = {"tokens_per_s": round(gen.num_emitted / dt, 2), "tau": round(gen.tau, 3),
+                      "steps": gen.steps, "wall_s": round(dt, 2)}
+        log.info("speed b=%d %s: %.1f tok/s (tau %.2f)", len(batch), label, gen.num_emitted / dt, gen.tau)
+    base = row["plain"]["tokens_per_s"]
+    for r in row.values():
+        r["speedup"] = round(r["tokens_per_s"] / base, 3)
+    return row
 
 
 if __name__ == "__main__":

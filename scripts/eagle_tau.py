@@ -56,8 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from refspec.drafters.eagle import EagleDrafter, TreeConfig, find_head, load_head
-    from refspec.engine import Engine, EngineConfig
+    from refspec.drafters.eagle import TreeConfig, find_head, load_head
     from refspec.eval import corpora
     from refspec.eval.runtime import load_target, parse_dtype, set_threads
 
@@ -65,7 +64,6 @@ def main(argv=None) -> int:
     dtype = parse_dtype(args.dtype)
     target = load_target(args.model, dtype=dtype, device=torch.device("cpu"), progress=False)
     m, tok = target.model, target.tokenizer
-    eos = target.eos_token_ids
     tree = TreeConfig(topk=args.tree_topk, depth=args.tree_depth, budget=args.tree_budget)
     heads = {}
     for kind, path in (("eagle", args.eagle_head), ("eagle3", args.eagle3_head)):
@@ -75,44 +73,15 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown configurations or corpora: {sorted(unknown)}")
     configs = {name: configs[name] for name in args.configs.split(",")}
-
-    def engine(name: str | None) -> Engine:
-        if name is None:
-            return Engine(m, eos_token_ids=eos)
-        kind, t = configs[name]
-        k = args.k if t is None else t.budget
-        return Engine(m, EagleDrafter(heads[kind], m, tree=t), config=EngineConfig(k=k), eos_token_ids=eos)
-
+    engine = _engine_factory(m, target.eos_token_ids, heads, configs, args.k)
     prompts = {} if args.skip_tau else {
         name: corpora.build_prompts(corpora.load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
         for name in args.corpora.split(",")}
-    tau: dict[str, dict[str, float]] = {}
-    for corpus, ps in prompts.items():
-        tau[corpus] = {}
-        for name in configs:
-            vals = []
-            eng = engine(name)
-            for i in range(0, len(ps), 8):
-                gen = eng.generate(ps[i:i + 8], max_new_tokens=args.new_tokens)
-                vals += [a + 1 for step in gen.accepted_per_step for a in step if a >= 0]
-            tau[corpus][name] = round(sum(vals) / len(vals), 3)
-            print(f"tau {corpus:12s} {name:12s} {tau[corpus][name]:.3f}", file=sys.stderr, flush=True)
-
+    tau = _taus(engine, configs, prompts, args.new_tokens)
     speed: dict[str, dict[str, float]] = {}
     if not args.skip_speed:
         conv = corpora.build_prompts(corpora.load_corpus("conversation", split="eval"), tok, chat=True)
-        for b in [int(x) for x in args.speed_batches.split(",")]:
-            batch = conv[-b:]  # prompts not used for tau when there are enough
-            speed[str(b)] = {}
-            for name in [None, *configs]:
-                eng = engine(name)
-                eng.generate(batch, max_new_tokens=8)  # warm-up
-                t0 = time.perf_counter()
-                gen = eng.generate(batch, max_new_tokens=args.speed_tokens)
-                dt = time.perf_counter() - t0
-                speed[str(b)][name or "plain"] = round(gen.num_emitted / dt, 2)
-                print(f"speed batch {b} {name or 'plain':12s} {gen.num_emitted / dt:.1f} tok/s", file=sys.stderr,
-                      flush=True)
+        speed = _speed(engine, configs, conv, [int(x) for x in args.speed_batches.split(",")], args.speed_tokens)
     checks = {name: {"conversation<code": tau["conversation"][name] < tau["code"][name],
                      "romansh<english": tau["romansh"][name] < tau["english"][name]}
               for name in configs} if set(CORPORA) <= tau.keys() else {}
@@ -121,6 +90,55 @@ def main(argv=None) -> int:
                       "speedup": {b: {n: round(v / s["plain"], 3) for n, v in s.items() if n != "plain"}
                                   for b, s in speed.items()}}, indent=2))
     return 0
+
+
+def _engine_factory(m, eos, heads: dict, configs: dict, k: int):
+    """``engine(name)``: an engine for configuration ``name`` (None: plain decoding)."""
+    from refspec.drafters.eagle import EagleDrafter
+    from refspec.engine import Engine, EngineConfig
+
+    def engine(name: str | None) -> Engine:
+        if name is None:
+            return Engine(m, eos_token_ids=eos)
+        kind, t = configs[name]
+        return Engine(m, EagleDrafter(heads[kind], m, tree=t), config=EngineConfig(k=k if t is None else t.budget),
+                      eos_token_ids=eos)
+
+    return engine
+
+
+def _taus(engine, configs: dict, prompts: dict[str, list[list[int]]], new_tokens: int) -> dict[str, dict[str, float]]:
+    """tau per corpus and configuration, prompts decoded in batches of 8."""
+    tau: dict[str, dict[str, float]] = {}
+    for corpus, ps in prompts.items():
+        tau[corpus] = {}
+        for name in configs:
+            vals = []
+            eng = engine(name)
+            for i in range(0, len(ps), 8):
+                gen = eng.generate(ps[i:i + 8], max_new_tokens=new_tokens)
+                vals += [a + 1 for step in gen.accepted_per_step for a in step if a >= 0]
+            tau[corpus][name] = round(sum(vals) / len(vals), 3)
+            print(f"tau {corpus:12s} {name:12s} {tau[corpus][name]:.3f}", file=sys.stderr, flush=True)
+    return tau
+
+
+def _speed(engine, configs: dict, conv: list[list[int]], batches: list[int], tokens: int) -> dict[str, dict[str, float]]:
+    """tokens/s of plain decoding and of each configuration per batch size (after a warm-up each)."""
+    speed: dict[str, dict[str, float]] = {}
+    for b in batches:
+        batch = conv[-b:]  # prompts not used for tau when there are enough
+        speed[str(b)] = {}
+        for name in [None, *configs]:
+            eng = engine(name)
+            eng.generate(batch, max_new_tokens=8)  # warm-up
+            t0 = time.perf_counter()
+            gen = eng.generate(batch, max_new_tokens=tokens)
+            dt = time.perf_counter() - t0
+            speed[str(b)][name or "plain"] = round(gen.num_emitted / dt, 2)
+            print(f"speed batch {b} {name or 'plain':12s} {gen.num_emitted / dt:.1f} tok/s", file=sys.stderr,
+                  flush=True)
+    return speed
 
 
 if __name__ == "__main__":

@@ -281,11 +281,14 @@ class BlockHead(nn.Module):
             b, s, e = x.shape
             bts = torch.finfo(x.dtype).bits // 8
             fusion = self.in_fc.weight.numel() if self.in_fc is not None else 0
+            lm_tokens, vocab = logits.shape[0] * logits.shape[1], logits.shape[-1]
+            copy = target.multirow_matrix_bytes()  # the target's LM head streams its CPU copy, if kept
+            copy_bytes = (copy - bts) * vocab * e if copy is not None and lm_tokens > 1 else 0
             # the embedding-gather term (B(K+1) rows) covers the B pending-token rows and the K mask rows
             record_forward(ForwardShape(args=self.args, rows=b, tokens_per_row=s, context_tokens=b * num_keys,
-                                        dtype_bytes=bts, lm_head_tokens=logits.shape[0] * logits.shape[1],
-                                        lm_head_rows=logits.shape[-1], layers=self.num_layers,
-                                        extra_weight_bytes=bts * fusion, extra_flops=2 * b * s * fusion))
+                                        dtype_bytes=bts, lm_head_tokens=lm_tokens, lm_head_rows=vocab,
+                                        layers=self.num_layers, extra_weight_bytes=bts * fusion + copy_bytes,
+                                        extra_flops=2 * b * s * fusion))
         return logits
 
     def init_from_target(self, target) -> None:

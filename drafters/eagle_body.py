@@ -204,17 +204,27 @@ class EagleHead(nn.Module):
                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
 
     def forward_shape(self, rows: int, tokens_per_row: int, num_keys: int, lm_head_tokens: int, lm_head_rows: int,
-                      prepared: bool) -> ForwardShape:
+                      prepared: bool, lm_head_bytes: int | None = None) -> ForwardShape:
         """The work of one :meth:`forward_draft`: the matrices beyond a standard decoder layer's
         (EAGLE-1's ``fc``, EAGLE-3's wider q/k/v and, over prepared features, its ``fc``) are
-        counted from the head's own weights."""
+        counted from the head's own weights; ``lm_head_bytes`` is the element size the LM head
+        streams in products of 2+ rows when it differs (the target's fp32 CPU copy)."""
         n = rows * tokens_per_row
         run = self._step_matrices() + (self._prepare_matrices() if prepared else [])
         extra = sum(lin.weight.numel() for lin in run) - layer_parameters(self.cost_args)[0]
         b = torch.finfo(self.dtype).bits // 8
+        copy_bytes = 0  # the head's own matrices have no copies; only a borrowed LM head may
+        if lm_head_bytes is not None and lm_head_tokens > 1:
+            copy_bytes = (lm_head_bytes - b) * lm_head_rows * self.config.hidden_size
         return ForwardShape(args=self.cost_args, rows=rows, tokens_per_row=tokens_per_row,
                             context_tokens=rows * num_keys, dtype_bytes=b, lm_head_tokens=lm_head_tokens,
-                            lm_head_rows=lm_head_rows, layers=1, extra_weight_bytes=b * extra, extra_flops=2 * n * extra)
+                            lm_head_rows=lm_head_rows, layers=1, extra_weight_bytes=b * extra + copy_bytes,
+                            extra_flops=2 * n * extra)
+
+    def lm_head_bytes(self, target) -> int | None:
+        """Element size the draft LM head streams in multi-row products when it differs from
+        the head's dtype (None: the head's own LM head, no copy)."""
+        return None
 
     def forward_draft(self, emb: torch.Tensor, h: torch.Tensor | list[torch.Tensor], positions: torch.Tensor,
                       cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor, num_keys: int, target, *,
@@ -240,7 +250,7 @@ class EagleHead(nn.Module):
         logits = self.draft_logits(picked, target)  # [B, M, Vd]
         if recording():
             record_forward(self.forward_shape(b, s, num_keys, logits.shape[0] * logits.shape[1], logits.shape[-1],
-                                              prepared))
+                                              prepared, self.lm_head_bytes(target)))
         return out, logits
 
     def step(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,

@@ -65,6 +65,9 @@ class Eagle1Head(EagleHead):
     def _step_matrices(self) -> list[nn.Linear]:
         return [self.fc] + super()._step_matrices()
 
+    def lm_head_bytes(self, target) -> int | None:
+        return target.multirow_matrix_bytes()  # the target's LM head, through its CPU copy if it keeps one
+
     def _attn_input(self, emb, h):
         x = self.fc(torch.cat([emb, h], dim=-1))
         return x, x

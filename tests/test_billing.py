@@ -163,3 +163,32 @@ def test_padded_rows_of_a_graph_runner_are_billed(tiny_models):
     _assert_billed_equals_run(meter.windows, "graph-runner")
     verify = [w for w in meter.windows if w.name == "verify"]
     assert verify and all(w.work[0].rows == 4 for w in verify), "3 rows run in the 4-row bucket"
+
+
+def test_weight_copies_are_billed_at_the_bytes_they_stream(tmp_path, monkeypatch):
+    """A bf16 target on a CPU multiplies 2+ rows through fp32 copies of its matrices: the prompt
+    pass of the target and of an EAGLE-1 head (which borrows the target's LM head) bill exactly the
+    copies' extra bytes over a model that keeps none."""
+    from tiny import save_hf
+
+    from refspec.models import load_model
+
+    save_hf("llama", tmp_path)
+    prompts = _ragged()
+
+    def prefill(model):
+        torch.manual_seed(0)
+        head = new_head(HeadConfig.for_target("eagle", model.args)).to(torch.bfloat16)
+        meter = CountingMeter()
+        Engine(model, EagleDrafter(head, model), config=EngineConfig(k=2, max_steps=1), meter=meter).generate(
+            prompts, max_new_tokens=3)
+        return total_cost(meter.windows[0].work).weight_bytes
+
+    copied = load_model(tmp_path, dtype=torch.bfloat16)
+    assert copied.weight_copy_kind == "fp32"
+    monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
+    plain = load_model(tmp_path, dtype=torch.bfloat16)
+    assert plain.weight_copy_kind is None
+    extra = {id(lin): lin._copy.t.nbytes - lin.weight.nbytes for lin in copied._copied_linears()}
+    lm_head = extra[id(copied.lm_head)]
+    assert prefill(copied) - prefill(plain) == sum(extra.values()) + lm_head, "target's copies, then the head's LM head"

@@ -129,8 +129,8 @@ def forward_cost(shape: ForwardShape) -> Cost:
     """FLOPs and bytes of one forward (see the module docstring for every term).
 
     Args:
-        shape: the forward. ``context_tokens`` is the keys attended summed over rows, including
-            the tokens this forward writes (the cache length after the write).
+        shape: the forward. ``context_tokens`` is the keys each layer reads summed over rows:
+            the attended cache prefix, which includes the slots this forward writes.
 
     Returns:
         The forward's :class:`Cost`.

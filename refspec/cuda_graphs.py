@@ -12,7 +12,8 @@ How one call runs (SGLang's scheme, adapted to refspec's static cache):
    (default 1, 2, 4, 8, 16, 32, 64); the key is ``(Bp, S, Tk, hidden layers, logits_at
    width, tree mask?, input embeddings?)`` with S tokens per row and Tk attended key slots.
 2. **copy in**: the real rows' inputs are copied into rows ``0..B-1`` of the key's static
-   input buffers; rows ``B..Bp-1`` get the padding values (below).
+   input buffers; rows ``B..Bp-1`` get the padding values (below). The buffers, the pool's
+   views and the buckets live in :mod:`refspec.graph_buffers`.
 3. **run**: on CUDA the key's graph is replayed (captured on first use, with the real inputs
    in place: warm-up and capture rewrite exactly what the step writes); elsewhere the same
    forward runs eagerly on the same static buffers ("eager-static" mode), so CPU tests cover
@@ -56,8 +57,9 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.cache import StaticKVCache, causal_mask
+from refspec.cache import StaticKVCache
 from refspec.energy.phases import WorkRecorder, record_forward
+from refspec.graph_buffers import CacheView, StaticBuffers, StepKey, allocate, batch_bucket, load
 
 log = logging.getLogger(__name__)
 
@@ -70,90 +72,6 @@ DEFAULT_MAX_TOKENS_PER_ROW = 32
 
 class CudaGraphError(RuntimeError):
     """CUDA graphs were asked for where they cannot run (no CUDA device, bad buckets)."""
-
-
-def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
-    """Smallest bucket holding ``batch`` rows, or None when ``batch`` exceeds every bucket."""
-    for b in sorted(buckets):
-        if b >= batch:
-            return b
-    return None
-
-
-class CacheView(StaticKVCache):
-    """The first ``batch`` rows and ``max_len`` slots of a runner's KV pool.
-
-    Behaves as an ordinary :class:`~refspec.cache.StaticKVCache` (the engine, drafters and the
-    eager model use it unchanged); its buffers are views of ``pool``, so what a graph writes
-    through the pool is what the view reads.
-
-    Args:
-        pool: the runner's pool cache ``[L, R, Hkv, T_pool, D]``.
-        batch: rows of the view (``<= R``).
-        max_len: slots of the view (``<= T_pool``).
-    """
-
-    def __init__(self, pool: StaticKVCache, batch: int, max_len: int) -> None:  # noqa: D107
-        # deliberately not StaticKVCache.__init__: the buffers are views, not new allocations
-        if batch > pool.batch or max_len > pool.max_len:
-            raise ValueError(f"a view of {batch} rows x {max_len} slots does not fit the pool "
-                             f"({pool.batch} rows x {pool.max_len} slots)")
-        self.pool = pool
-        self.k = pool.k[:, :batch, :, :max_len]  # [L, B, Hkv, T, D]
-        self.v = pool.v[:, :batch, :, :max_len]  # [L, B, Hkv, T, D]
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=pool.device)  # [B]
-        self._rows = pool._rows[:batch]  # [B, 1]
-        self.max_len = max_len
-        self.batch = batch
-
-    def keep_rows(self, rows: Sequence[int] | torch.Tensor) -> "CacheView":
-        """Shrink the batch mid-run: keep ``rows`` (in that order) as rows ``0..n-1``.
-
-        Copies the kept rows' K/V and lengths to the front of the pool (one gather, through a
-        temporary, so overlapping rows are safe). The returned view replaces this one; later
-        calls may then run in a smaller batch bucket.
-
-        Args:
-            rows: ``[n]`` indices of the rows to keep.
-
-        Returns:
-            A view of n rows.
-        """
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)  # [n]
-        n = idx.numel()
-        if n == 0:
-            raise ValueError("keep_rows needs at least one row")
-        kept_k, kept_v = self.k.index_select(1, idx), self.v.index_select(1, idx)  # [L, n, Hkv, T, D]
-        kept_len = self.lengths.index_select(0, idx)
-        view = CacheView(self.pool, n, self.max_len)
-        view.k.copy_(kept_k)
-        view.v.copy_(kept_v)
-        view.lengths.copy_(kept_len)
-        return view
-
-
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    batch: int  # Bp, the bucket
-    tokens_per_row: int  # S
-    num_keys: int  # Tk
-    hidden_layers: tuple[int, ...]
-    logits_width: int | None  # M of logits_at [B, M], None for logits at every position
-    tree: bool  # explicit slots and mask (tree verification)
-    sliding: bool  # explicit sliding-window mask
-    embeds: bool  # inputs_embeds instead of tokens
-
-
-@dataclasses.dataclass
-class _Static:
-    """Static buffers of one key: inputs ``[Bp, ...]``, their padding values, outputs."""
-
-    key: _Key
-    inputs: dict[str, torch.Tensor]
-    pads: dict[str, torch.Tensor]
-    logits: torch.Tensor | None = None  # [Bp, M, V] (graph output)
-    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [Bp, S, E] each
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
 
 
 @dataclasses.dataclass
@@ -214,7 +132,7 @@ class GraphRunner:
         self.stats = RunnerStats()
         self._pool: StaticKVCache | None = None
         self._bucket_caches: dict[int, StaticKVCache] = {}
-        self._entries: dict[_Key, _Static] = {}
+        self._entries: dict[StepKey, StaticBuffers] = {}
         self._mempool: Any = None
 
     def __getattr__(self, name: str) -> Any:
@@ -328,22 +246,17 @@ class GraphRunner:
             return self.model(tokens, positions, cache, slots=slots, mask=mask, sliding_mask=sliding_mask,
                               num_keys=num_keys, logits_at=logits_at, hidden_layers=hidden_layers,
                               inputs_embeds=inputs_embeds)
-        assert self._pool is not None
-        bp = batch_bucket(b, self.batch_buckets)
-        assert bp is not None
-        tk_key = tk
-        if self.keys_bucket:
-            tk_key = min(self._pool.max_len, -(-tk // self.keys_bucket) * self.keys_bucket)
-        key = _Key(batch=bp, tokens_per_row=s, num_keys=tk_key, hidden_layers=hidden_layers,
-                   logits_width=None if logits_at is None else int(logits_at.shape[1]),
-                   tree=slots is not None or mask is not None, sliding=sliding_mask is not None,
-                   embeds=inputs_embeds is not None)
+        key = self._key(b, s, tk, hidden_layers, logits_at=logits_at, tree=slots is not None or mask is not None,
+                        sliding=sliding_mask is not None, embeds=inputs_embeds is not None)
+        bp = key.batch
         with torch.inference_mode():
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = self._allocate(key, tokens, inputs_embeds)
-            self._load(entry, b, tk, tokens=tokens, positions=positions, slots=slots, mask=mask,
-                       sliding_mask=sliding_mask, logits_at=logits_at, embeds=inputs_embeds)
+                window = getattr(self.model.args, "sliding_window", None)
+                entry = self._entries[key] = allocate(key, device=self.model.device, sliding_window=window,
+                                                      tokens=tokens, embeds=inputs_embeds)
+            load(entry, b, tk, tokens=tokens, positions=positions, slots=slots, mask=mask, sliding_mask=sliding_mask,
+                 logits_at=logits_at, embeds=inputs_embeds)
             if self.capture:
                 if entry.graph is None:
                     with WorkRecorder():  # capture's forwards are set-up, not this call's work
@@ -359,6 +272,19 @@ class GraphRunner:
                 self.stats.static_calls += 1
             return (None if logits is None else logits[:b].clone()), [h[:b].clone() for h in hidden]
 
+    def _key(self, b: int, s: int, tk: int, hidden_layers: tuple[int, ...], *, logits_at: torch.Tensor | None,
+             tree: bool, sliding: bool, embeds: bool) -> StepKey:
+        """The graph key of a call: its batch bucket, and Tk rounded up to ``keys_bucket``."""
+        assert self._pool is not None
+        bp = batch_bucket(b, self.batch_buckets)
+        assert bp is not None
+        tk_key = tk
+        if self.keys_bucket:
+            tk_key = min(self._pool.max_len, -(-tk // self.keys_bucket) * self.keys_bucket)
+        return StepKey(batch=bp, tokens_per_row=s, num_keys=tk_key, hidden_layers=hidden_layers,
+                       logits_width=None if logits_at is None else int(logits_at.shape[1]), tree=tree,
+                       sliding=sliding, embeds=embeds)
+
     def _note_eager(self, reason: str) -> None:
         self.stats.eager_calls += 1
         seen = self.stats.eager_reasons.get(reason, 0)
@@ -367,50 +293,7 @@ class GraphRunner:
             log.debug("eager forward: %s", reason)
 
     # ---- static buffers -----------------------------------------------------------------------
-    def _allocate(self, key: _Key, tokens: torch.Tensor | None, embeds: torch.Tensor | None) -> _Static:
-        """Static inputs of one key and their padding values (a padded row is a fresh sequence of S)."""
-        bp, s, tk = key.batch, key.tokens_per_row, key.num_keys
-        dev = self.model.device
-        pad_pos = torch.arange(s, device=dev)[None].expand(bp, s).contiguous()  # [Bp, S] slots 0..S-1
-        inputs: dict[str, torch.Tensor] = {"positions": torch.empty(bp, s, dtype=torch.long, device=dev)}
-        pads: dict[str, torch.Tensor] = {"positions": pad_pos}
-        if not key.embeds:
-            assert tokens is not None, "tokens or inputs_embeds are needed"
-            inputs["tokens"] = torch.empty(bp, s, dtype=torch.long, device=dev)
-            pads["tokens"] = torch.zeros(bp, s, dtype=torch.long, device=dev)
-        if key.embeds:
-            assert embeds is not None
-            e = embeds.shape[-1]
-            inputs["embeds"] = torch.empty(bp, s, e, dtype=embeds.dtype, device=dev)
-            pads["embeds"] = torch.zeros(bp, s, e, dtype=embeds.dtype, device=dev)
-        if key.tree:
-            inputs["slots"] = torch.empty(bp, s, dtype=torch.long, device=dev)
-            pads["slots"] = pad_pos
-            inputs["mask"] = torch.empty(bp, 1, s, tk, dtype=torch.bool, device=dev)
-            pads["mask"] = causal_mask(pad_pos, tk)
-        if key.sliding:
-            window = getattr(self.model.args, "sliding_window", None)
-            inputs["sliding_mask"] = torch.empty(bp, 1, s, tk, dtype=torch.bool, device=dev)
-            pads["sliding_mask"] = causal_mask(pad_pos, tk, window)
-        if key.logits_width is not None:
-            inputs["logits_at"] = torch.empty(bp, key.logits_width, dtype=torch.long, device=dev)
-            pads["logits_at"] = torch.zeros(bp, key.logits_width, dtype=torch.long, device=dev)
-        return _Static(key=key, inputs=inputs, pads=pads)
-
-    def _load(self, entry: _Static, b: int, tk: int, **given: torch.Tensor | None) -> None:
-        """Copy the real rows into rows ``0..B-1`` and padding into ``B..Bp-1`` (device ops only)."""
-        for name, buf in entry.inputs.items():
-            src = given[name]
-            assert src is not None, f"static input {name!r} of this key was not given"
-            if name in ("mask", "sliding_mask") and tk < buf.shape[-1]:
-                buf[:b, ..., :tk].copy_(src)
-                buf[:b, ..., tk:].fill_(False)  # slots beyond the caller's Tk stay invisible
-            else:
-                buf[:b].copy_(src)
-            if b < buf.shape[0]:
-                buf[b:].copy_(entry.pads[name][b:])
-
-    def _run(self, entry: _Static) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def _run(self, entry: StaticBuffers) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The forward on the static buffers against the bucket's rows of the pool."""
         key, x = entry.key, entry.inputs
         return self.model(x.get("tokens"), x["positions"], self._bucket_cache(key.batch), slots=x.get("slots"),
@@ -418,7 +301,7 @@ class GraphRunner:
                           logits_at=x.get("logits_at"), hidden_layers=key.hidden_layers,
                           inputs_embeds=x.get("embeds"))
 
-    def _capture(self, entry: _Static) -> None:
+    def _capture(self, entry: StaticBuffers) -> None:
         """Warm up on a side stream, then capture one forward into a graph (the inputs hold the
         current step's real rows, so every write is one the step makes anyway)."""
         dev = self.model.device

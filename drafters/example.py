@@ -61,12 +61,6 @@ class BigramDrafter:
         """No forward runs: None tells the roofline prediction this drafter is free."""
         return None
 
-    def draft_work(self, state: DecodeState, k: int) -> tuple:
-        return ()  # for engines that still ask drafters for their forwards' shapes
-
-    def prefill_work(self, state: DecodeState) -> tuple:
-        return ()
-
     def _learn(self, state: DecodeState, positions: torch.Tensor) -> None:
         """Record tokens at ``positions`` ``[B, W]`` that lie before the row's pending token."""
         known = positions < state.lengths[:, None]

@@ -132,6 +132,8 @@ def test_plugin_runs_through_the_cli_from_the_working_directory(tiny, tmp_path):
     assert spec["config_id"].startswith(f"{SPEC}-k4-b2-")
     assert spec["greedy_match_baseline"] is True, "a plug-in must not change greedy output"
     assert base["drafter"] == "none"
+    assert spec["roofline"] is not None and spec["roofline"]["drafter_model"] == "free", \
+        "roofline_model returning None predicts a free draft phase"
 
 
 def test_plugin_sweep_resumes_by_its_exact_name(tiny, tmp_path, plugin_path, capsys):

@@ -48,6 +48,11 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     mods.mkdir()
     shutil.copy(example.__file__, mods / "mybigram.py")
     (mods / "broken.py").write_text("import no_such_dependency_of_broken\n")
+    (mods / "ctxdrafter.py").write_text(
+        "from refspec.drafters.example import BigramDrafter\n\n\n"
+        "class FromContext(BigramDrafter):\n    default_k = 2\n\n"
+        "    @classmethod\n    def from_context(cls, ctx):\n"
+        "        d = cls(**ctx.options)\n        d.target_name = ctx.target_name\n        return d\n")
     (mods / "halfdrafter.py").write_text("class Half:\n    name = 'half'\n    hidden_layers = ()\n\n"
                                          "    def reset(self, state):\n        pass\n")
     return {"model": model, "prompts": prompts, "mods": mods, "root": root}
@@ -75,7 +80,7 @@ def plugin_path(tiny, monkeypatch):
     """The modules folder on sys.path for in-process CLI calls, and its modules forgotten after."""
     monkeypatch.syspath_prepend(str(tiny["mods"]))
     yield tiny["mods"]
-    for name in ("mybigram", "broken", "halfdrafter"):
+    for name in ("mybigram", "broken", "halfdrafter", "ctxdrafter"):
         sys.modules.pop(name, None)
 
 
@@ -170,6 +175,14 @@ def test_an_option_the_plugin_does_not_take_exits_2(tiny, plugin_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--drafter-option" in err and "max_n" in err and "learn_output" in err, err
     assert "Traceback" not in err
+
+
+def test_a_plugin_with_from_context_gets_the_context_and_its_default_k(plugin_path):
+    ctx = registry.DrafterContext(target=None, target_name="tiny", tokenizer_fingerprint=None, dtype=torch.float32,
+                                  device=torch.device("cpu"), options={"learn_output": "false"})
+    drafter = registry.build("ctxdrafter:FromContext", ctx)
+    assert drafter.target_name == "tiny" and drafter.learn_output is False
+    assert registry.default_k("ctxdrafter:FromContext") == 2
 
 
 # ---- entry points -------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def _join(a: str, b: str) -> str:
 # ---- built-in models -----------------------------------------------------------------------
 VLLM_EAGLE3_TAU: dict[int, float] = {2: 2.36, 3: 2.79, 4: 3.08, 5: 3.32, 6: 3.46, 7: 3.54}
 """vLLM EAGLE-3 chain acceptance lengths (tau, bonus included) for K = 2..7 on
-Llama-3.1-8B-Instruct, as quoted in REFERENCE.md section 3."""
+Llama-3.1-8B-Instruct, as the vLLM project reports them (corpus not stated)."""
 
 
 def survival_from_taus(taus: dict[int, float]) -> list[float]:
@@ -305,7 +305,7 @@ def _vllm_eagle3(k: int) -> AcceptanceModel:
     s = survival_from_taus(VLLM_EAGLE3_TAU)
     prov = Provenance(kind="derived", source_model="Llama-3.1-8B-Instruct", corpus="unspecified", prompts=None,
                       date=DERIVED_ON,
-                      source="REFERENCE.md section 3: vLLM EAGLE-3 chain acceptance length K=2..7: "
+                      source="vLLM's reported EAGLE-3 chain acceptance length on Llama-3.1-8B-Instruct, K=2..7: "
                              "2.36, 2.79, 3.08, 3.32, 3.46, 3.54",
                       notes="derived: S_K = tau(K) - tau(K-1) for K = 3..7, S_1, S_2 split geometrically; "
                             "the published runs' corpus is not stated there")

@@ -13,7 +13,8 @@ The decode core, read top-down:
    returns (``Draft``).
 6. :mod:`refspec.engine`: the one loop, plain decoding being K = 0: draft, verify, accept,
    commit, every phase metered.
-7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed.
+7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed (its static
+   buffers in :mod:`refspec.graph_buffers`).
 
 Rooms beside the core: :mod:`refspec.energy` (meters, ledger, accounting, roofline, latency,
 DVFS, attribution) and :mod:`refspec.assets` (pinned real models, download, GGUF conversion,

@@ -81,7 +81,7 @@ def test_logits_equal_transformers(real):
     got, ref = _logits_vs_transformers(path, tokens)
     diff = (got - ref).abs().max().item()
     # fp32 summation order differs between the two implementations; Gemma's logits are larger
-    # and its prompt longer (REFERENCE.md: 6.8e-5 SmolLM2, 1.4e-4 Gemma 3 at 701 tokens)
+    # and its prompt longer (a reference forward matched to 6.8e-5 on SmolLM2, 1.4e-4 on Gemma 3 at 701 tokens)
     tol = 2e-4 if model_id == "gemma3-270m" else 1e-4
     assert diff < tol, f"{model_id}: max |refspec - transformers| = {diff}"
     print(f"{model_id}: {n} tokens, max |diff| {diff:.3g}")

@@ -77,7 +77,7 @@ def test_overrides_layers_lm_head_and_extras():
 def test_llama_8b_matches_reference_figures():
     a = arch("llama-3.1-8b")
     c = forward_cost(ForwardShape(args=a, rows=1, tokens_per_row=1, context_tokens=1, dtype_bytes=2))
-    assert c.flops == pytest.approx(15e9, rel=0.03)  # REFERENCE: 15 GFLOP per token
+    assert c.flops == pytest.approx(15e9, rel=0.03)  # Llama-3.1-8B: about 15 GFLOP per token
     assert c.weight_bytes == pytest.approx(15e9, rel=0.03)  # ~15 GB of weights
     assert a.kv_bytes_per_token(2) == 131_072
 

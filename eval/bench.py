@@ -26,7 +26,6 @@ import json
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 

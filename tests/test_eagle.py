@@ -11,8 +11,8 @@ import torch
 from refspec.cache import tree_mask
 from refspec.drafters import registry
 from refspec.drafters import training as T
-from refspec.drafters.eagle import (EagleDrafter, Eagle3Head, HeadConfig, TreeConfig, find_head, load_head,
-                                    new_head, save_head)
+from refspec.drafters.eagle import (EagleDrafter, Eagle3Head, TreeConfig, find_head, load_head,
+                                    save_head)
 from refspec.drafting import DecodeState, DrafterError
 from refspec.engine import Engine, EngineConfig
 from refspec.sampling import SamplingConfig

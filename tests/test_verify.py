@@ -1,5 +1,4 @@
 """Verification: greedy acceptance tables, the exact closed form and a seeded statistical test."""
-import itertools
 
 import pytest
 import torch

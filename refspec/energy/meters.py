@@ -144,27 +144,18 @@ class RooflineMeter:
         self.idle_w: float | None = profile.idle_w
         suffix = "" if time_source == "model" else ",wall-time"
         self.source = f"modelled:roofline({profile.name}{suffix})"
-        self._sync = sync
-        self._clock = clock
-        self._windows = Windows()
-
-    def _now(self) -> float:
-        if self.time_source == "model":
-            return 0.0
-        if self._sync is not None:
-            self._sync()
-        return self._clock()
+        # the windows and the wall clock are a TimeMeter's; with modelled time no clock is read
+        self._timer = TimeMeter(sync, clock) if time_source == "measured" else TimeMeter(clock=lambda: 0.0)
 
     def begin(self, name: str) -> None:
         """Open a window (reads the clock only in measured mode)."""
-        self._windows.push(name, self._now())
+        self._timer.begin(name)
 
     def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
         """Close the latest ``name`` window and model the energy of ``work``."""
-        t = self._now()
-        t0 = self._windows.pop(name)
+        wall_s = self._timer.end(name).time_s
         cost = total_cost(work)
-        time_s = work_time_s(work, self.profile) if self.time_source == "model" else t - t0
+        time_s = work_time_s(work, self.profile) if self.time_source == "model" else wall_s
         return Measurement(time_s=time_s, energy_j=self.profile.energy_j(cost, time_s), source=self.source)
 
 

@@ -282,7 +282,7 @@ class BlockHead(nn.Module):
             bts = torch.finfo(x.dtype).bits // 8
             fusion = self.in_fc.weight.numel() if self.in_fc is not None else 0
             lm_tokens, vocab = logits.shape[0] * logits.shape[1], logits.shape[-1]
-            copy = target.multirow_matrix_bytes()  # the target's LM head streams its CPU copy, if kept
+            copy = target.multirow_matrix_bytes(lm_tokens)  # the target's LM head streams its CPU copy, if kept
             copy_bytes = (copy - bts) * vocab * e if copy is not None and lm_tokens > 1 else 0
             # the embedding-gather term (B(K+1) rows) covers the B pending-token rows and the K mask rows
             record_forward(ForwardShape(args=self.args, rows=b, tokens_per_row=s, context_tokens=b * num_keys,

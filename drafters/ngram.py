@@ -7,27 +7,41 @@ repeat of the pending token (verified, and almost always rejected, like any draf
 are matched at once with tensor ops; the only Python loop runs over n.
 
 Trimming (option ``trim``): a draft position that no row can fill from a match is still a
-position the target computes. Where verification is compute-bound at a handful of tokens (a
-CPU: its balance point is a few FLOP per byte) those positions cost nearly as much as useful
-ones, so with ``trim`` the draft is cut to the longest continuation any row of the batch
-found (0 when no row matched: that step is a plain decoding step). The cut length is read on
-the host (one extra sync per step) and varies from step to step, so the verify shape does
-too; on a GPU, where verify is memory-bound and shapes should stay static for CUDA graphs,
-``trim`` is off by default (``auto``: on for CPU tensors, off otherwise).
+position the target computes. Where verifying extra positions is dear (a compute-bound
+verification, as on many CPUs) those positions cost nearly as much as useful ones, so with
+``trim`` the draft is cut to the longest continuation any row of the batch found (0 when no row
+matched: that step is a plain decoding step). The cut length is read on the host (one extra sync
+per step) and varies from step to step, so the verify shape does too: where verification is
+nearly free (memory-bound, and shapes should stay static for CUDA graphs) trimming is off.
 
 Shortest match (option ``min_n``): a continuation found from a single matching token is a
-weak guess. Where verifying extra tokens is dear (the CPU again) a step drafted from it costs
-more than it returns, so by default (``auto``) CPU rows draft only from matches of 2 or more
-tokens and otherwise decode plainly; elsewhere 1-token matches draft too. Measured on the
-project's CPU (SmolLM2-135M, the 8 built-in code prompts, 48 new tokens, K=4, tokens/s
-against plain decoding): batch 1 fp32 1.14x with ``min_n=1`` against 1.19x with 2, bf16 0.96x
-against 1.09x; batch 8 fp32 0.54x against 0.61x, bf16 0.56x against 0.61x.
+weak guess; where verifying extra positions is dear, a step drafted from it costs more than it
+returns, so rows draft only from matches of 2 or more tokens there and from 1-token matches
+elsewhere.
+
+Both default to ``auto``: "dear" is decided from what the active CPU GEMM plan measured on this
+machine (a 5-row product against a 1-row one, :meth:`~refspec.models.calibration.GemmPlan.extra_position_cost`),
+never from the device's kind: dear when it exceeds :data:`DEAR_VERIFY_RATIO`; without a
+measurement (GPUs, the reference plan) verification counts as nearly free.
 """
 from __future__ import annotations
 
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
+from refspec.models.ops import gemm_plan
+
+DEAR_VERIFY_RATIO = 1.5
+"""A 5-row product dearer than this many 1-row products makes extra verified positions dear."""
+
+
+def verification_is_dear(tokens: torch.Tensor, dtype_bytes: int) -> bool:
+    """Whether the measured cost of verifying extra positions on this machine is high (see the
+    module docstring); False where nothing was measured."""
+    if tokens.device.type != "cpu":
+        return False
+    cost = gemm_plan().extra_position_cost(torch.float32 if dtype_bytes == 4 else torch.bfloat16)
+    return cost is not None and cost > DEAR_VERIFY_RATIO
 
 
 class NgramDrafter:
@@ -35,10 +49,10 @@ class NgramDrafter:
 
     Args:
         max_n: longest suffix to match.
-        min_n: shortest suffix to match, or None for "2 on CPU tensors, else 1" (capped at
-            ``max_n``; see the module docstring).
+        min_n: shortest suffix to match, or None for "2 where verification is dear, else 1"
+            (capped at ``max_n``; see the module docstring).
         trim: cut the draft to the longest continuation found in the batch: True, False, or
-            None for "on CPU tensors only" (see the module docstring).
+            None for "where verification is dear" (see the module docstring).
     """
 
     name = "ngram"
@@ -58,8 +72,8 @@ class NgramDrafter:
         end = state.lengths  # [B] index of the pending token (the suffix ends here)
         span = min(t, state.max_length_bound + 1)  # only the filled prefix can match
         seq = tokens[:, :span]
-        cpu = tokens.device.type == "cpu"
-        min_n = self.min_n if self.min_n is not None else min(2 if cpu else 1, self.max_n)
+        dear = verification_is_dear(tokens, state.dtype_bytes) if None in (self.min_n, self.trim) else False
+        min_n = self.min_n if self.min_n is not None else min(2 if dear else 1, self.max_n)
         found = torch.zeros(b, dtype=torch.bool, device=tokens.device)
         start = torch.zeros(b, dtype=torch.long, device=tokens.device)  # where the continuation starts
         for n in range(self.max_n, min_n - 1, -1):
@@ -83,7 +97,7 @@ class NgramDrafter:
         known = idx <= end[:, None]
         useful = found[:, None] & known  # [B, K]
         draft = torch.where(useful, cont, state.pending[:, None].expand(b, k))
-        trim = self.trim if self.trim is not None else cpu
+        trim = self.trim if self.trim is not None else dear
         if trim:
             longest = int((useful & ~state.done[:, None]).sum(1).max())  # host sync; known is a prefix
             draft = draft[:, :longest]

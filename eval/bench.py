@@ -35,6 +35,7 @@ from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec
                                        measure_bandwidth, weight_bytes)
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
+from refspec.models.ops import gemm_plan
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,13 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
     results: dict[str, Any] = {"model": model_name, "prompt_len": prompt_len, "new_tokens": new_tokens,
                                "threads": torch.get_num_threads(), "repeats": repeats, "rows": []}
     g = torch.Generator().manual_seed(0)
+    bw = measure_bandwidth()  # one floor for every dtype: weight bytes over the streaming-read bandwidth
+    results["bandwidth_GBps"] = bw / 1e9
     for dname in dtypes:
         dtype = parse_dtype(dname)
         target = load_target(model_name, dtype=dtype, device=device)
         vocab = target.model.args.vocab_size
         hf = _load_hf(target.path, dtype)
-        bw = measure_bandwidth(dtype)
         floor_ms = 1000 * weight_bytes(target.model) / bw
         for b in batches:
             prompts = [torch.randint(100, vocab - 100, (prompt_len - (i % 4),), generator=g).tolist()
@@ -91,7 +93,8 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
             row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
                    "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
-                   "weight_bytes": weight_bytes(target.model), "weight_copies": target.model.weight_copy_kind}
+                   "weight_bytes": weight_bytes(target.model), "weight_copies": target.model.weight_copy_kind,
+                   "gemm_plan": gemm_plan().describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
             results["rows"].append(row)
@@ -146,7 +149,7 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                            "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
                            "weight_copies": target.model.weight_copy_kind,
-                           "rows": []}
+                           "gemm_plan": gemm_plan().describe() or "reference", "rows": []}
     engines = (Engine(target.model), Engine(target.model, drafter, config=EngineConfig(k=k)))
     hf_once: tuple[float, list[list[int]]] | None = None
     for b in sorted(batches):  # batch 1 first: its transformers run is reused for the others

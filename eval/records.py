@@ -73,7 +73,8 @@ RECORD_FIELDS: dict[str, str] = {
     "acceptance_injected": "acceptance drawn from a recorded distribution: outputs are not the model's",
     "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
     "output_digest": "sha256 over every row's tokens", "row_digests": "sha256 prefix of each row's tokens",
-    "versions": "refspec, Python and library versions", "wall_s": "wall time of the configuration (s)",
+    "versions": "refspec, Python and library versions",
+    "cpu_gemm_plan": "the CPU GEMM form per dtype and row bucket the run's products took (calibrated on the machine)", "wall_s": "wall time of the configuration (s)",
     "created_unix_s": "when it finished (s since the epoch)",
 }
 """Fields of a configuration record, name -> description."""

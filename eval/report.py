@@ -282,6 +282,7 @@ def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, in
                  "Every figure is computed from the ledger records of its configuration (run ids in each record) "
                  "by refspec.energy.accounting: " + ", ".join(f"`{p.name}`" for p in ledgers) + ".", "",
                  f"Versions: {versions}." if versions else "", "",
+                 f"CPU GEMM plan: {recs[0]['cpu_gemm_plan']}." if recs and recs[0].get("cpu_gemm_plan") else "", "",
                  "## Corpora and licences", "", "```", licence_text(), "```", ""]
 
 

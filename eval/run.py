@@ -170,6 +170,13 @@ def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> str:
     return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
 
 
+def _gemm_plan_text() -> str:
+    """The CPU GEMM forms the run's products took (``reference``: F.linear everywhere)."""
+    from refspec.models.ops import gemm_plan
+
+    return gemm_plan().describe() or "reference"
+
+
 def library_versions() -> dict[str, str]:
     """refspec, Python and the libraries behind a figure (``not installed`` where absent)."""
     out = {"refspec": __version__, "python": platform.python_version(), "torch": torch.__version__}
@@ -215,9 +222,33 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
         UsageError, NoGPUError, DrafterError, AcceptanceModelError, CorpusError: what building them raises.
     """
     _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
-    session.prompts(cfg.corpus, cfg.num_prompts)
-    session.drafter(cfg)
+    prompts = session.prompts(cfg.corpus, cfg.num_prompts)
+    drafter = session.drafter(cfg)
+    _check_context(session, cfg, prompts, drafter)
     _acceptance_injection(cfg, session.device)
+
+
+def _check_context(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[int]], drafter: Any) -> None:
+    """The longest prompt, the user's budget and one step of look-ahead fit the model's context."""
+    longest = max(map(len, prompts))
+    lookahead = cfg.k + 1 + int(getattr(drafter, "extra_slots", 0) or 0)
+    ctx = session.target.model.args.max_position_embeddings
+    if longest + cfg.max_new_tokens + lookahead > ctx:
+        room = ctx - longest - lookahead
+        fix = f"use --max-new-tokens {room} or less" if room >= 1 else "use shorter prompts or a smaller --k"
+        raise UsageError(f"--max-new-tokens {cfg.max_new_tokens} (--k {cfg.k}, {cfg.label}, corpus {cfg.corpus}): "
+                         f"the longest prompt ({longest} tokens) + budget + look-ahead ({lookahead}) exceed the "
+                         f"model's context of {ctx}; {fix}")
+
+
+def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the draft model it will run written out, so the record names it (loads the target)."""
+    if cfg.drafter != "draft-model" or "draft_model" in dict(cfg.drafter_options):
+        return cfg
+    from refspec.drafters.draft_model import default_draft_model
+
+    options = {**dict(cfg.drafter_options), "draft_model": default_draft_model(session.target.model)}
+    return dataclasses.replace(cfg, drafter_options=tuple(sorted(options.items())))
 
 
 def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
@@ -321,13 +352,13 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
                      ledger_path=ledger_path, injection=injection)
     record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
     compare_with_baseline(record, baseline)
-    record.update(versions=library_versions(), wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
+    record.update(versions=library_versions(), cpu_gemm_plan=_gemm_plan_text(), wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",
              acc.tokens_per_s or 0.0, "n/a" if acc.j_per_token is None else f"{acc.j_per_token:.4g}",
              record["energy_source_text"])
     return ConfigResult(record=record, generations=gens)
 
 
-__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration",
+__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration", "resolve_defaults",
            "compare_with_baseline", "auto_dtype", "cpu_has_fast_bf16", "describe_source", "library_versions",
            "acceptance_from_tau", "ensure_line_end", "RECORD_FIELDS"]

@@ -17,8 +17,14 @@ Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
 - ``fp32``: ``(W32 @ x^T)^T`` through an fp32 copy, rounded back to the model's dtype
   (half-precision models only).
 
-A model keeps at most one kind of copy: the plan drops the copy whose saving is smaller when
-the fastest forms would need two.
+The ``fp32`` form is a candidate for several rows only, so one-row products always stream the
+model's dtype. A model keeps at most one kind of copy: the plan drops the copy whose saving is
+smaller when the fastest forms would need two. The plan also records what verifying extra
+positions costs (:attr:`GemmPlan.extra_position_cost`), from which the n-gram drafter picks its
+defaults.
+
+``REFSPEC_GEMM_PLAN`` selects the plan :func:`resolve_plan` returns: ``auto`` (the default: the
+cached calibration, or a fresh one) or ``reference`` (``F.linear`` everywhere, no copies).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ log = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
 BUCKETS = ("one", "few", "many")
-BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200)}
+BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200), "five": (5,)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMS = {"fp32": ("linear", "wxt", "column"), "bf16": ("linear", "wxt", "column", "fp32"),
          "fp16": ("linear", "wxt", "column", "fp32")}
@@ -72,9 +78,25 @@ class GemmPlan:
     timings_s: dict[str, dict[str, dict[str, float]]]
     machine: dict[str, str]
 
+    def __post_init__(self) -> None:
+        # {torch dtype: (one, few, many)}: the lookup linear() makes for every product
+        table = {DTYPES[d]: tuple(f.get(b, "linear") for b in BUCKETS) for d, f in self.forms.items() if d in DTYPES}
+        object.__setattr__(self, "_table", table)
+
     def form(self, dtype: torch.dtype, rows: int) -> str:
         """The form for a product of ``rows`` rows in ``dtype`` (``linear`` when unplanned)."""
-        return self.forms.get(dtype_name(dtype), {}).get(bucket_of(rows), "linear")
+        forms = self._table.get(dtype)
+        if forms is None:
+            return "linear"
+        return forms[0] if rows == 1 else forms[1] if rows < 32 else forms[2]
+
+    def extra_position_cost(self, dtype: torch.dtype) -> float | None:
+        """Time of a product of 5 rows over one of 1 row, both in their chosen forms: what
+        verifying 4 drafts costs beside a plain step (None when not calibrated)."""
+        t = self.timings_s.get(dtype_name(dtype))
+        if not t or "five_over_one" not in t:
+            return None
+        return float(t["five_over_one"]["ratio"])
 
     def copy_kind(self, dtype: torch.dtype) -> str | None:
         """The weight copy this dtype's forms need, or None."""
@@ -162,8 +184,13 @@ def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
 def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None = None) -> GemmPlan:
     """Time every form for every bucket in each dtype and keep the fastest (see module doc)."""
     timer = timer or measure
-    timings = {d: {b: {f: timer(d, b, f) for f in FORMS[d]} for b in BUCKETS} for d in dtypes}
-    return GemmPlan(forms={d: _choose(t) for d, t in timings.items()}, timings_s=timings, machine=machine_key())
+    timings = {d: {b: {f: timer(d, b, f) for f in FORMS[d] if b != "one" or f != "fp32"} for b in BUCKETS}
+               for d in dtypes}
+    forms = {d: _choose(t) for d, t in timings.items()}
+    for d in dtypes:  # the cost of verifying extra positions, in the forms just chosen
+        one, five = timer(d, "one", forms[d]["one"]), timer(d, "five", forms[d]["few"])
+        timings[d]["five_over_one"] = {"ratio": five / one}
+    return GemmPlan(forms=forms, timings_s=timings, machine=machine_key())
 
 
 def plan_path(home: Path, machine: dict[str, str]) -> Path:
@@ -173,21 +200,40 @@ def plan_path(home: Path, machine: dict[str, str]) -> Path:
 
 def load_or_calibrate(home: Path, *, dtypes: tuple[str, ...] = ("fp32", "bf16"),
                       timer: Timer | None = None) -> GemmPlan:
-    """The cached plan for this machine, or a fresh calibration written atomically to the cache."""
+    """The cached plan for this machine; dtypes it lacks are calibrated and added to the cache
+    (written atomically)."""
     machine = machine_key()
     path = plan_path(home, machine)
+    forms: dict[str, dict[str, str]] = {}
+    timings: dict[str, dict[str, dict[str, float]]] = {}
     try:
         data = json.loads(path.read_text())
-        if data.get("version") == PLAN_VERSION and data.get("machine") == machine and \
-                all(d in data["forms"] for d in dtypes):
-            return GemmPlan(forms=data["forms"], timings_s=data["timings_s"], machine=machine)
+        if data.get("version") == PLAN_VERSION and data.get("machine") == machine:
+            forms, timings = dict(data["forms"]), dict(data["timings_s"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: calibrate again
+    missing = tuple(d for d in dtypes if d not in forms or d not in timings)
+    if not missing:
+        return GemmPlan(forms=forms, timings_s=timings, machine=machine)
     start = time.perf_counter()
-    plan = calibrate(dtypes, timer=timer)
-    log.info("calibrated CPU GEMM forms in %.1f s: %s", time.perf_counter() - start, plan.describe())
+    fresh = calibrate(missing, timer=timer)
+    plan = GemmPlan(forms=forms | fresh.forms, timings_s=timings | fresh.timings_s, machine=machine)
+    log.info("calibrated CPU GEMM forms for %s in %.1f s: %s", ", ".join(missing), time.perf_counter() - start,
+             fresh.describe())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(plan.to_json(), indent=1))
     os.replace(tmp, path)
     return plan
+
+
+def resolve_plan(dtype: torch.dtype) -> GemmPlan:
+    """The plan ``REFSPEC_GEMM_PLAN`` asks for (see the module docstring), calibrated for ``dtype``."""
+    choice = os.environ.get("REFSPEC_GEMM_PLAN", "auto").strip().lower()
+    if choice == "reference" or dtype_name(dtype) not in DTYPES:
+        return REFERENCE
+    if choice != "auto":
+        raise ValueError(f"REFSPEC_GEMM_PLAN must be 'auto' or 'reference', got {choice!r}")
+    from refspec.assets.registry import refspec_home
+
+    return load_or_calibrate(refspec_home(), dtypes=(dtype_name(dtype),))

@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from refspec.config import ModelArgs
+from refspec.models.calibration import GemmPlan, resolve_plan
+from refspec.models.ops import use_gemm_plan
 from refspec.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -134,19 +136,21 @@ def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirro
     return list(model.state_dict())  # split names (wq/wk/wv, gate/up); the tied lm_head listed too
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               gemm_plan: GemmPlan | None = None) -> Transformer:
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.layers.Attention`); on a CPU it also keeps a copy of each
-    matrix for the decode kernels (column-major in fp32, fp32 for a bf16/fp16 model, see
-    :class:`~refspec.models.ops.WeightCopy`) when the copies take at most
-    ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (set 0 to save the memory).
+    :class:`~refspec.models.layers.Attention`). On a CPU its products follow a GEMM plan timed
+    on this machine (:mod:`refspec.models.calibration`), and it keeps the copy of each matrix
+    the plan's forms read (:class:`~refspec.models.ops.WeightCopy`) when the copies take at
+    most ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (0 turns them off).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
         dtype: parameter dtype (float32, bfloat16, float16).
         device: where the weights go.
+        gemm_plan: the CPU GEMM plan (default: :func:`~refspec.models.calibration.resolve_plan`).
 
     Raises:
         CheckpointError: missing files, or keys that do not match the architecture.
@@ -165,19 +169,23 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     model.init_buffers(device)
     model.eval().requires_grad_(False)
     if model.device.type == "cpu":
-        # decoding on CPUs streams a column-major fp32 copy (one row) or multiplies several rows
-        # of a half-precision model in fp32 faster (see WeightCopy)
-        limit = int(float(os.environ.get("REFSPEC_CPU_WEIGHT_COPIES_GIB", "2")) * 2**30)
-        kind = model.add_weight_copies(limit)
-        if kind:
-            log.info("kept %s copies of the weights for decoding (REFSPEC_CPU_WEIGHT_COPIES_GIB)", kind)
-        elif limit > 0:
-            cost = ("one-row steps run about 1.25x slower" if dtype == torch.float32 else
-                    "products of several rows run on the emulated half-precision kernel, 2.3-4x slower than one row")
-            log.info("no CPU weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; "
-                     "without them %s", model.weight_copy_bytes() / 2**30, limit / 2**30, cost)
+        _plan_cpu_products(model, gemm_plan)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
+
+
+def _plan_cpu_products(model: Transformer, plan: GemmPlan | None) -> None:
+    """Activate the CPU GEMM plan for the model's dtype and keep the copies it reads."""
+    plan = plan if plan is not None else resolve_plan(model.dtype)
+    use_gemm_plan(plan)
+    wanted = plan.copy_kind(model.dtype)
+    limit = int(float(os.environ.get("REFSPEC_CPU_WEIGHT_COPIES_GIB", "2")) * 2**30)
+    kind = model.add_weight_copies(limit, wanted)
+    log.info("CPU GEMM plan: %s; weight copies: %s", plan.describe() or "reference (F.linear)", kind or "none")
+    if wanted and not kind and limit > 0:
+        log.info("no %s weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; the "
+                 "products that would read them run F.linear", wanted, model.weight_copy_bytes(wanted) / 2**30,
+                 limit / 2**30)
 
 
 def save_model(model: Transformer, path: str | Path, extra_config: dict | None = None) -> None:

@@ -9,23 +9,17 @@ import math
 import torch
 import torch.nn.functional as F
 
+from refspec.models.calibration import REFERENCE, GemmPlan
+
 
 class WeightCopy:
-    """A copy of a weight in the layout or dtype a CPU kernel streams fastest, for decoding.
+    """A copy of a weight in the layout or dtype a CPU GEMM form needs (see
+    :mod:`refspec.models.calibration`, which chooses the forms by timing them on the machine).
 
-    Two kinds, both measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's
-    matrices, see the README's CPU notes):
-
-    - ``column`` (fp32 models): a column-major ``[in, out]`` copy. A one-row product streams it
-      about 1.25x faster than a row-major matrix; for 2 or more rows ``(W @ x^T)^T`` on the
-      weight itself is best.
-    - ``fp32`` (bf16/fp16 models): an fp32 ``[out, in]`` copy. CPUs without bf16/fp16 matrix
-      units emulate half-precision products: one row streams the half-precision weight near
-      bandwidth, but 2-8 rows take 2.3-4x as long as one, while an fp32 product of 2-8 rows
-      costs about what one fp32 row does (5 rows: 78 ms bf16 against 40 ms fp32 over the
-      model's matrices). Verification and batched steps multiply through this copy; the
-      result is rounded to the model's dtype, as the half-precision kernel rounds its fp32
-      accumulator, so only the summation order differs.
+    Two kinds: ``column``, a column-major ``[in, out]`` copy in the weight's dtype, and ``fp32``,
+    an fp32 ``[out, in]`` copy of a bf16/fp16 weight whose product is rounded back to the
+    model's dtype (as a half-precision kernel rounds its fp32 accumulator: only the summation
+    order differs).
 
     The copy is used only while the weight is the very tensor it was made from, unmodified
     (same storage, same version counter), and no gradient to it is being recorded; otherwise
@@ -53,35 +47,44 @@ class WeightCopy:
         return self.t if weight._version == self.version else None
 
 
+_plan: GemmPlan = REFERENCE
+
+
+def use_gemm_plan(plan: GemmPlan) -> None:
+    """Make ``plan`` the forms every CPU :func:`linear` takes (one machine, one plan)."""
+    global _plan
+    _plan = plan
+
+
+def gemm_plan() -> GemmPlan:
+    """The plan :func:`linear` follows now."""
+    return _plan
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            copy: WeightCopy | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, with the GEMM layout and dtype chosen for CPUs.
+    """``x @ weight.T + bias`` in the GEMM form the active plan chose for this dtype and row
+    count on CPUs (``F.linear`` elsewhere, and where a form's copy is missing or stale).
 
-    Measured on the project's CPU (torch 2.13, 2 threads, SmolLM2-135M's matrices streamed
-    from memory): in fp32, for 2 to 320 rows ``(W @ x^T)^T`` runs 1.2-2.4x faster than
-    ``F.linear``, and for one row a column-major copy is about 1.25x faster than either; in
-    bf16/fp16, one row runs ``F.linear`` on the weight and 2 or more rows the fp32 copy (see
-    :class:`WeightCopy`). Other devices use ``F.linear``. The result may be a column-major
-    view; later ops accept it as is. The decoder passes 2-D ``[rows, in]`` activations.
+    The result may be a column-major view; later ops accept it as is. The decoder passes 2-D
+    ``[rows, in]`` activations.
     """
     if x.dim() != 2:
         lead = x.shape[:-1]
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, copy).view(*lead, weight.shape[0])
-    if not x.is_cpu:
+    form = _plan.form(x.dtype, x.shape[0]) if x.is_cpu else "linear"
+    if form == "wxt":
+        # (W @ x^T)^T with a row-major x: a column-major x sends some BLAS down a slow path
+        xt = x.contiguous().t()
+        return (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
+    c = copy.of(weight) if form != "linear" and copy is not None and copy.kind == form else None
+    if c is None:
         return F.linear(x, weight, bias)
-    if x.dtype is not torch.float32:
-        if copy is None or x.shape[0] == 1 or copy.kind != "fp32" or (w32 := copy.of(weight)) is None:
-            return F.linear(x, weight, bias)
-        # row-major fp32 rows (see below), one fp32 GEMM, rounded back to the model's dtype
-        xt = x.to(torch.float32, memory_format=torch.contiguous_format).t()
-        out = torch.mm(w32, xt) if bias is None else torch.addmm(bias.float()[:, None], w32, xt)
-        return out.t().to(x.dtype)
-    if copy is not None and x.shape[0] == 1 and copy.kind == "column" and (wt := copy.of(weight)) is not None:
-        return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
-    # x must be row-major: with a column-major x (as this function returns) MKL takes a
-    # 1.7-2.9x slower path for 2-8 rows; copying the few rows is cheap
-    xt = x.contiguous().t()
-    return (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
+    if form == "column":
+        return torch.mm(x, c) if bias is None else torch.addmm(bias, x, c)
+    xt = x.to(torch.float32, memory_format=torch.contiguous_format).t()  # fp32 copy: one fp32 GEMM, rounded back
+    out = torch.mm(c, xt) if bias is None else torch.addmm(bias.float()[:, None], c, xt)
+    return out.t().to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
 from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.layers import Block, Linear, RMSNorm
-from refspec.models.ops import WeightCopy, attention_bias, rope_inv_freq, rope_tables
+from refspec.models.ops import WeightCopy, gemm_plan, attention_bias, rope_inv_freq, rope_tables
 
 
 class Transformer(nn.Module):
@@ -81,19 +81,18 @@ class Transformer(nn.Module):
         return [self.lm_head] + [lin for blk in self.layers
                                  for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
 
-    def weight_copy_bytes(self) -> int:
-        """Memory :meth:`add_weight_copies` would take (both kinds are fp32: 4 bytes an element)."""
-        return 4 * sum(lin.weight.numel() for lin in self._copied_linears())
+    def weight_copy_bytes(self, kind: str = "fp32") -> int:
+        """Memory :meth:`add_weight_copies` would take for copies of ``kind``."""
+        elem = 4 if kind == "fp32" else self.lm_head.weight.element_size()
+        return elem * sum(lin.weight.numel() for lin in self._copied_linears())
 
-    def add_weight_copies(self, max_bytes: int) -> str | None:
-        """Keep a :class:`WeightCopy` of every block matrix and of the LM head for decoding on
-        CPUs: column-major copies for one-row products of an fp32 model, fp32 copies for
-        multi-row products of a bf16/fp16 model. Skipped when the copies would take more than
-        ``max_bytes``; returns the kind made, or None."""
-        kind = "column" if self.dtype == torch.float32 else "fp32"
+    def add_weight_copies(self, max_bytes: int, kind: str | None) -> str | None:
+        """Keep a :class:`WeightCopy` of ``kind`` (what the CPU GEMM plan's forms read) of every
+        block matrix and of the LM head. Skipped when there is no kind or the copies would take
+        more than ``max_bytes``; returns the kind made, or None."""
         lins = self._copied_linears()
-        if self.weight_copy_bytes() > max_bytes or any(lin.weight.is_inference() for lin in lins):
-            return None  # too big, or weights made under inference_mode (no version counter)
+        if kind is None or self.weight_copy_bytes(kind) > max_bytes or any(lin.weight.is_inference() for lin in lins):
+            return None  # nothing to copy, too big, or weights made under inference_mode (no version counter)
         for lin in lins:
             lin._copy = WeightCopy(lin.weight, kind)
         return kind
@@ -106,12 +105,14 @@ class Transformer(nn.Module):
         copy = head.__dict__.get("_copy")
         return copy.kind if copy is not None and copy.of(head.weight) is not None else None
 
-    def multirow_matrix_bytes(self) -> int | None:
-        """Bytes per element its matrices stream in products of 2 or more rows when that
-        differs from the parameter size: 4 where a half-precision model multiplies them through
-        its fp32 copies (on a CPU, see :func:`linear`), else None; for
-        :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`."""
-        return 4 if self.weight_copy_kind == "fp32" else None
+    def multirow_matrix_bytes(self, rows: int | None = None) -> int | None:
+        """Bytes per element its matrices stream in products of 2 or more rows (of ``rows``
+        rows, when given) when that differs from the parameter size: 4 where a half-precision
+        model multiplies them through its fp32 copies (on a CPU, see :func:`linear`), else
+        None; for :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`."""
+        if self.weight_copy_kind != "fp32" or (rows is not None and gemm_plan().form(self.dtype, rows) != "fp32"):
+            return None
+        return 4
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""
@@ -143,7 +144,8 @@ class Transformer(nn.Module):
         return ForwardShape(args=a, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
                             sliding_context_tokens=rows * num_keys if sliding else None,
                             dtype_bytes=torch.finfo(self.dtype).bits // 8, lm_head_tokens=lm_head_tokens,
-                            layers=self.num_layers, matrix_bytes=self.multirow_matrix_bytes())
+                            layers=self.num_layers,
+                            matrix_bytes=self.multirow_matrix_bytes(rows * tokens_per_row))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, *,
                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,

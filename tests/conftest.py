@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# tests run the reference GEMM form (F.linear) unless a test picks a plan: no calibration timing
+os.environ.setdefault("REFSPEC_GEMM_PLAN", "reference")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 
@@ -34,3 +36,13 @@ def tiny_models(tmp_path_factory):
         save_hf(name, d)
         out[name] = load_model(d)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_gemm_plan():
+    """load_model activates a process-wide CPU GEMM plan; each test starts and ends on the same one."""
+    from refspec.models import ops
+
+    before = ops.gemm_plan()
+    yield
+    ops.use_gemm_plan(before)

@@ -184,10 +184,12 @@ def test_weight_copies_are_billed_at_the_bytes_they_stream(tmp_path, monkeypatch
             prompts, max_new_tokens=3)
         return total_cost(meter.windows[0].work).weight_bytes
 
-    copied = load_model(tmp_path, dtype=torch.bfloat16)
+    from tiny import copy_plan
+
+    copied = load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan())
     assert copied.weight_copy_kind == "fp32"
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    plain = load_model(tmp_path, dtype=torch.bfloat16)
+    plain = load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan())
     assert plain.weight_copy_kind is None
     extra = {id(lin): lin._copy.t.nbytes - lin.weight.nbytes for lin in copied._copied_linears()}
     lm_head = extra[id(copied.lm_head)]

@@ -93,3 +93,34 @@ def test_every_form_computes_the_reference_product(dtype, rows):
 
 def test_measure_times_a_real_product():
     assert C.measure("fp32", "one", "linear", repeats=1) > 0
+
+
+@pytest.mark.parametrize("form", ["column", "wxt", "linear"])
+def test_linear_takes_the_plans_form_and_equals_the_reference(form):
+    from refspec.models.ops import WeightCopy, linear, use_gemm_plan
+
+    use_gemm_plan(C.GemmPlan(forms={"fp32": {b: form for b in C.BUCKETS}}, timings_s={}, machine={}))
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    copy = WeightCopy(w, "column")
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.allclose(linear(x, w, b, copy), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    copy.t = torch.zeros_like(copy.t)  # routing: only the column form reads the copy
+    out = linear(torch.randn(1, 64, generator=g), w, None, copy)
+    assert torch.equal(out, torch.zeros(1, 96)) == (form == "column")
+
+
+def test_resolve_plan_reads_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFSPEC_GEMM_PLAN", "reference")
+    assert C.resolve_plan(torch.float32) is C.REFERENCE
+    monkeypatch.setenv("REFSPEC_GEMM_PLAN", "fastest-please")
+    with pytest.raises(ValueError, match="REFSPEC_GEMM_PLAN"):
+        C.resolve_plan(torch.float32)
+    monkeypatch.setenv("REFSPEC_GEMM_PLAN", "auto")
+    monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(C, "measure", lambda d, b, f, repeats=2: {"wxt": 0.5}.get(f, 1.0))
+    plan = C.resolve_plan(torch.float32)
+    assert plan.forms["fp32"] == {"one": "wxt", "few": "wxt", "many": "wxt"}
+    assert C.plan_path(tmp_path, C.machine_key()).exists()
+    assert plan.extra_position_cost(torch.float32) == 1.0

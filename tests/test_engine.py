@@ -167,9 +167,20 @@ def test_ngram_trim_cuts_the_draft_to_the_longest_continuation_in_the_batch():
     assert NgramDrafter(trim=True).propose(_ngram_state([[1, 2, 3], [4, 5, 6]]), 4).tokens.shape == (2, 0)
 
 
-def test_ngram_min_n_auto_drafts_from_two_token_matches_on_cpu():
-    """On CPU tensors the default drafts only from matches of 2+ tokens (a 1-token match is a
-    plain step there); min_n=1 drafts from it; max_n=1 caps the default."""
+def _plan_with_verify_cost(ratio):
+    from refspec.models.calibration import GemmPlan
+
+    forms = {"one": "linear", "few": "linear", "many": "linear"}
+    return GemmPlan(forms={"fp32": forms}, timings_s={"fp32": {"five_over_one": {"ratio": ratio}}}, machine={})
+
+
+def test_ngram_min_n_auto_drafts_from_two_token_matches_where_verification_is_dear():
+    """Where the plan measured verification dear, the default drafts only from matches of 2+
+    tokens (a 1-token match is a plain step there); min_n=1 drafts from it; max_n=1 caps the
+    default."""
+    from refspec.models.ops import use_gemm_plan
+
+    use_gemm_plan(_plan_with_verify_cost(3.0))
     rows = [[7, 8, 9, 1, 7, 8], [5, 3, 4, 3]]  # row 0 matches "7 8", row 1 only "3"
     auto = NgramDrafter(max_n=2, trim=False).propose(_ngram_state(rows), 4).tokens
     assert auto.tolist() == [[9, 1, 7, 8], [3, 3, 3, 3]], "row 1's 1-token match proposes nothing useful"
@@ -179,6 +190,17 @@ def test_ngram_min_n_auto_drafts_from_two_token_matches_on_cpu():
     assert NgramDrafter(max_n=1, trim=True).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.tolist() == [[4, 3]]
     with pytest.raises(DrafterError, match="min_n"):
         NgramDrafter(max_n=2, min_n=3)
+
+
+@pytest.mark.parametrize("ratio, dear", [(None, False), (1.2, False), (3.0, True)])
+def test_ngram_auto_defaults_follow_the_measured_verify_cost(ratio, dear):
+    """trim and min_n default from the plan's measured 5-row/1-row cost, not the device kind."""
+    from refspec.models.calibration import REFERENCE
+    from refspec.models.ops import use_gemm_plan
+
+    use_gemm_plan(REFERENCE if ratio is None else _plan_with_verify_cost(ratio))
+    one_token_match = NgramDrafter(max_n=2).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.tolist()
+    assert one_token_match == ([[]] if dear else [[4, 3, 3, 3]]), "dear: trimmed to the empty plain step"
 
 
 def test_ngram_trimming_changes_no_token_and_verifies_fewer_positions(tiny_models):

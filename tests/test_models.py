@@ -79,8 +79,10 @@ def test_column_copies_follow_weight_changes(tmp_path):
     used."""
     from tiny import save_hf
 
+    from tiny import copy_plan
+
     save_hf("llama", tmp_path)
-    model = load_model(tmp_path)
+    model = load_model(tmp_path, gemm_plan=copy_plan())
     attn = model.layers[0].attn
     assert model.lm_head._copy is not None and attn.wqkv._copy is not None and attn.wo._copy is not None
     toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -133,9 +135,10 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     rows through them (one row still runs the half-precision kernel): each product is the
     half-precision kernel's up to one rounding step, and the model's logits match a load
     without copies to half-precision accuracy; with the copies turned off none are made."""
-    from tiny import save_hf
-    from refspec.models.ops import WeightCopy, linear
+    from tiny import copy_plan, save_hf
+    from refspec.models.ops import WeightCopy, linear, use_gemm_plan
 
+    use_gemm_plan(copy_plan())
     g = torch.Generator().manual_seed(5)
     w = torch.randn(96, 64, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)
@@ -163,11 +166,11 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     with torch.no_grad():
         assert torch.equal(linear(x, w, None, copy), torch.zeros(2, 96, dtype=dtype))
     save_hf("qwen2", tmp_path)  # q/k/v bias: the addmm branch
-    model = load_model(tmp_path, dtype=dtype)
+    model = load_model(tmp_path, dtype=dtype, gemm_plan=copy_plan())
     assert all(lin._copy is not None and lin._copy.kind == "fp32"
                for lin in (model.lm_head, model.layers[0].attn.wqkv, model.layers[0].mlp.down))
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    plain = load_model(tmp_path, dtype=dtype)
+    plain = load_model(tmp_path, dtype=dtype, gemm_plan=copy_plan())
     assert plain.lm_head._copy is None and plain.layers[0].attn.wqkv._copy is None
     # the cost model is told what the kernels stream: fp32 copies for several rows, else dtype
     from refspec.engine import Engine
@@ -245,8 +248,11 @@ def test_config_round_trip():
 def test_weight_copy_kind_reports_what_the_model_keeps(tmp_path, monkeypatch):
     from tiny import save_hf
 
+    from tiny import copy_plan
+
     save_hf("llama", tmp_path)
-    assert load_model(tmp_path).weight_copy_kind == "column"
-    assert load_model(tmp_path, dtype=torch.bfloat16).weight_copy_kind == "fp32"
+    assert load_model(tmp_path, gemm_plan=copy_plan()).weight_copy_kind == "column"
+    assert load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan()).weight_copy_kind == "fp32"
+    assert load_model(tmp_path, dtype=torch.bfloat16).weight_copy_kind is None, "the reference plan keeps none"
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    assert load_model(tmp_path, dtype=torch.bfloat16).weight_copy_kind is None
+    assert load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan()).weight_copy_kind is None

@@ -60,3 +60,13 @@ def save_hf(name: str, path: Path, seed: int = 0):
 
 def tiny_args(name: str) -> ModelArgs:
     return ModelArgs.from_hf_config(TINY_HF[name])
+
+
+def copy_plan():
+    """A CPU GEMM plan with weight copies: column-major for one fp32 row, (W x^T)^T for several;
+    F.linear for one half-precision row, fp32 copies for several."""
+    from refspec.models.calibration import GemmPlan
+
+    half = {"one": "linear", "few": "fp32", "many": "fp32"}
+    return GemmPlan(forms={"fp32": {"one": "column", "few": "wxt", "many": "wxt"}, "bf16": half, "fp16": half},
+                    timings_s={}, machine={})

@@ -110,6 +110,11 @@ class DraftModelDrafter:
         return DrafterModel(name="draft-model", args=args)
 
 
+def default_draft_model(target) -> str:
+    """The draft model used when none is given: Qwen2.5-Coder-0.5B for Qwen targets, else ``self:L/4``."""
+    return "qwen2.5-coder-0.5b" if target.args.family == "qwen2" else f"self:{max(1, target.num_layers // 4)}"
+
+
 def register_builtin(register) -> None:
     """Register ``draft-model`` (option ``draft_model``: a model id, a directory, or ``self:N``
     for the target's first N layers; default: Qwen2.5-Coder-0.5B for Qwen targets, else
@@ -118,8 +123,7 @@ def register_builtin(register) -> None:
     def build(ctx):
         spec = ctx.options.get("draft_model")
         if spec is None:
-            spec = "qwen2.5-coder-0.5b" if ctx.target.args.family == "qwen2" else \
-                f"self:{max(1, ctx.target.num_layers // 4)}"
+            spec = default_draft_model(ctx.target)
         if str(spec).startswith("self:"):
             model = ctx.target.truncated(int(str(spec).split(":", 1)[1]))
             return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)

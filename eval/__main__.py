@@ -1,7 +1,11 @@
 """``python -m refspec.eval``: see :mod:`refspec.eval.cli`."""
 import sys
 
-from refspec.eval.cli import main
+try:
+    from refspec.eval.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the imports run: one line, the usual status
+    print("\ninterrupted", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

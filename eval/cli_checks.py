@@ -1,0 +1,166 @@
+"""Checks of ``python -m refspec.eval`` run/sweep/report flags that need no torch and no model.
+
+They run first, so a bad number, list, combination or path fails in a fraction of a second,
+before anything heavy imports and before ``--out`` is touched. Checks that need torch or the
+drafter registry (device, dtype, drafter names) follow in :func:`refspec.eval.cli_args._build_plan`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Sequence
+
+from refspec.eval.flags import UsageError, check_sampling, finite, int_list, integer
+
+METERS = ("auto", "zeus", "roofline", "time")
+ROOFLINE_PROFILES = ("cpu", "h100", "h100-sxm", "h200", "h200-sxm")
+# The options each built-in drafter reads (its register_builtin); anything else would be stored
+# in the record without having run. ``tree``/``tree_budget`` come from --tree and K.
+BUILTIN_OPTIONS: dict[str, tuple[str, ...]] = {
+    "ngram": ("max_n", "min_n", "trim"),
+    "draft-model": ("draft_model",),
+    "eagle": ("head", "tree", "tree_budget", "tree_topk", "tree_depth"),
+    "eagle3": ("head", "tree", "tree_budget", "tree_topk", "tree_depth"),
+    "block": ("head",),
+}
+
+
+def csv(flag: str, text: str) -> list[str]:
+    """Comma-separated names; an empty list names ``flag``."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"{flag} is empty (got {text!r}); give one or more comma-separated names")
+    return items
+
+
+def parse_drafter_options(items: Sequence[str], draft_model: str | None = None) -> tuple[tuple[str, str], ...]:
+    """``--drafter-option KEY=VALUE`` items (and ``--draft-model``) as sorted pairs."""
+    opts: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--drafter-option expects KEY=VALUE, got {item!r}; e.g. --drafter-option max_n=4")
+        opts[key.strip()] = value.strip()
+    if draft_model is not None:
+        if not draft_model.strip():
+            raise UsageError("--draft-model is empty; give a model id, a directory or self:N")
+        opts["draft_model"] = draft_model
+    return tuple(sorted(opts.items()))
+
+
+def check_drafter_options(drafters: Sequence[str], options: Sequence[tuple[str, str]]) -> None:
+    """Refuse options no listed built-in drafter reads (plug-ins are checked against their class later)."""
+    keys = {k for k, _ in options}
+    if not keys:
+        return
+    takers = [d for d in drafters if d != "none"]
+    if not takers:
+        raise UsageError(f"--drafter-option/--draft-model {sorted(keys)} given without a drafter; add --drafter NAME")
+    for d in takers:
+        if d not in BUILTIN_OPTIONS:
+            continue
+        unknown = sorted(keys - set(BUILTIN_OPTIONS[d]))
+        if "draft_model" in unknown:
+            raise UsageError(f"--draft-model is for --drafter draft-model; drafter {d} takes none "
+                             f"(its options: {', '.join(BUILTIN_OPTIONS[d])})")
+        if unknown:
+            raise UsageError(f"--drafter-option {unknown[0]!r}: drafter {d} does not take it; it takes "
+                             f"{', '.join(BUILTIN_OPTIONS[d])}")
+
+
+def check_meter(meter: str) -> None:
+    kind, sep, profile = meter.partition(":")
+    if kind not in METERS:
+        raise UsageError(f"--meter {meter!r} is unknown; use {', '.join(METERS)} or roofline:PROFILE")
+    if sep and (kind != "roofline" or profile.lower() not in ROOFLINE_PROFILES):
+        raise UsageError(f"--meter {meter!r}: a profile goes with roofline only, one of "
+                         f"{', '.join(ROOFLINE_PROFILES)} (e.g. --meter roofline:h200)")
+
+
+def check_path_for_file(flag: str, path: Path) -> None:
+    """A file ``path`` can be written: not a directory, and no file where a parent folder must be."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file name, e.g. {path / 'acceptance.json'}")
+    check_path_for_dir(flag, path.parent)
+
+
+def check_path_for_dir(flag: str, path: Path) -> None:
+    """``path`` is or can become a writable directory (nothing is created here)."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is an existing file; give a directory")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"{flag} {path}: {probe} is a file, so no directory can be made under it")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {probe} is not writable; choose another place")
+
+
+def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int], list[int] | None]:
+    """Every flag of ``run``/``sweep`` that needs no torch; returns the batches and the K list (None: defaults)."""
+    integer("--num-prompts", args.num_prompts, low=1)
+    integer("--max-new-tokens", args.max_new_tokens, low=1, high=1_000_000)
+    check_sampling(args)
+    if args.latency_target is not None:
+        finite("--latency-target", args.latency_target, low=0, low_open=True, fix="a p99 TPOT in seconds, e.g. 0.05")
+    check_meter(args.meter)
+    if args.threads != "auto":
+        try:
+            threads = int(args.threads)
+        except ValueError:
+            raise UsageError(f"--threads expects a number or auto, got {args.threads!r}") from None
+        integer("--threads", threads, low=1)
+    if sweep:
+        batches = int_list("--batch", args.batch, low=1)
+        ks = int_list("--k", args.k, low=0) if args.k is not None else None
+    else:
+        batches = [integer("--batch", args.batch, low=1)]
+        ks = None if args.k is None else [integer("--k", args.k, low=0)]
+    drafters = csv("--drafter", args.drafter)
+    if not sweep and ks == [0] and drafters != ["none"]:
+        raise UsageError(f"--k 0 with --drafter {args.drafter}: run always adds the no-drafter baseline; give "
+                         f"--k >= 1 for the drafter, or --drafter none for the baseline alone")
+    if not sweep and drafters == ["none"] and ks not in (None, [0]):
+        raise UsageError(f"--k {args.k} needs a drafter: --drafter none is plain decoding (drop --k or name one)")
+    check_drafter_options(drafters, parse_drafter_options(args.drafter_option, args.draft_model))
+    _check_combinations(args, drafters, sweep=sweep)
+    if args.out is not None:
+        check_path_for_dir("--out", args.out)
+    if args.export_acceptance is not None:
+        check_path_for_file("--export-acceptance", args.export_acceptance)
+    return batches, ks
+
+
+def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sweep: bool) -> None:
+    if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
+        raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
+    if args.tree and args.temperature > 0:
+        raise UsageError("--tree supports greedy decoding only: drop --tree or use --temperature 0")
+    if args.accept_model and args.export_acceptance:
+        raise UsageError("--export-acceptance with --accept-model would export the injected distribution; "
+                         "export from a run without injection")
+    if args.accept_model and all(d == "none" for d in drafters):
+        raise UsageError("--accept-model needs a drafter (k >= 1): add --drafter NAME")
+    if args.accept_model and args.tree:
+        raise UsageError("--accept-model injects chain acceptance only; drop --tree")
+    if args.no_baseline and all(d == "none" for d in drafters):
+        raise UsageError("--no-baseline with --drafter none leaves nothing to run")
+    if sweep:
+        integer("--slurm-gpus", args.slurm_gpus, low=0)
+        if args.task_index is not None:
+            integer("--task-index", args.task_index, low=0)
+        if (args.print_sbatch or args.task_index is not None) and args.out is None:
+            raise UsageError("--print-sbatch and --task-index need --out DIR (the tasks share it)")
+
+
+def check_report_flags(args: argparse.Namespace) -> None:
+    if args.latency_target is not None:
+        finite("--latency-target", args.latency_target, low=0, low_open=True, fix="a p99 TPOT in seconds, e.g. 0.05")
+    if not args.dir.is_dir():
+        raise UsageError(f"report {args.dir}: not a directory; give a run or sweep --out directory")
+
+
+__all__ = ["check_run_flags", "check_report_flags", "parse_drafter_options", "check_drafter_options", "csv",
+           "check_path_for_dir", "check_path_for_file", "BUILTIN_OPTIONS", "METERS"]

@@ -149,24 +149,39 @@ def _apply(form: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | Non
     return torch.mm(copy, x.float().t()).t().to(x.dtype)  # fp32
 
 
-def measure(dtype: str, bucket: str, form: str, *, repeats: int = 2) -> float:
-    """Seconds one pass over :data:`WEIGHT_BYTES` of matrices takes in ``form``, summed over the
-    bucket's rows (best of ``repeats``)."""
+def _operands(dtype: str, forms: tuple[str, ...]) -> tuple[list[torch.Tensor], dict[str, list]]:
+    """:data:`WEIGHT_BYTES` of random matrices in ``dtype`` and the copies each form reads."""
     dt, gen = DTYPES[dtype], torch.Generator().manual_seed(0)
     per_set = sum(o * i for o, i in SHAPES) * dt.itemsize
-    weights = [torch.randn(shape, generator=gen).to(dt) for _ in range(-(-WEIGHT_BYTES // per_set)) for shape in SHAPES]
-    copies = [w.t().contiguous() if form == "column" else w.float() if form == "fp32" else None for w in weights]
-    total = 0.0
-    for rows in BUCKET_ROWS[bucket]:
-        xs = [torch.randn(rows, w.shape[1], generator=gen).to(dt) for w in weights]
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first pass warms caches and kernels
-            start = time.perf_counter()
-            for x, w, c in zip(xs, weights, copies):
-                _apply(form, x, w, c)
-            best = min(best, time.perf_counter() - start)
-        total += best
-    return total
+    weights = [torch.randn(s, generator=gen).to(dt) for _ in range(-(-WEIGHT_BYTES // per_set)) for s in SHAPES]
+    copies = {f: [w.t().contiguous() if f == "column" else w.float() if f == "fp32" else None for w in weights]
+              for f in forms}
+    return weights, copies
+
+
+def measure_forms(dtype: str, buckets: dict[str, tuple[str, ...]], *, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Seconds one pass over the matrices takes in each form, summed over each bucket's rows.
+
+    Forms are timed in turn within every repeat (best of ``repeats``), so a burst of load on a
+    shared machine hits them all alike."""
+    all_forms = tuple(dict.fromkeys(f for forms in buckets.values() for f in forms))
+    weights, copies = _operands(dtype, all_forms)
+    gen = torch.Generator().manual_seed(1)
+    out: dict[str, dict[str, float]] = {}
+    for bucket, forms in buckets.items():
+        out[bucket] = dict.fromkeys(forms, 0.0)
+        for rows in BUCKET_ROWS[bucket]:
+            xs = [torch.randn(rows, w.shape[1], generator=gen).to(DTYPES[dtype]) for w in weights]
+            best = dict.fromkeys(forms, float("inf"))
+            for _ in range(repeats + 1):  # the first pass warms caches and kernels
+                for f in forms:
+                    start = time.perf_counter()
+                    for x, w, c in zip(xs, weights, copies[f]):
+                        _apply(f, x, w, c)
+                    best[f] = min(best[f], time.perf_counter() - start)
+            for f in forms:
+                out[bucket][f] += best[f]
+    return out
 
 
 def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
@@ -182,14 +197,20 @@ def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
 
 
 def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None = None) -> GemmPlan:
-    """Time every form for every bucket in each dtype and keep the fastest (see module doc)."""
-    timer = timer or measure
-    timings = {d: {b: {f: timer(d, b, f) for f in FORMS[d] if b != "one" or f != "fp32"} for b in BUCKETS}
-               for d in dtypes}
-    forms = {d: _choose(t) for d, t in timings.items()}
-    for d in dtypes:  # the cost of verifying extra positions, in the forms just chosen
-        one, five = timer(d, "one", forms[d]["one"]), timer(d, "five", forms[d]["few"])
-        timings[d]["five_over_one"] = {"ratio": five / one}
+    """Time every form for every bucket in each dtype and keep the fastest (see module doc);
+    ``timer`` replaces the measurement (tests)."""
+    timings, forms = {}, {}
+    for d in dtypes:
+        candidates = {b: tuple(f for f in FORMS[d] if b != "one" or f != "fp32") for b in BUCKETS}
+        if timer is None:
+            timings[d] = measure_forms(d, candidates)
+        else:
+            timings[d] = {b: {f: timer(d, b, f) for f in fs} for b, fs in candidates.items()}
+        forms[d] = _choose(timings[d])
+        # the cost of verifying extra positions, in the forms just chosen
+        chosen = {"one": (forms[d]["one"],), "five": (forms[d]["few"],)}
+        t = measure_forms(d, chosen) if timer is None else {b: {f: timer(d, b, f) for f in fs} for b, fs in chosen.items()}
+        timings[d]["five_over_one"] = {"ratio": t["five"][forms[d]["few"]] / t["one"][forms[d]["one"]]}
     return GemmPlan(forms=forms, timings_s=timings, machine=machine_key())
 
 

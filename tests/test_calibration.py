@@ -91,8 +91,9 @@ def test_every_form_computes_the_reference_product(dtype, rows):
         assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()), form
 
 
-def test_measure_times_a_real_product():
-    assert C.measure("fp32", "one", "linear", repeats=1) > 0
+def test_measure_times_real_products():
+    t = C.measure_forms("fp32", {"one": ("linear", "column")}, repeats=1)
+    assert t["one"]["linear"] > 0 and t["one"]["column"] > 0
 
 
 @pytest.mark.parametrize("form", ["column", "wxt", "linear"])
@@ -119,7 +120,8 @@ def test_resolve_plan_reads_the_environment(tmp_path, monkeypatch):
         C.resolve_plan(torch.float32)
     monkeypatch.setenv("REFSPEC_GEMM_PLAN", "auto")
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(C, "measure", lambda d, b, f, repeats=2: {"wxt": 0.5}.get(f, 1.0))
+    monkeypatch.setattr(C, "measure_forms", lambda d, buckets: {b: {f: {"wxt": 0.5}.get(f, 1.0) for f in fs}
+                                                                 for b, fs in buckets.items()})
     plan = C.resolve_plan(torch.float32)
     assert plan.forms["fp32"] == {"one": "wxt", "few": "wxt", "many": "wxt"}
     assert C.plan_path(tmp_path, C.machine_key()).exists()

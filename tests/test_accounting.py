@@ -253,7 +253,7 @@ def test_ledger_refuses_a_repeated_step_and_phase_in_one_run(tmp_path):
         with pytest.raises(LedgerError, match="already written"):
             led.begin_run("gen1")
     records = read_ledger(path)
-    assert led.run_ids == ["gen1", "gen2"] and len(records) == 2 + 3 + 1
+    assert led.run_ids == ["gen1", "gen2"] and len(records) == 2 + 3 + 1 + 2, "headers, phases, two end records"
     assert account(records, run_id="gen1").total_energy_j == 3.0, "the refused event was not written"
     assert account(records, run_id="gen2").total_energy_j == 9.0
     assert issubclass(RepeatedPhaseError, LedgerError)
@@ -277,7 +277,7 @@ def test_read_ledger_from_an_offset_reads_what_one_ledger_wrote(tmp_path):
     led.close()
     assert led.start_offset > 0
     later = read_ledger(path, offset=led.start_offset)
-    assert not later.corrupt and [r["run_id"] for r in later] == ["later", "later"]
+    assert not later.corrupt and [r["run_id"] for r in later] == ["later"] * 3  # header, phase, end
     assert len(read_ledger(path).corrupt) == 1, "the cut line stays reported in the whole file"
 
 
@@ -293,7 +293,8 @@ def test_ledger_round_trip_with_modelled_work(tmp_path):
     with Ledger(tmp_path / "l.jsonl", run_id="r1", labels={"model": "tiny"}, meter_source="measured:fake-counter",
                 idle_w=3.0) as led:
         led(event)
-    header, rec = read_ledger(tmp_path / "l.jsonl")
+    header, rec, end = read_ledger(tmp_path / "l.jsonl")
+    assert end["kind"] == "end" and end["status"] == "complete" and header["ends"] is True
     assert header["kind"] == "run" and header["labels"] == {"model": "tiny"} and header["idle_w"] == 3.0
     assert set(rec) == set(SCHEMA)
     cost = forward_cost(shape)
@@ -320,12 +321,12 @@ def test_corrupt_lines_are_reported_by_number(tmp_path, caplog):
         fh.write('{"kind": "phase", "version": 1, "step": 9, "pha')  # truncated by a crash
     with caplog.at_level(logging.WARNING, logger="refspec.energy.ledger"):
         records = read_ledger(path)
-    assert len(records) == 11  # header + 10 phases survive
-    assert [n for n, _ in records.corrupt] == [12, 13, 14]
+    assert len(records) == 12  # header + 10 phases + end survive
+    assert [n for n, _ in records.corrupt] == [13, 14, 15]
     assert "missing fields" in records.corrupt[1][1]
-    assert "line 12" in caplog.text and "line 14" in caplog.text
+    assert "line 13" in caplog.text and "line 15" in caplog.text
     assert account(records).total_energy_j == 252.0
-    with pytest.raises(LedgerError, match="line 12"):
+    with pytest.raises(LedgerError, match="line 13"):
         read_ledger(path, strict=True)
     with pytest.raises(LedgerError, match="no ledger"):
         read_ledger(tmp_path / "missing.jsonl")

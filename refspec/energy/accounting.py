@@ -327,6 +327,10 @@ def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dic
     phases = [r for r in records if r.get("kind", "phase") == "phase" and r.get("run_id") == run_id]
     if not phases:
         raise AccountingError(f"no phase records for run {run_id!r}")
+    from refspec.energy.ledger import unfinished_runs
+
+    if run_id in (gone := unfinished_runs(records)):  # a partial run would count a fraction of a generation
+        raise AccountingError(f"run {run_id!r} did not finish ({gone[run_id]}); its records are not counted")
     return run_id, header, phases
 
 

@@ -17,6 +17,11 @@ would be merged into the first by the accounting, so the ledger refuses it
 Records are flushed to disk after every write, so a crashed run keeps every finished phase; a
 ledger opened for appending first ends a line a crash cut short, and :func:`read_ledger`
 reports (and skips) corrupt or truncated lines by line number.
+
+A run ends with one ``"end"`` record saying whether it completed or was aborted (an exception or
+Ctrl-C inside the ledger's ``with``); a run whose header promises an end (``ends``) and has none
+was killed. :attr:`LedgerRecords.unfinished` names both kinds, and :func:`finished` drops them,
+so totals over a whole file count only runs that completed.
 """
 from __future__ import annotations
 
@@ -45,8 +50,19 @@ RUN_SCHEMA: dict[str, str] = {
     "idle_w": "idle power in W for net-of-idle accounting: measured on GPU, the profile's value when "
               "modelled (float or null)",
     "labels": "free-form configuration: model, drafter, k, batch, corpus, dtype, clocks ... (object)",
+    "ends": "true when the run will be closed by an end record; without one it did not finish (bool)",
 }
 """Fields of the run header record, name -> description."""
+
+END_SCHEMA: dict[str, str] = {
+    "kind": '"end": the last record of one run',
+    "version": "ledger format version (int)",
+    "run_id": "the run that ended (str)",
+    "status": "complete | aborted (str)",
+    "reason": "why an aborted run stopped, e.g. KeyboardInterrupt (str or null)",
+    "created_unix_s": "wall-clock time of the end, seconds since the epoch (float)",
+}
+"""Fields of a run's end record, name -> description."""
 
 SCHEMA: dict[str, str] = {
     "kind": '"phase": one phase of one step',
@@ -153,6 +169,7 @@ class Ledger:
         self._idle_w = idle_w
         self.records_written = 0
         self.run_ids: list[str] = []
+        self._open_run: str | None = None
         self._seen: set[tuple[int, str]] = set()
         self.begin_run(run_id or uuid.uuid4().hex[:12], labels=labels)
 
@@ -164,12 +181,24 @@ class Ledger:
         """
         if run_id in self.run_ids:
             raise LedgerError(f"run {run_id!r} was already written to {self.path}; give each run its own id")
+        self.end_run()
         self._write({"kind": "run", "version": LEDGER_VERSION, "run_id": run_id,
                      "created_unix_s": time.time(), "meter_source": self._meter_source, "idle_w": self._idle_w,
-                     "labels": dict(labels or {})})
+                     "labels": dict(labels or {}), "ends": True})
         self.run_id = run_id
         self.run_ids.append(run_id)
+        self._open_run = run_id
         self._seen = set()
+
+    def end_run(self, status: str = "complete", reason: str | None = None) -> None:
+        """Close the current run with an end record (idempotent; :meth:`begin_run` and :meth:`close` call it)."""
+        if self._open_run is None or self._fh is None:
+            return
+        if status not in ("complete", "aborted"):
+            raise ValueError(f"status must be 'complete' or 'aborted', got {status!r}")
+        self._write({"kind": "end", "version": LEDGER_VERSION, "run_id": self._open_run, "status": status,
+                     "reason": reason, "created_unix_s": time.time()})
+        self._open_run = None
 
     def _write(self, record: Mapping[str, Any]) -> None:
         if self._fh is None:
@@ -193,17 +222,21 @@ class Ledger:
         self._seen.add(key)
         self.records_written += 1
 
-    def close(self) -> None:
-        """Flush and close the file (idempotent)."""
+    def close(self, status: str = "complete", reason: str | None = None) -> None:
+        """End the current run with ``status``, flush and close the file (idempotent)."""
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            try:
+                self.end_run(status, reason)
+            finally:
+                self._fh.close()
+                self._fh = None
 
     def __enter__(self) -> "Ledger":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # an exception or Ctrl-C inside the block: the run did not finish and must not be counted
+        self.close("aborted" if exc_type is not None else "complete", exc_type.__name__ if exc_type else None)
 
 
 class LedgerRecords(list):
@@ -219,6 +252,35 @@ class LedgerRecords(list):
         self.corrupt = corrupt
         self.path = path
 
+    @property
+    def unfinished(self) -> dict[str, str]:
+        """Runs that did not complete, run id -> ``aborted`` (end record says so) or ``killed`` (no end record)."""
+        return unfinished_runs(self)
+
+
+def unfinished_runs(records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Run id -> ``aborted`` or ``killed`` for every run of ``records`` that did not complete.
+
+    Runs written before end records existed (headers without ``ends``) count as complete.
+    """
+    promised: list[str] = []
+    ends: dict[str, str] = {}
+    for r in records:
+        if r.get("kind") == "run" and r.get("ends"):
+            promised.append(str(r["run_id"]))
+        elif r.get("kind") == "end":
+            ends[str(r["run_id"])] = str(r.get("status"))
+    out = {rid: "killed" for rid in promised if rid not in ends}
+    out.update({rid: "aborted" for rid, status in ends.items() if status != "complete"})
+    return out
+
+
+def finished(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``records`` without those of unfinished runs: what totals over a whole ledger may sum."""
+    records = list(records)
+    drop = unfinished_runs(records)
+    return [r for r in records if r.get("run_id") not in drop]
+
 
 def _problem(record: Any) -> str | None:
     if not isinstance(record, dict):
@@ -228,6 +290,8 @@ def _problem(record: Any) -> str | None:
     kind = record.get("kind")
     if kind == "run":
         return None if "run_id" in record else "run header without run_id"
+    if kind == "end":
+        return None if "run_id" in record and "status" in record else "end record without run_id or status"
     if kind != "phase":
         return f"unknown kind {kind!r}"
     missing = [f for f in _REQUIRED if f not in record]
@@ -282,4 +346,4 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: i
 
 
 __all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA",
-           "LEDGER_VERSION", "read_ledger", "phase_record"]
+           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "finished"]

@@ -254,11 +254,11 @@ def _strip(argv: Sequence[str], flags: Sequence[str], options: Sequence[str]) ->
 
 
 def _report(args: argparse.Namespace) -> int:
+    check_report_flags(args)
     from refspec.eval.report import format_table, write_report
     from refspec.eval.sweep import (LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, attach_baselines, read_records,
                                     records_files, write_json_atomic)
 
-    check_report_flags(args)
     out_dir: Path = args.dir
     files = records_files(out_dir)
     if not files:

@@ -283,6 +283,7 @@ def _check_meter_device(meter: str, device: "torch.device") -> None:
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
     batches, ks = check_run_flags(args, sweep=sweep)
+    corpora = _check_corpora(csv("--corpus", args.corpus))  # before torch: the corpus catalogue is light
     from refspec.drafters import registry
     from refspec.eval.run import RunConfig
     from refspec.eval.runtime import pick_device
@@ -291,7 +292,6 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     device = pick_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
     _check_meter_device(args.meter, device)
-    corpora = _check_corpora(csv("--corpus", args.corpus))
     options = parse_drafter_options(args.drafter_option, args.draft_model)
     drafters = _check_drafters(csv("--drafter", args.drafter), options)
     check_drafter_options(drafters, options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -119,6 +120,11 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         batches = [integer("--batch", args.batch, low=1)]
         ks = None if args.k is None else [integer("--k", args.k, low=0)]
     drafters = csv("--drafter", args.drafter)
+    csv("--corpus", args.corpus)
+    if args.dtype.lower() not in ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"):
+        raise UsageError(f"--dtype {args.dtype!r} is unknown; use auto, fp32, bf16 or fp16")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise UsageError(f"--device {args.device!r} is not a device; use auto, cpu, cuda or cuda:N")
     if not sweep and ks == [0] and drafters != ["none"]:
         raise UsageError(f"--k 0 with --drafter {args.drafter}: run always adds the no-drafter baseline; give "
                          f"--k >= 1 for the drafter, or --drafter none for the baseline alone")

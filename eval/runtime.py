@@ -76,13 +76,21 @@ def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress
     from refspec.assets import resolve_model
     from refspec.models import load_model
 
-    path = resolve_model(name, progress=progress)
-    model = load_model(path, dtype=dtype, device=device)
-    tok = None
-    if (path / "tokenizer.json").exists():
-        from refspec.assets.tokenizer import load_tokenizer
+    from refspec.assets import AssetError
+    from refspec.assets.tokenizer import TokenizerError
+    from refspec.config import ConfigError
+    from refspec.models.loading import CheckpointError
 
-        tok = load_tokenizer(path)
+    try:
+        path = resolve_model(name, progress=progress)
+        model = load_model(path, dtype=dtype, device=device)
+        tok = None
+        if (path / "tokenizer.json").exists():
+            from refspec.assets.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(path)
+    except (AssetError, CheckpointError, ConfigError, TokenizerError) as exc:  # the user's files: say which flag named them
+        raise UsageError(f"--model {name}: {exc}") from exc
     return LoadedTarget(name=name, path=path, model=model, tokenizer=tok)
 
 

@@ -1,0 +1,206 @@
+"""Bad inputs through the real command lines, one subprocess each: exit 2, one line naming the flag.
+
+Each case runs ``python -m refspec.eval ...`` as a user would and asserts: exit status 2, exactly
+one ``error:`` line on stderr naming the flag (or file) at fault, no traceback, and nothing left
+behind (no ``--out`` directory, no rewritten summary). Cases that fail before a model loads must
+print nothing else; they exit before torch is imported, so each takes a fraction of a second.
+Cases that need the model (corrupt checkpoints, context limits) may log before the error line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HUGE = str(2**64)
+# (id, argv after ``python -m refspec.eval``, text the error line must hold, loads the model)
+# ``{model}``, ``{prompts}``, ``{file}``, ``{dir}`` ... are filled from the ``inputs`` fixture;
+# run/sweep/roofline cases get ``--out {out}`` appended, which must not exist afterwards.
+RUN = ["--model", "{model}", "--corpus", "{prompts}", "--no-progress", "--no-warmup"]
+LOADS = [*RUN, "--meter", "time"]  # the time meter needs no bandwidth measurement before the model loads
+CASES: list[tuple[str, list[str], str, bool]] = [
+    ("temperature-nan", [*RUN, "--temperature", "nan"], "--temperature", False),
+    ("temperature-negative", [*RUN, "--temperature", "-1"], "--temperature", False),
+    ("top-p-zero", [*RUN, "--top-p", "0"], "--top-p", False),
+    ("top-p-above-one", [*RUN, "--top-p", "1.5"], "--top-p", False),
+    ("top-k-negative", [*RUN, "--top-k", "-1"], "--top-k", False),
+    ("seed-2-64", [*RUN, "--seed", HUGE], "--seed", False),
+    ("seed-negative", [*RUN, "--seed", "-1"], "--seed", False),
+    ("latency-nan", [*RUN, "--latency-target", "nan"], "--latency-target", False),
+    ("latency-negative", [*RUN, "--latency-target", "-0.5"], "--latency-target", False),
+    ("latency-inf", [*RUN, "--latency-target", "inf"], "--latency-target", False),
+    ("num-prompts-zero", [*RUN, "--num-prompts", "0"], "--num-prompts", False),
+    ("max-new-tokens-zero", [*RUN, "--max-new-tokens", "0"], "--max-new-tokens", False),
+    ("batch-zero", [*RUN, "--batch", "0"], "--batch", False),
+    ("k-negative", [*RUN, "--k", "-1"], "--k", False),
+    ("k-zero-with-drafter", [*RUN, "--drafter", "ngram", "--k", "0"], "--k 0", False),
+    ("k-without-drafter", [*RUN, "--drafter", "none", "--k", "4"], "--k 4", False),
+    ("option-unknown", [*RUN, "--drafter-option", "colour=blue"], "--drafter-option 'colour'", False),
+    ("option-misspelt", [*RUN, "--drafter-option", "max-n=1"], "--drafter-option 'max-n'", False),
+    ("option-no-value", [*RUN, "--drafter-option", "max_n"], "--drafter-option", False),
+    ("draft-model-for-ngram", [*RUN, "--draft-model", "self:1"], "--draft-model", False),
+    ("meter-unknown", [*RUN, "--meter", "bogus"], "--meter", False),
+    ("meter-profile-unknown", [*RUN, "--meter", "roofline:a100"], "--meter", False),
+    ("meter-profile-on-time", [*RUN, "--meter", "time:cpu"], "--meter", False),
+    ("threads-zero", [*RUN, "--threads", "0"], "--threads", False),
+    ("threads-word", [*RUN, "--threads", "many"], "--threads", False),
+    ("tree-with-ngram", [*RUN, "--tree"], "--tree", False),
+    ("tree-sampling", [*RUN, "--drafter", "eagle", "--tree", "--temperature", "0.5"], "--tree", False),
+    ("export-with-injection", [*RUN, "--accept-model", "geometric:0.5", "--export-acceptance", "{new}/a.json"],
+     "--export-acceptance", False),
+    ("inject-without-drafter", [*RUN, "--drafter", "none", "--accept-model", "geometric:0.5"], "--accept-model", False),
+    ("out-is-a-file", [*RUN, "--out", "{file}"], "--out", False),
+    ("out-under-a-file", [*RUN, "--out", "{file}/sub"], "--out", False),
+    ("export-is-a-dir", [*RUN, "--export-acceptance", "{dir}"], "--export-acceptance", False),
+    ("batch-not-int", [*RUN, "--batch", "x"], "--batch", False),
+    ("unknown-flag", [*RUN, "--bogus-flag"], "--bogus-flag", False),
+    ("nothing-to-run", [*RUN, "--drafter", "none", "--no-baseline"], "--no-baseline", False),
+    ("corpus-empty", [*RUN, "--corpus", ","], "--corpus", False),
+    ("device-garbage", [*RUN, "--device", "toaster"], "--device", False),
+    ("dtype-unknown", [*RUN, "--dtype", "int3"], "--dtype", False),
+    ("drafter-unknown", [*RUN, "--drafter", "no-such-drafter"], "--drafter", False),
+    ("corpus-unknown", [*RUN, "--corpus", "no-such-corpus"], "--corpus", False),
+    ("accept-model-missing", [*RUN, "--accept-model", "{new}/acc.json"], "--accept-model", False),
+    ("sweep-batch-empty", ["sweep", *RUN, "--batch", ","], "--batch", False),
+    ("sweep-batch-zero", ["sweep", *RUN, "--batch", "0,1"], "--batch", False),
+    ("sweep-k-negative", ["sweep", *RUN, "--k", "0,-2"], "--k", False),
+    ("sweep-slurm-gpus", ["sweep", *RUN, "--slurm-gpus", "-1"], "--slurm-gpus", False),
+    ("sweep-task-outside", ["sweep", *RUN, "--task-index", "99"], "--task-index", False),
+    ("report-latency-nan", ["report", "{report}", "--latency-target", "nan"], "--latency-target", False),
+    ("report-latency-negative", ["report", "{report}", "--latency-target", "-0.5"], "--latency-target", False),
+    ("report-not-a-dir", ["report", "{new}"], "report", False),
+    ("report-unknown-version", ["report", "{report_v99}"], "record_version", False),
+    ("report-missing-fields", ["report", "{report_short}"], "lacks", False),
+    ("generate-temperature-nan", ["generate", "--model", "{model}", "--temperature", "nan"], "--temperature", False),
+    ("generate-seed-2-64", ["generate", "--model", "{model}", "--seed", HUGE], "--seed", False),
+    ("generate-k-without-drafter", ["generate", "--model", "{model}", "--k", "4"], "--k 4", False),
+    ("generate-k-zero", ["generate", "--model", "{model}", "--drafter", "ngram", "--k", "0"], "--k", False),
+    ("generate-draft-model-for-ngram", ["generate", "--model", "{model}", "--drafter", "ngram", "--draft-model",
+                                        "self:1"], "--draft-model", False),
+    ("generate-budget-zero", ["generate", "--model", "{model}", "--max-new-tokens", "0"], "--max-new-tokens", False),
+    ("generate-prompt-not-text", ["generate", "--model", "{model}", "--prompts-file", "{number_prompt}"],
+     "--prompts-file", False),
+    ("generate-prompts-missing", ["generate", "--model", "{model}", "--prompts-file", "{new}"], "--prompts-file", False),
+    ("generate-dtype", ["generate", "--model", "{model}", "--dtype", "int8"], "--dtype", False),
+    ("roofline-context", ["roofline", "--context", "-100"], "--context", False),
+    ("roofline-dtype-bytes-zero", ["roofline", "--dtype-bytes", "0"], "--dtype-bytes", False),
+    ("roofline-dtype-bytes-negative", ["roofline", "--dtype-bytes", "-2"], "--dtype-bytes", False),
+    ("roofline-batch-empty", ["roofline", "--batch", ","], "--batch", False),
+    ("roofline-batch-zero", ["roofline", "--batch", "0,1"], "--batch", False),
+    ("roofline-k-negative", ["roofline", "--k", "-1"], "--k", False),
+    ("roofline-fraction-word", ["roofline", "--drafter", "fraction:abc"], "--drafter", False),
+    ("roofline-acceptance", ["roofline", "--acceptance", "2"], "--acceptance", False),
+    ("roofline-gpu", ["roofline", "--gpu", "a100"], "--gpu", False),
+    ("roofline-out-file", ["roofline", "--out", "{file}"], "--out", False),
+    ("roofline-out-under-file", ["roofline", "--out", "{file}/x"], "--out", False),
+    ("assets-verify-file", ["assets", "verify", "{file}"], "assets verify", False),
+    ("assets-convert-missing", ["assets", "convert", "{new}.gguf", "{new}"], "assets convert", False),
+    ("truncated-safetensors", [*LOADS, "--model", "{truncated}"], "--model", True),
+    ("garbage-safetensors", [*LOADS, "--model", "{garbage}"], "--model", True),
+    ("index-without-weight-map", [*LOADS, "--model", "{no_weight_map}"], "--model", True),
+    ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "w3 w4"], "--model", True),
+    ("budget-beyond-context", [*LOADS, "--max-new-tokens", "100000"], "--max-new-tokens 100000", True),
+    ("sweep-k-beyond-context", ["sweep", *LOADS, "--max-new-tokens", "4", "--k", "0,2,9000", "--batch", "1"],
+     "--max-new-tokens 4 (--k 9000", True),
+]
+
+
+def _write_model_copy(src: Path, dst: Path, weights: bytes | None, index: dict | None = None) -> Path:
+    dst.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    if weights is not None:
+        (dst / "model.safetensors").write_bytes(weights)
+    if index is not None:
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def _report_dir(root: Path, name: str, record: dict) -> Path:
+    folder = root / name
+    folder.mkdir()
+    (folder / "records.jsonl").write_text(json.dumps(record) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """A tiny random llama with a tokenizer, made once, and the broken files the cases point at."""
+    from test_eval_cli import _make_tokenizer
+    from tiny import save_hf
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    model = root / "model"
+    model.mkdir()
+    save_hf("llama", model)
+    _make_tokenizer(model)
+    weights = (model / "model.safetensors").read_bytes()
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "w3 w4 w5 w6 w7 w8", "kind": "code"}) + "\n" for _ in range(2)))
+    (root / "file.txt").write_text("a regular file\n")
+    (root / "emptydir").mkdir()
+    (root / "number_prompt.jsonl").write_text(json.dumps({"prompt": 5}) + "\n")
+    record = {"record_version": 2, "status": "ok", "config_id": "none-k0-b1-x-0"}
+    return {
+        "model": str(model), "prompts": str(prompts), "file": str(root / "file.txt"), "dir": str(root / "emptydir"),
+        "number_prompt": str(root / "number_prompt.jsonl"),
+        "truncated": str(_write_model_copy(model, root / "truncated", weights[: len(weights) // 2])),
+        "garbage": str(_write_model_copy(model, root / "garbage", b"garbage!" * 64)),
+        "no_weight_map": str(_write_model_copy(model, root / "no_weight_map", None, {"metadata": {}})),
+        "report": str(_report_dir(root, "report", record)),
+        "report_v99": str(_report_dir(root, "report_v99", {**record, "record_version": 99})),
+        "report_short": str(_report_dir(root, "report_short", record)),
+    }
+
+
+def _argv(case: list[str], inputs: dict[str, str], out: Path, new: Path) -> list[str]:
+    argv = [a.format(**inputs, out=out, new=new) for a in case]
+    if argv[0] not in ("report", "generate", "assets") and "--out" not in case:
+        argv += ["--out", str(out)]
+    return argv
+
+
+def _snapshot(inputs: dict[str, str]) -> dict[str, list[str]]:
+    """What the shared inputs hold, to show a case left nothing in them."""
+    return {k: sorted(os.listdir(v)) if os.path.isdir(v) else [] for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case, inputs, tmp_path):
+    name, template, needle, loads = case
+    out, new = tmp_path / "out", tmp_path / "new"
+    before = _snapshot(inputs)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REFSPEC_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-m", "refspec.eval", *_argv(template, inputs, out, new)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    lines = [ln for ln in proc.stderr.split("\n") if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert proc.returncode == 2, f"{name}: exit {proc.returncode}, stderr: {proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, f"{name}: a traceback reached the user"
+    assert len(errors) == 1 and needle in errors[0], f"{name}: expected one error line with {needle!r}: {lines}"
+    if not loads:
+        assert lines == errors, f"{name}: a failure before the model loads prints only its line: {lines}"
+    assert not out.exists() and not new.exists(), f"{name}: left {out} or {new} behind"
+    assert _snapshot(inputs) == before, f"{name}: wrote into the shared inputs"
+
+
+def test_zeus_without_a_gpu_suggests_the_roofline_meter(inputs, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: zeus can run")
+    proc = subprocess.run([sys.executable, "-m", "refspec.eval", *_argv([*RUN, "--meter", "zeus"], inputs,
+                                                                         tmp_path / "out", tmp_path / "new")],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--meter roofline" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_table_covers_every_command_and_at_least_40_inputs():
+    commands = {c[1][0] if c[1][0] in ("sweep", "report", "generate", "roofline", "assets") else "run" for c in CASES}
+    assert commands == {"run", "sweep", "report", "generate", "roofline", "assets"}
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)

@@ -325,12 +325,12 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
 def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dict[str, Any] | None, list[Record]]:
     header = next((dict(r) for r in records if r.get("kind") == "run" and r.get("run_id") == run_id), None)
     phases = [r for r in records if r.get("kind", "phase") == "phase" and r.get("run_id") == run_id]
-    if not phases:
-        raise AccountingError(f"no phase records for run {run_id!r}")
     from refspec.energy.ledger import unfinished_runs
 
     if run_id in (gone := unfinished_runs(records)):  # a partial run would count a fraction of a generation
         raise AccountingError(f"run {run_id!r} did not finish ({gone[run_id]}); its records are not counted")
+    if not phases:
+        raise AccountingError(f"no phase records for run {run_id!r}")
     return run_id, header, phases
 
 

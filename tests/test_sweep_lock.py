@@ -1,0 +1,128 @@
+"""Results never mix: an ``--out`` holds one sweep definition, one running invocation, and a ledger
+that tells aborted runs from complete ones."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from refspec.energy.accounting import AccountingError, pool_runs
+from refspec.energy.ledger import Ledger, finished, read_ledger, unfinished_runs
+from refspec.eval import cli
+from refspec.eval.outdir import LOCK, claimed
+from test_eval_cli import QUIET, one_thread, tiny  # noqa: F401  (fixtures)
+
+
+def _sweep(tiny, out: Path, budget: int = 4, *extra: str) -> list[str]:
+    return ["sweep", "--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--batch", "1", "--k", "0,2",
+            "--drafter", "ngram", "--num-prompts", "1", "--max-new-tokens", str(budget), "--meter", "time", *QUIET,
+            "--out", str(out), *extra]
+
+
+def _errors(err: str) -> list[str]:
+    return [ln for ln in err.split("\n") if ln.startswith("error:")]
+
+
+def test_changed_definition_is_refused_and_force_starts_a_subfolder(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(_sweep(tiny, out, 4)) == 0
+    records = (out / "records.jsonl").read_text()
+    meta = (out / "sweep.json").read_text()
+    capsys.readouterr()
+    assert cli.main(_sweep(tiny, out, 3)) == 2, "another budget into the same --out would mix two sweeps"
+    errors = _errors(capsys.readouterr().err)
+    assert len(errors) == 1 and "holds a different sweep" in errors[0] and "--force" in errors[0]
+    assert (out / "records.jsonl").read_text() == records and (out / "sweep.json").read_text() == meta
+    assert cli.main(_sweep(tiny, out, 3, "--force")) == 0
+    subs = [p for p in out.iterdir() if p.name.startswith("sweep-")]
+    assert len(subs) == 1 and (subs[0] / "records.jsonl").exists(), "--force writes to a subfolder"
+    assert (out / "records.jsonl").read_text() == records, "the first sweep's records are untouched"
+    capsys.readouterr()
+    assert cli.main(_sweep(tiny, out, 4)) == 0, "the same definition resumes"
+    assert "2 configuration(s) were already done" in capsys.readouterr().out
+    assert not (out / LOCK).exists(), "the lock is released after every run"
+
+
+def test_a_second_concurrent_sweep_is_refused(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "refspec.eval", *_sweep(tiny, out, 48)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / LOCK).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (out / LOCK).exists(), "the first sweep holds the lock while it runs"
+        assert cli.main(_sweep(tiny, out, 48)) == 2
+        errors = _errors(capsys.readouterr().err)
+        assert len(errors) == 1 and f"in use by another refspec run (pid {first.pid}" in errors[0]
+    finally:
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-2000:]
+    ids = [json.loads(line)["config_id"] for line in (out / "records.jsonl").read_text().split("\n") if line]
+    assert len(ids) == 2 and len(set(ids)) == 2, "each configuration ran once, by the first sweep only"
+    assert not (out / LOCK).exists()
+
+
+def test_a_stale_lock_is_taken_over(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    import socket
+
+    (out / LOCK).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    assert cli.main(_sweep(tiny, out)) == 0, "a lock whose process is gone does not block"
+    assert not (out / LOCK).exists()
+
+
+def test_a_live_lock_blocks_and_nothing_is_created(tiny, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    with claimed(out):  # this process holds it, as a concurrent run would
+        assert cli.main(_sweep(tiny, out)) == 2
+        assert "in use by another refspec run" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]
+    assert not (tmp_path / "new").exists(), "a directory the run created and left empty is removed"
+
+
+def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp_path, monkeypatch, capsys):
+    import refspec.eval.run as run_mod
+
+    out = tmp_path / "out"
+    real = run_mod._decode_batches
+    calls = []
+
+    def interrupt_second(*args, **kwargs):
+        calls.append(1)
+        gens = real(*args, **kwargs)
+        if len(calls) == 2:  # Ctrl-C after its phases were written, before the record
+            raise KeyboardInterrupt
+        return gens
+
+    monkeypatch.setattr(run_mod, "_decode_batches", interrupt_second)
+    assert cli.main(_sweep(tiny, out)) == cli.EXIT_INTERRUPTED
+    assert "1 of 2 configuration(s) saved" in capsys.readouterr().err, "the message counts what is on disk"
+    assert not (out / LOCK).exists(), "Ctrl-C releases the lock"
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert list(ledger.unfinished.values()) == ["aborted"]
+    (aborted,) = ledger.unfinished
+    with pytest.raises(AccountingError, match="did not finish"):
+        pool_runs(ledger, [aborted])
+    assert any(r["run_id"] == aborted and r["kind"] == "phase" for r in ledger), "its phases are on disk"
+    assert all(r["run_id"] != aborted for r in finished(ledger)), "but totals over the file leave them out"
+    monkeypatch.setattr(run_mod, "_decode_batches", real)
+    assert cli.main(_sweep(tiny, out)) == 0
+    assert list(read_ledger(out / "ledger.jsonl").unfinished) == [aborted], "the resumed run completed"
+
+
+def test_a_killed_run_has_no_end_record_and_legacy_runs_count(tmp_path):
+    path = tmp_path / "l.jsonl"
+    Ledger(path, run_id="killed")._fh.flush()  # opened, never closed: as after SIGKILL
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"kind": "run", "version": 1, "run_id": "legacy", "labels": {}}) + "\n")
+    assert unfinished_runs(read_ledger(path)) == {"killed": "killed"}

@@ -362,3 +362,11 @@ def test_smollm2_ngram_on_two_corpora(tmp_path, capsys):
             assert r["tau"] >= 1.0
             assert r["greedy_match_baseline"] is True, f"{r['corpus']}: fp32 greedy n-gram must match plain decoding"
     assert "code" in capsys.readouterr().out
+
+
+def test_a_default_draft_model_is_written_out_in_the_record(tiny, tmp_path):
+    rc = cli.main([*_base(tiny), "--drafter", "draft-model", "--batch", "1", "--num-prompts", "1", "--meter", "time",
+                   "--no-baseline", "--out", str(tmp_path)])
+    assert rc == 0
+    (record,) = json.loads((tmp_path / "summary.json").read_text())
+    assert record["config"]["drafter_options"] == {"draft_model": "self:1"}, "3 layers: the default is self:L/4 = 1"

@@ -21,7 +21,10 @@ Drafting: a chain of K tokens (K - 1 head forwards after the catch-up), or an EA
 tree: expand the ``tree_topk`` best children of the ``tree_topk`` best nodes of each level
 (by cumulative log-probability) for ``tree_depth`` levels, then keep the ``tree_budget``
 best nodes overall (a set closed under ancestors, because scores strictly decrease along a
-path) and let the engine verify the whole tree in one target forward with a tree mask.
+path) and let the engine verify the whole tree in one target forward with a tree mask. When
+sampling, the scores come from the same warped distribution (temperature, top-k, top-p) the
+target is sampled from; the tree stays a deterministic function of the context, so it carries
+no ``probs`` and the engine's recursive rejection sampling over it is exact.
 
 Shapes: B batch, S query length, T cache length, K draft length, N tree nodes, E model dim,
 V target vocab, Vd draft vocab.
@@ -128,6 +131,19 @@ class EagleDrafter:
         full = logits.new_full((*logits.shape[:-1], self.head.config.vocab_size), float("-inf"))
         return full.index_copy_(-1, self._ids, logits)
 
+    @staticmethod
+    def _tree_logp(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Log-probabilities ``[..., Vd]`` that rank tree candidates: the warped q when sampling,
+        so the budget goes to tokens the warped target can emit.
+
+        Tokens the warp removes get -1e4 instead of -inf, so scores still fall strictly along a
+        path and the kept set stays closed under ancestors; they rank below every token the warp keeps.
+        """
+        if state.sampling.greedy:
+            return torch.log_softmax(logits, -1)
+        # warping the Vd draft logits equals warping the full-vocabulary ones (-inf elsewhere)
+        return probs_from_logits(logits, state.sampling).log().clamp_min(-1e4)
+
     def _catch_up(self, state: DecodeState, start: torch.Tensor, pick: torch.Tensor, num_keys: int):
         """Feed the pairs of ``state.hidden`` at slots ``start + i``; return the output at ``pick``.
 
@@ -171,8 +187,6 @@ class EagleDrafter:
             feat, logits = self._catch_up(state, state.prev_lengths, state.num_accepted,
                                           self._num_keys(state, w, k))
         if self.tree is not None:
-            if not state.sampling.greedy:
-                raise DrafterError("EAGLE tree drafting is greedy only; drop the tree option to sample")
             return self._propose_tree(state, feat, logits)
         return self._propose_chain(state, feat, logits, k)
 
@@ -207,7 +221,7 @@ class EagleDrafter:
         key_slot = torch.arange(num_keys, device=dev)
         base = state.lengths  # [B] first slot past the committed prefix
         # level 1: the root's top-k
-        logp = torch.log_softmax(logits, -1)
+        logp = self._tree_logp(logits, state)
         top = logp.topk(kk, dim=-1)
         score = top.values.double().clamp_max(-1e-6)  # [B, k]; strictly decreasing along any path
         tok = top.indices  # draft-vocabulary ids
@@ -225,7 +239,7 @@ class EagleDrafter:
             emb = self.target.embed_tokens(head.to_target_ids(tok)).to(head.dtype)
             out, logits = head.forward_draft(emb, node_feat, pos, self.cache, slots, rows[:, None], num_keys,
                                              self.target)  # [B, k, E], [B, k, Vd]
-            logp = torch.log_softmax(logits, -1)  # [B, k, Vd]
+            logp = self._tree_logp(logits, state)  # [B, k, Vd]
             top = logp.topk(kk, dim=-1)  # [B, k, k]
             child_score = (score[..., None] + top.values.double().clamp_max(-1e-6)).reshape(b, kk * kk)
             child_tok = top.indices.reshape(b, kk * kk)
@@ -250,6 +264,7 @@ class EagleDrafter:
         depth = torch.cat(cand_depth, 1).gather(1, keep)
         where = torch.searchsorted(keep, parent_cand.clamp_min(0))  # index of the parent among the kept
         parents = torch.where(parent_cand < 0, torch.zeros_like(where), where + 1)
+        # children chosen deterministically from the context: probs None (one-hot q) is exact
         return Draft(tokens=tokens, tree=DraftTree(parents=parents, depth=depth, max_depth=tc.depth))
 
     def commit(self, state: DecodeState) -> None:

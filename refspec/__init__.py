@@ -8,7 +8,8 @@ The decode core, read top-down:
 3. :mod:`refspec.sampling`: greedy choice and the warped distribution (temperature, top-k,
    top-p) that both target and drafter sample from.
 4. :mod:`refspec.verify`: pure acceptance functions (greedy prefix match, lossless rejection
-   sampling, trees); no model calls.
+   sampling); :mod:`refspec.verify_tree` the same for trees (recursive rejection sampling); no
+   model calls.
 5. :mod:`refspec.drafting`: the drafter protocol, what a drafter sees (``DecodeState``) and
    returns (``Draft``).
 6. :mod:`refspec.engine`: the one loop, plain decoding being K = 0: draft, verify, accept,

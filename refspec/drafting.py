@@ -25,6 +25,7 @@ class DraftTree:
     Attributes:
         parents: ``[B, N]`` block index of each node's parent; block index 0 is the root
             (pending token), node ``j`` is block index ``j + 1``; parents precede children.
+            Sampled verification tries a node's children in node order.
         depth: ``[B, N]`` depth of each node (root children: 1).
         max_depth: maximum depth (a host int, so the engine needs no sync to size buffers).
     """
@@ -42,8 +43,13 @@ class Draft:
         tokens: ``[B, K']`` drafted tokens; a chain has ``K' <= K`` (a drafter may cut the
             whole batch's draft short, e.g. n-gram trimming; 0 makes a plain step); for
             trees, N nodes.
-        probs: ``[B, K, V]`` the drafter's processed distribution per draft when sampling, or
-            None for deterministic drafts (one-hot q) and for greedy decoding.
+        probs: the drafter's processed distributions q when it samples, or None for
+            deterministic drafts (one-hot q) and for greedy decoding. A chain gives ``[B, K', V]``,
+            the distribution each draft was drawn from. A tree gives ``[B, N, V]``: per node the
+            law its token was drawn from given the path to its parent and its earlier siblings
+            (for children drawn without replacement, q without the earlier siblings' tokens,
+            renormalised); None when the children are chosen deterministically from the
+            context (EAGLE-2's top-k), which :mod:`refspec.verify_tree` verifies exactly too.
         tree: tree topology, or None for a chain.
     """
 

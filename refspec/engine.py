@@ -30,8 +30,8 @@ from refspec.drafting import DecodeState, Draft, Drafter
 from refspec.energy.meters import TimeMeter
 from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
-from refspec.verify import (emitted_tokens, greedy_accept, speculative_sample, tree_ancestors,
-                            tree_greedy_accept)
+from refspec.verify import emitted_tokens, greedy_accept, speculative_sample
+from refspec.verify_tree import tree_ancestors, tree_greedy_accept, tree_speculative_sample
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +353,6 @@ class Engine:
         fwd_kw: dict = {}
         positions = slots
         if draft.tree is not None:
-            if not self.config.sampling.greedy:
-                raise GenerationError("tree drafting supports greedy decoding only; use a chain to sample")
             anc = tree_ancestors(draft.tree.parents)  # [B, N+1, N+1]
             depth = torch.cat([torch.zeros_like(draft.tree.depth[:, :1]), draft.tree.depth], dim=1)  # [B, N+1]
             positions = base[:, None] + depth  # a node sits at its depth past the committed prefix
@@ -367,8 +365,8 @@ class Engine:
 
     def _decide(self, run: _Batch, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor],
                 base: torch.Tensor, generator: torch.Generator | None):
-        """Acceptance of a chain, or of the best tree path (its KV and features compacted onto
-        the chain slots ``base + 1 ..``).
+        """Acceptance of a chain, or of a tree path (greedy match, or recursive rejection sampling
+        over each node's children), its KV and features compacted onto the chain slots ``base + 1 ..``.
 
         Returns:
             ``(Acceptance, chain [B, D] drafted tokens in emission order, hidden)``.
@@ -381,7 +379,9 @@ class Engine:
             p = probs_from_logits(logits, self.config.sampling)  # [B, K+1, V] target distributions
             return speculative_sample(draft.tokens, draft.probs, p, generator), draft.tokens, hidden
         b, dev, t = base.shape[0], base.device, run.slots
-        acc, path = tree_greedy_accept(draft.tokens, draft.tree.parents, draft.tree.depth, logits)  # path [B, D+1]
+        tr, p = draft.tree, None if self.config.sampling.greedy else probs_from_logits(logits, self.config.sampling)
+        acc, path = tree_greedy_accept(draft.tokens, tr.parents, tr.depth, logits) if p is None else \
+            tree_speculative_sample(draft.tokens, tr.parents, tr.depth, draft.probs, p, generator)  # path [B, D+1]
         chain = draft.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [B, D] tokens on the path
         src = (base[:, None] + path[:, 1:]).clamp_(max=t - 1)
         dst = (base[:, None] + 1 + torch.arange(path.shape[1] - 1, device=dev)).clamp_(max=t - 1)

@@ -18,6 +18,8 @@ Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept 
 probability ``min(1, p(x) / q(x))``; on rejection sample from ``norm(max(0, p - q))``; after
 full acceptance sample the bonus from ``p``. The emitted sequence then follows the target
 distribution exactly. A deterministic drafter (n-gram) is the one-hot ``q`` case.
+
+Trees (several children per node) are verified in :mod:`refspec.verify_tree`.
 """
 from __future__ import annotations
 
@@ -132,69 +134,3 @@ def emitted_tokens(draft: torch.Tensor, acc: Acceptance) -> torch.Tensor:
     idx = torch.arange(k + 1, device=draft.device)
     padded = torch.cat([draft, acc.next_token[:, None]], dim=1)  # [B, K+1]
     return torch.where(idx[None] < acc.num_accepted[:, None], padded, acc.next_token[:, None])
-
-
-# ---- trees (EAGLE-2) ----------------------------------------------------------------------------
-
-
-def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self relation of a tree block that starts with the root.
-
-    Args:
-        parents: ``[B, N]`` parent index of each draft node within the block, where index 0
-            is the root (the pending token) and node ``j`` of the draft sits at block index
-            ``j + 1``; a node's parent precedes it.
-
-    Returns:
-        ``[B, N+1, N+1]`` bool, ``[b, i, j]`` iff block entry j is entry i or an ancestor of it.
-    """
-    b, n = parents.shape
-    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device).repeat(b, 1, 1)
-    for j in range(n):
-        par = parents[:, j]  # block index of the parent of block entry j + 1
-        assert bool((par <= j).all()), "tree nodes must come after their parents"
-        anc[:, j + 1] |= anc[torch.arange(b, device=parents.device), par]
-    return anc
-
-
-def tree_greedy_accept(draft: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-                       target_logits: torch.Tensor) -> tuple[Acceptance, torch.Tensor]:
-    """Greedy acceptance of a draft tree: the deepest node whose whole path matches.
-
-    Args:
-        draft: ``[B, N]`` node tokens.
-        parents: ``[B, N]`` block index of each node's parent (0 = root).
-        depth: ``[B, N]`` depth of each node (root children have depth 1).
-        target_logits: ``[B, N+1, V]`` target logits at the root and each node.
-
-    Returns:
-        ``(acceptance, path)``: path ``[B, D+1]`` holds the block indices of the root and the
-        accepted nodes in order (entries past ``num_accepted`` repeat the last one), D the
-        maximum depth.
-    """
-    b, n = draft.shape
-    assert target_logits.shape[:2] == (b, n + 1), "target logits must cover root + nodes"
-    best = target_logits.argmax(-1)  # [B, N+1]
-    ok = torch.ones(b, n + 1, dtype=torch.bool, device=draft.device)
-    for j in range(n):  # parents precede children, so one pass settles every node
-        par = parents[:, j]
-        match = draft[:, j] == best.gather(1, par[:, None]).squeeze(1)
-        ok[:, j + 1] = match & ok.gather(1, par[:, None]).squeeze(1)
-    block_depth = torch.cat([torch.zeros(b, 1, dtype=depth.dtype, device=depth.device), depth], dim=1)
-    score = torch.where(ok, block_depth, torch.full_like(block_depth, -1))
-    node = score.argmax(1)  # [B] deepest accepted block index (0 = root only)
-    num_accepted = block_depth.gather(1, node[:, None]).squeeze(1)
-    next_token = best.gather(1, node[:, None]).squeeze(1)
-    max_depth = int(depth.max().item()) if n else 0
-    path = torch.zeros(b, max_depth + 1, dtype=torch.long, device=draft.device)
-    full_parents = torch.cat([torch.zeros(b, 1, dtype=parents.dtype, device=parents.device), parents], dim=1)
-    cur = node.clone()
-    for d in range(max_depth, -1, -1):  # walk up from the accepted node
-        at_d = num_accepted >= d
-        path[:, d] = torch.where(at_d, cur, path[:, d])
-        cur = torch.where(at_d & (d > 0), full_parents.gather(1, cur[:, None]).squeeze(1), cur)
-    # past num_accepted, repeat the last accepted entry
-    idx = torch.arange(max_depth + 1, device=draft.device)[None]
-    last = path.gather(1, num_accepted[:, None])
-    path = torch.where(idx <= num_accepted[:, None], path, last)
-    return Acceptance(num_accepted, next_token), path

@@ -1,4 +1,5 @@
-"""EAGLE heads: tree verification, head cache consistency, greedy losslessness, checkpoints.
+"""EAGLE heads: tree verification, head cache consistency, greedy and sampled losslessness,
+checkpoints (published layouts: ``test_eagle_layouts.py``).
 
 The fast tier trains tiny heads for a few seconds on a tiny llama target's own greedy
 outputs; the real tier (``-m real``) uses the shipped SmolLM2 heads.
@@ -11,12 +12,13 @@ import torch
 from refspec.cache import tree_mask
 from refspec.drafters import registry
 from refspec.drafters import training as T
-from refspec.drafters.eagle import (EagleDrafter, Eagle3Head, TreeConfig, find_head, load_head,
-                                    save_head)
+from refspec.drafters.eagle import EagleDrafter, TreeConfig, find_head, load_head, save_head
 from refspec.drafting import DecodeState, DrafterError
 from refspec.engine import Engine, EngineConfig
 from refspec.sampling import SamplingConfig
-from refspec.verify import greedy_accept, tree_ancestors, tree_greedy_accept
+from refspec.verify import greedy_accept
+from refspec.verify_tree import tree_ancestors, tree_greedy_accept
+from tree_stats import assert_follows_target
 
 EOS = [2]
 TREE = TreeConfig(topk=3, depth=4, budget=10)
@@ -214,16 +216,55 @@ def test_head_cache_after_tree_steps_holds_exactly_the_accepted_sequence(target,
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"row {row}: head cache is not the sequence's")
 
 
-def test_sampled_chain_drafting_runs_and_respects_the_budget(target, heads):
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_sampled_drafting_runs_and_respects_the_budget(target, heads, tree):
     head = heads["eagle3"][0]
     gen = torch.Generator().manual_seed(0)
-    out = Engine(target, EagleDrafter(head, target), config=EngineConfig(k=3, sampling=SamplingConfig(temperature=1.0)),
+    out = Engine(target, EagleDrafter(head, target, tree=tree),
+                 config=EngineConfig(k=3, sampling=SamplingConfig(temperature=1.0)),
                  eos_token_ids=EOS).generate(_prompts(4), max_new_tokens=20, generator=gen)
     assert all(1 <= len(t) <= 20 for t in out.tokens)
-    with pytest.raises(DrafterError, match="greedy only"):
-        Engine(target, EagleDrafter(head, target, tree=TREE),
-               config=EngineConfig(k=4, sampling=SamplingConfig(temperature=1.0))).generate(_prompts(1),
-                                                                                           max_new_tokens=5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_sampling_with_a_one_hot_target_equals_greedy_decoding(target, heads, kind):
+    """top_k = 1 makes the warped target its argmax: the sampled tree path must decode exactly
+    what plain greedy decoding does, token for token."""
+    prompts = _prompts(6)
+    plain = Engine(target, eos_token_ids=EOS).generate(prompts, max_new_tokens=24)
+    cfg = EngineConfig(k=4, sampling=SamplingConfig(temperature=1.0, top_k=1))
+    spec = Engine(target, EagleDrafter(heads[kind][0], target, tree=TREE), config=cfg, eos_token_ids=EOS).generate(
+        prompts, max_new_tokens=24, generator=torch.Generator().manual_seed(0))
+    assert spec.tokens == plain.tokens
+    assert spec.tau > 1.4, "the tree must be accepted for the comparison to bite"
+
+
+def test_a_sampled_tree_ranks_candidates_by_the_warped_draft_distribution(target, heads):
+    """With top_k = 1 only each node's best child has warped mass, so a budget of ``depth`` nodes
+    is the head's greedy chain; ranking by the unwarped distribution keeps siblings instead."""
+    tree = TreeConfig(topk=3, depth=3, budget=3)
+    drafts = {}
+    for name, sampling in (("warped", SamplingConfig(temperature=1.0, top_k=1)), ("greedy", SamplingConfig())):
+        rec = _Recorder(EagleDrafter(heads["eagle"][0], target, tree=tree))
+        Engine(target, rec, config=EngineConfig(k=4, max_steps=1, sampling=sampling)).generate(
+            _prompts(6), max_new_tokens=8, generator=torch.Generator().manual_seed(0))
+        drafts[name] = rec.inner.propose(rec.state, 4)
+    chain = torch.tensor([[0, 1, 2]]).expand(6, 3)
+    assert torch.equal(drafts["warped"].tree.parents, chain) and drafts["warped"].probs is None
+    assert not torch.equal(drafts["greedy"].tree.parents, chain), "unwarped ranking would pass by luck"
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=3, top_p=0.9)],
+                         ids=["t1", "warped"])
+def test_sampled_eagle2_tree_follows_the_target(target, heads, cfg):
+    """Seeded chi-square through the engine (``tree_stats.assert_follows_target``): each test at
+    alpha = 1e-3, so a correct sampler fails this one with probability at most 2e-3 over seeds;
+    the fixed seed makes it reproducible."""
+    prompt = [5, 9, 11, 4]
+    gen = Engine(target, EagleDrafter(heads["eagle"][0], target, tree=TREE), config=EngineConfig(k=4, sampling=cfg)
+                 ).generate([prompt] * 2000, max_new_tokens=3, generator=torch.Generator().manual_seed(5))
+    assert sum(a >= 1 for a in gen.accepted_per_step[0]) >= 20, "tree nodes must be accepted for the test to bite"
+    assert_follows_target(target, prompt, gen.tokens, cfg)
 
 
 def test_tree_draft_is_well_formed(target, heads):
@@ -274,90 +315,6 @@ def test_save_load_round_trip(target, heads, kind, tmp_path):
     a = Engine(target, EagleDrafter(head, target), config=EngineConfig(k=3)).generate(prompts, max_new_tokens=16)
     b = Engine(target, EagleDrafter(back, target), config=EngineConfig(k=3)).generate(prompts, max_new_tokens=16)
     assert a.accepted_per_step == b.accepted_per_step
-
-
-def _llama_config(e=64, heads=4, kv=2, inter=128, vocab=96, **extra):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": e,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-            "num_hidden_layers": 1, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-            "hidden_act": "silu", "bias": True, **extra}
-
-
-def _published_eagle1(e=64, kv_dim=32, inter=128, vocab=96):
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
-    return {"fc.weight": r(e, 2 * e), "fc.bias": r(e), "embed_tokens.weight": r(vocab, e),
-            "layers.0.self_attn.q_proj.weight": r(e, e), "layers.0.self_attn.k_proj.weight": r(kv_dim, e),
-            "layers.0.self_attn.v_proj.weight": r(kv_dim, e), "layers.0.self_attn.o_proj.weight": r(e, e),
-            "layers.0.mlp.gate_proj.weight": r(inter, e), "layers.0.mlp.up_proj.weight": r(inter, e),
-            "layers.0.mlp.down_proj.weight": r(e, inter), "layers.0.post_attention_layernorm.weight": 1 + r(e)}
-
-
-def _published_eagle3(e=64, kv_dim=32, inter=128, vocab=96, draft=48):
-    g = torch.Generator().manual_seed(1)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
-    used = torch.randperm(vocab, generator=g)[:draft].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    return {"fc.weight": r(e, 3 * e), "midlayer.hidden_norm.weight": 1 + r(e),
-            "midlayer.input_layernorm.weight": 1 + r(e), "midlayer.post_attention_layernorm.weight": 1 + r(e),
-            "midlayer.self_attn.q_proj.weight": r(e, 2 * e), "midlayer.self_attn.k_proj.weight": r(kv_dim, 2 * e),
-            "midlayer.self_attn.v_proj.weight": r(kv_dim, 2 * e), "midlayer.self_attn.o_proj.weight": r(e, e),
-            "midlayer.mlp.gate_proj.weight": r(inter, e), "midlayer.mlp.up_proj.weight": r(inter, e),
-            "midlayer.mlp.down_proj.weight": r(e, inter), "norm.weight": 1 + r(e), "lm_head.weight": r(draft, e),
-            "d2t": used - torch.arange(draft), "t2d": t2d}
-
-
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
-def test_published_eagle1_layout_loads(target, tmp_path, fmt):
-    from safetensors.torch import save_file
-
-    w = _published_eagle1()
-    (tmp_path / "config.json").write_text(json.dumps(_llama_config()))
-    if fmt == "safetensors":
-        save_file(w, str(tmp_path / "model.safetensors"))
-    else:
-        torch.save(w, tmp_path / "pytorch_model.bin")
-    head, prov = load_head(tmp_path, target.args)
-    assert head.config.kind == "eagle" and head.config.fc_bias and prov == {}
-    assert torch.equal(head.attn.wq.weight, w["layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(head.fc.bias, w["fc.bias"])
-    assert torch.equal(head.mlp_norm.weight, w["layers.0.post_attention_layernorm.weight"])
-    out = Engine(target, EagleDrafter(head, target, tree=TREE), config=EngineConfig(k=4)).generate(
-        _prompts(2), max_new_tokens=8)
-    assert all(len(t) == 8 for t in out.tokens)
-
-
-def test_published_eagle3_layout_loads_with_its_vocabulary_and_layers(target, tmp_path):
-    from safetensors.torch import save_file
-
-    w = _published_eagle3()
-    cfg = _llama_config(draft_vocab_size=48, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    save_file(w, str(tmp_path / "model.safetensors"))
-    head, _ = load_head(tmp_path, target.args)
-    assert isinstance(head, Eagle3Head) and head.config.draft_vocab_size == 48
-    assert head.config.feature_layers == (0, 1, 2), "published ids name the layer whose input is taken"
-    assert torch.equal(head.to_target_ids(torch.arange(48)), w["d2t"] + torch.arange(48))
-    assert torch.equal(head.hidden_norm.weight, w["midlayer.hidden_norm.weight"])
-    assert torch.equal(head.attn.wk.weight, w["midlayer.self_attn.k_proj.weight"])
-    plain = Engine(target).generate(_prompts(2), max_new_tokens=10)
-    spec = Engine(target, EagleDrafter(head, target), config=EngineConfig(k=3)).generate(_prompts(2), max_new_tokens=10)
-    assert spec.tokens == plain.tokens
-
-
-def test_a_checkpoint_with_unknown_keys_or_wrong_shapes_is_refused(target, tmp_path):
-    from safetensors.torch import save_file
-
-    w = _published_eagle1()
-    w["layers.0.self_attn.extra.weight"] = torch.zeros(2)
-    (tmp_path / "config.json").write_text(json.dumps(_llama_config()))
-    save_file(w, str(tmp_path / "model.safetensors"))
-    with pytest.raises(DrafterError, match="unexpected.*extra"):
-        load_head(tmp_path, target.args)
-    (tmp_path / "config.json").write_text(json.dumps(_llama_config(e=32)))
-    with pytest.raises(DrafterError, match="hidden size 32"):
-        load_head(tmp_path, target.args)
 
 
 # ---- finding heads ------------------------------------------------------------------------------

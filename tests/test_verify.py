@@ -6,7 +6,8 @@ from scipy import stats
 
 from refspec.sampling import SamplingConfig, probs_from_logits
 from refspec.verify import (acceptance_probability, emitted_tokens, greedy_accept, one_hot_probs,
-                            recovery_distribution, speculative_sample, tree_ancestors, tree_greedy_accept)
+                            recovery_distribution, speculative_sample)
+from refspec.verify_tree import tree_ancestors, tree_greedy_accept
 
 
 def _logits_with_argmax(argmaxes, vocab=6):

@@ -142,8 +142,6 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
 def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sweep: bool) -> None:
     if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
         raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
-    if args.tree and args.temperature > 0:
-        raise UsageError("--tree supports greedy decoding only: drop --tree or use --temperature 0")
     if args.accept_model and args.export_acceptance:
         raise UsageError("--export-acceptance with --accept-model would export the injected distribution; "
                          "export from a run without injection")

@@ -49,7 +49,6 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("threads-zero", [*RUN, "--threads", "0"], "--threads", False),
     ("threads-word", [*RUN, "--threads", "many"], "--threads", False),
     ("tree-with-ngram", [*RUN, "--tree"], "--tree", False),
-    ("tree-sampling", [*RUN, "--drafter", "eagle", "--tree", "--temperature", "0.5"], "--tree", False),
     ("export-with-injection", [*RUN, "--accept-model", "geometric:0.5", "--export-acceptance", "{new}/a.json"],
      "--export-acceptance", False),
     ("inject-without-drafter", [*RUN, "--drafter", "none", "--accept-model", "geometric:0.5"], "--accept-model", False),

@@ -45,6 +45,28 @@ def _suptitle(fig: Any, text: str) -> None:
     fig.tight_layout()  # matplotlib keeps room for the suptitle
 
 
+def _legible_log(ax: Any, x_ticks: Sequence[float] | None = None) -> None:
+    """Plain-number labels on the log axes of ``ax``, never overlapping.
+
+    Over less than a decade matplotlib labels every minor tick (9.25e1 ... 1.1e2 run into one
+    line); there a few evenly spread major ticks are labelled instead, and minor ticks never are.
+    ``x_ticks`` (e.g. the batch sizes run) replaces the x ticks.
+    """
+    from matplotlib import ticker
+
+    plain = ticker.FuncFormatter(lambda v, _: f"{v:.3g}")
+    for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+        if axis.get_scale() != "log":
+            continue
+        axis.set_minor_formatter(ticker.NullFormatter())
+        axis.set_major_formatter(plain)
+        if lo > 0 and hi / lo < 10:
+            axis.set_major_locator(ticker.MaxNLocator(nbins=4, min_n_ticks=2))
+    if x_ticks:
+        ax.xaxis.set_major_locator(ticker.FixedLocator(sorted(set(x_ticks))))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+
+
 def _energy_label(records: Sequence[Mapping[str, Any]]) -> str:
     measured = all(r.get("energy_measured") for r in records)
     return "J per output token (" + ("measured" if measured else "MODELLED") + ")"
@@ -88,6 +110,7 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
                 ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
         ax.set_title(f"{corpus}", fontsize=10)
         ax.set_xlabel("batch")
         ax.set_ylabel(_energy_label(recs))
@@ -115,10 +138,15 @@ def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path
         sel = [r for r in recs if series_label(r) == name]
         xs = [corpus_names.index(str(r["corpus"])) + (j - (len(names) - 1) / 2) * width for r in sel]
         ax.scatter(xs, [r["tau"] for r in sel], color=colors[name], label=name, s=18)
-        for x, r in zip(xs, sel):
-            ax.annotate(f"b{r['batch']}", (x, r["tau"]), fontsize=5, xytext=(2, 2), textcoords="offset points")
+        points: dict[tuple[float, float], list[int]] = defaultdict(list)
+        for x, r in zip(xs, sel):  # batches at one tau share one label instead of printing over each other
+            points[(x, round(float(r["tau"]), 2))].append(int(r["batch"]))
+        for (x, tau), batches in points.items():
+            ax.annotate("b" + ",".join(map(str, sorted(batches))), (x, tau), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(corpus_names)))
+    ax.set_xlim(-0.6, len(corpus_names) - 0.4)  # room for the labels of the last corpus
     ax.set_xticklabels(corpus_names, rotation=20, fontsize=8)
     ax.set_ylabel("tau (accepted + 1 per verify step)")
     injected = " (includes INJECTED acceptance)" if any(r.get("acceptance_injected") for r in recs) else ""
@@ -182,6 +210,7 @@ def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target
                         markeredgecolor="k", label=f"chosen: {config_label(chosen)}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _legible_log(ax)
         ax.set_xlabel("TPOT p99 (ms per token per user)")
         ax.set_ylabel(_energy_label(recs))
         ax.set_title(corpus, fontsize=10)

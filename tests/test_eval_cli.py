@@ -370,3 +370,28 @@ def test_a_default_draft_model_is_written_out_in_the_record(tiny, tmp_path):
     assert rc == 0
     (record,) = json.loads((tmp_path / "summary.json").read_text())
     assert record["config"]["drafter_options"] == {"draft_model": "self:1"}, "3 layers: the default is self:L/4 = 1"
+
+
+def test_log_axes_over_less_than_a_decade_get_a_few_labels_that_do_not_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from refspec.eval.plots import _legible_log
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot([92.5, 110.0], [0.0275, 0.0325], "o")  # the default run's span: matplotlib labels its minor ticks
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _legible_log(ax)
+    fig.canvas.draw()
+    for axis in (ax.xaxis, ax.yaxis):
+        assert not [t for t in axis.get_minorticklabels() if t.get_text()], "minor ticks stay unlabelled"
+        lo, hi = sorted(axis.get_view_interval())
+        index = int(axis is ax.yaxis)  # a label's position along its own axis
+        shown = [t for t in axis.get_majorticklabels() if t.get_text() and lo <= t.get_position()[index] <= hi]
+        assert 2 <= len(shown) <= 6, [t.get_text() for t in shown]
+        boxes = [t.get_window_extent() for t in shown]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), "labels overlap"
+    plt.close(fig)

@@ -102,16 +102,20 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("garbage-safetensors", [*LOADS, "--model", "{garbage}"], "--model", True),
     ("index-without-weight-map", [*LOADS, "--model", "{no_weight_map}"], "--model", True),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "w3 w4"], "--model", True),
+    ("generate-shape-mismatch", ["generate", "--model", "{wrong_shape}", "--prompt", "w3 w4"], "wrong shape", True),
     ("budget-beyond-context", [*LOADS, "--max-new-tokens", "100000"], "--max-new-tokens 100000", True),
     ("sweep-k-beyond-context", ["sweep", *LOADS, "--max-new-tokens", "4", "--k", "0,2,9000", "--batch", "1"],
      "--max-new-tokens 4 (--k 9000", True),
 ]
 
 
-def _write_model_copy(src: Path, dst: Path, weights: bytes | None, index: dict | None = None) -> Path:
+def _write_model_copy(src: Path, dst: Path, weights: bytes | None, index: dict | None = None,
+                      config: dict | None = None) -> Path:
     dst.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (dst / name).write_bytes((src / name).read_bytes())
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **config}))
     if weights is not None:
         (dst / "model.safetensors").write_bytes(weights)
     if index is not None:
@@ -150,6 +154,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "truncated": str(_write_model_copy(model, root / "truncated", weights[: len(weights) // 2])),
         "garbage": str(_write_model_copy(model, root / "garbage", b"garbage!" * 64)),
         "no_weight_map": str(_write_model_copy(model, root / "no_weight_map", None, {"metadata": {}})),
+        "wrong_shape": str(_write_model_copy(model, root / "wrong_shape", weights, config={"intermediate_size": 256})),
         "report": str(_report_dir(root, "report", record)),
         "report_v99": str(_report_dir(root, "report_v99", {**record, "record_version": 99})),
         "report_short": str(_report_dir(root, "report_short", record)),
@@ -203,3 +208,18 @@ def test_the_table_covers_every_command_and_at_least_40_inputs():
     commands = {c[1][0] if c[1][0] in ("sweep", "report", "generate", "roofline", "assets") else "run" for c in CASES}
     assert commands == {"run", "sweep", "report", "generate", "roofline", "assets"}
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_ctrl_c_while_generate_imports_is_one_line_and_130(inputs, tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", "generate", "--model", inputs["model"],
+                             "--prompt", "w3 w4", "--max-new-tokens", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    time.sleep(0.6)  # past the flag checks: importing torch and loading the model
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [ln for ln in err.split("\n") if ln.strip() and not ln.startswith(("INFO", "WARNING"))]
+    assert proc.returncode == 130 and lines == ["interrupted"], (proc.returncode, err[-2000:])

@@ -126,3 +126,48 @@ def test_a_killed_run_has_no_end_record_and_legacy_runs_count(tmp_path):
     with open(path, "a") as fh:
         fh.write(json.dumps({"kind": "run", "version": 1, "run_id": "legacy", "labels": {}}) + "\n")
     assert unfinished_runs(read_ledger(path)) == {"killed": "killed"}
+
+
+def _grid(tiny, out: Path) -> list[str]:
+    return [*_sweep(tiny, out), "--batch", "1,2", "--num-prompts", "2"]
+
+
+def _outcome(out: Path) -> dict[str, tuple]:
+    lines = [json.loads(line) for line in (out / "records.jsonl").read_text().split("\n") if line]
+    assert len(lines) == len({r["config_id"] for r in lines}), "no configuration recorded twice"
+    return {r["config_id"]: (r["output_digest"], r["tau"], r["emitted"]) for r in lines}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory) -> dict[str, tuple]:
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    assert cli.main(_grid(tiny, out)) == 0
+    return _outcome(out)
+
+
+@pytest.mark.parametrize("point", [1, 2, 4])
+def test_resuming_after_ctrl_c_at_any_configuration_equals_an_uninterrupted_sweep(tiny, tmp_path, monkeypatch,
+                                                                                 uninterrupted, point):
+    import refspec.eval.run as run_mod
+
+    out = tmp_path / "out"
+    real = run_mod._decode_batches
+    calls = []
+
+    def interrupt_at(*args, **kwargs):
+        calls.append(1)
+        gens = real(*args, **kwargs)
+        if len(calls) == point:
+            raise KeyboardInterrupt
+        return gens
+
+    monkeypatch.setattr(run_mod, "_decode_batches", interrupt_at)
+    assert cli.main(_grid(tiny, out)) == cli.EXIT_INTERRUPTED
+    monkeypatch.setattr(run_mod, "_decode_batches", real)
+    assert cli.main(_grid(tiny, out)) == 0
+    assert _outcome(out) == uninterrupted, "same configurations, outputs, tau and counts"
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert list(ledger.unfinished.values()) == ["aborted"], "exactly the interrupted run is marked"
+    summary = json.loads((out / "summary.json").read_text())
+    pooled = pool_runs(finished(ledger), [rid for r in summary for rid in r["run_ids"]])
+    assert pooled.emitted == sum(r["emitted"] for r in summary), "the complete runs account for every record"

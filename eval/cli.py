@@ -22,7 +22,6 @@ import json
 import logging
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -30,7 +29,7 @@ from typing import Any, Iterator, Sequence
 from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
 from refspec.eval.cli_checks import check_report_flags
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
-from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, write_meta
+from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +42,8 @@ def _out_dir(path: Path | None, lock: str = LOCK) -> Iterator[tuple[Path, bool]]
         with claimed(path, lock=lock) as out:
             yield out, True
         return
-    with tempfile.TemporaryDirectory(prefix="refspec-eval-") as tmp:
-        yield Path(tmp), False
+    with scratch() as tmp:
+        yield tmp, False
 
 
 class _AcceptanceExporter:

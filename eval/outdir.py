@@ -158,6 +158,26 @@ def claimed(out_dir: Path, *, lock: str = LOCK) -> Iterator[Path]:
         _remove_empty(created)
 
 
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    """A temporary directory for a run without ``--out``, named by pid so a killed run's is found later.
+
+    Those of runs whose process is gone (SIGKILL skips every cleanup) are removed first.
+    """
+    import re
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.gettempdir())
+    for old in root.glob("refspec-eval-*-*"):
+        m = re.fullmatch(r"refspec-eval-(\d+)-.*", old.name)
+        if m and old.is_dir() and not _alive(int(m.group(1))):
+            log.info("removed %s, left by a run that was killed", old)
+            shutil.rmtree(old, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"refspec-eval-{os.getpid()}-") as tmp:
+        yield Path(tmp)
+
+
 def _remove_empty(folders: Sequence[Path]) -> None:
     for folder in folders:
         try:
@@ -166,4 +186,4 @@ def _remove_empty(folders: Sequence[Path]) -> None:
             return
 
 
-__all__ = ["definition_id", "resolve_out", "claimed", "write_meta", "LOCK", "SWEEP_META"]
+__all__ = ["definition_id", "resolve_out", "claimed", "scratch", "write_meta", "LOCK", "SWEEP_META"]

@@ -171,3 +171,21 @@ def test_resuming_after_ctrl_c_at_any_configuration_equals_an_uninterrupted_swee
     summary = json.loads((out / "summary.json").read_text())
     pooled = pool_runs(finished(ledger), [rid for r in summary for rid in r["run_ids"]])
     assert pooled.emitted == sum(r["emitted"] for r in summary), "the complete runs account for every record"
+
+
+def test_a_killed_run_s_temporary_directory_is_removed_by_the_next_run(tmp_path, monkeypatch):
+    import tempfile
+
+    from refspec.eval.outdir import scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = tmp_path / f"refspec-eval-{gone.pid}-abc"
+    left.mkdir()
+    (left / "ledger.jsonl").write_text("{}\n")
+    alive = tmp_path / f"refspec-eval-{os.getpid()}-def"
+    alive.mkdir()
+    with scratch() as tmp:
+        assert tmp.name.startswith(f"refspec-eval-{os.getpid()}-")
+    assert not left.exists() and alive.exists(), "only the dead run's directory goes"

@@ -10,7 +10,13 @@ Three commands::
 each corpus and prints one table; ``sweep`` runs a grid, one record per configuration,
 resumable, optionally as a Slurm array (``--print-sbatch``); ``report`` renders Markdown and
 plots from a directory of records. Files under ``--out DIR``: ``summary.json``,
-``records.jsonl``, ``ledger.jsonl`` (the audit trail), ``report.md`` and PNG plots.
+``records.jsonl``, ``ledger.jsonl`` (the audit trail), ``report.md``, PNG plots and
+``sweep.json``. A DIR holds one sweep definition and one running invocation at a time
+(:mod:`refspec.eval.outdir`): another definition is refused (``--force``: a subfolder), and
+so is a second run while the first holds the lock.
+
+Every flag is checked before anything heavy loads (:mod:`refspec.eval.cli_checks`); a bad one
+prints one ``error:`` line naming it and exits 2, leaving nothing behind; Ctrl-C exits 130.
 
 Only this module prints; everything it calls logs.
 """
@@ -187,9 +193,9 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
     meta = {"command": command, "argv": list(argv), "latency_target_s": args.latency_target, "configs": ids,
             "definition": definition}
     task = args.task_index if sweep else None
-    if sweep and args.print_sbatch:
+    if sweep and args.print_sbatch:  # the tasks' records, not this plan, then say what the directory holds
         with _out_dir(out) as (out_dir, _):
-            return _write_sbatch(args, plan, argv, out_dir, meta)
+            return _write_sbatch(args, plan, argv, out_dir, {**meta, "definition": None, "sbatch": True})
     _threads(args.threads)
     with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
         return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)

@@ -40,6 +40,8 @@ def _stored(out_dir: Path) -> tuple[str | None, str]:
     if meta.is_file():
         try:
             data = json.loads(meta.read_text())
+            if data.get("sbatch"):  # planned on a login node, whose device and dtype the tasks need not share
+                return None, ""
             return data.get("definition") or definition_id(data["configs"]), str(data.get("command", "?"))
         except (OSError, ValueError, KeyError, TypeError):
             raise UsageError(f"--out {out_dir}: {meta} is unreadable; move it aside or choose another --out") from None

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +11,8 @@ import torch
 
 from refspec.energy import meters
 from refspec.config import ModelArgs
-from refspec.energy.meters import FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter, make_meter
+from refspec.energy.meters import (CounterMeter, FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter,
+                                   make_meter)
 from refspec.energy.phases import ForwardShape
 from refspec.energy.roofline import HardwareProfile, forward_cost
 
@@ -207,3 +210,120 @@ def test_make_meter_kinds(monkeypatch):
         make_meter("fake")
     with pytest.raises(ValueError, match="unknown meter kind"):
         make_meter("rapl")  # type: ignore[arg-type]
+
+
+# ---- NVML through pynvml (no Zeus) and Zeus's "no GPU" errors ---------------------------------
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(world: World, *, counter: bool = True, power_w: list[float] | None = None,
+                init_fails: bool = False) -> types.ModuleType:
+    """A stand-in for nvidia-ml-py's ``pynvml``: the counter is the World's energy (in mJ), the
+    power reading pops from ``power_w`` (in mW, as NVML reports)."""
+    nv = types.ModuleType("pynvml")
+    nv.NVMLError = FakeNVMLError
+    nv.calls = []
+
+    def init():
+        if init_fails:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+        nv.calls.append("init")
+
+    def total_energy(handle):
+        assert handle == "h0"
+        if not counter:
+            raise FakeNVMLError("Not Supported")
+        return int(round(world.e * 1000))
+
+    def power(handle):
+        if power_w is None:
+            raise FakeNVMLError("Not Supported")
+        return power_w.pop(0) * 1000
+
+    nv.nvmlInit = init
+    nv.nvmlShutdown = lambda: nv.calls.append("shutdown")
+    nv.nvmlDeviceGetHandleByIndex = lambda i: f"h{i}"
+    nv.nvmlDeviceGetTotalEnergyConsumption = total_energy
+    nv.nvmlDeviceGetPowerUsage = power
+    return nv
+
+
+def test_nvml_total_energy_counter_through_injected_pynvml(monkeypatch):
+    w = World()
+    nv = fake_pynvml(w)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    syncs = []
+    m = meters.nvml_meter(0, sync=lambda: syncs.append(1), clock=w.clock)
+    assert isinstance(m, CounterMeter) and m.source == "measured:nvml-total-energy(gpu0)"
+    m.begin("decode")
+    w.advance(2.5, 875.25)
+    out = m.end("decode")
+    assert (out.time_s, out.energy_j, out.measured) == (2.5, 875.25, True)
+    assert len(syncs) == 2
+    assert m.measure_idle_w(4.0, sleep=lambda s: w.advance(s, 70.5 * s)) == 70.5
+    m.close()
+    m.close()
+    assert nv.calls == ["init", "shutdown"]
+
+
+def test_refused_counter_falls_back_to_an_exact_power_integral():
+    w = World()
+    # begin samples 100 W; two thread-free samples 140 W and 180 W, 1 s apart; end reads 180 W
+    nv = fake_pynvml(w, counter=False, power_w=[999.0, 100.0, 140.0, 180.0, 180.0])
+    m = meters.nvml_meter(0, pynvml_module=nv, clock=w.clock, start_thread=False)
+    assert m.source == "measured:nvml-power-integral(gpu0)"
+    m.begin("decode")
+    integral = m._counter.__self__  # the PowerIntegral behind the meter
+    w.advance(1.0, 0.0)
+    integral.sample()
+    w.advance(1.0, 0.0)
+    integral.sample()
+    w.advance(0.5, 0.0)
+    out = m.end("decode")
+    # trapezoids: (100+140)/2*1 + (140+180)/2*1 + (180+180)/2*0.5
+    assert out.energy_j == 120.0 + 160.0 + 90.0 and out.time_s == 2.5
+
+
+def test_nvml_refusing_everything_is_a_no_gpu_error():
+    w = World()
+    with pytest.raises(NoGPUError, match="refused both the total-energy counter .*Not Supported"):
+        meters.nvml_meter(0, pynvml_module=fake_pynvml(w, counter=False, power_w=None))
+    with pytest.raises(NoGPUError, match="NVML cannot open GPU 0: NVML Shared Library Not Found"):
+        meters.nvml_meter(0, pynvml_module=fake_pynvml(w, init_fails=True))
+
+
+def test_measured_gpu_meter_names_every_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    with pytest.raises(NoGPUError, match=r"zeus: .*; pynvml: reading NVML needs the 'pynvml' module"):
+        meters.measured_gpu_meter(0)
+
+
+def test_zeus_gpu_not_supported_maps_to_the_no_gpu_path(monkeypatch):
+    exc_mod = types.ModuleType("zeus.device.exception")
+
+    class ZeusGPUNotSupportedError(Exception):
+        pass
+
+    ZeusGPUNotSupportedError.__module__ = "zeus.device.exception"
+
+    def monitor(**kwargs):
+        raise ZeusGPUNotSupportedError("GPU 0 does not support energy measurement")
+
+    zeus = types.ModuleType("zeus")
+    zmon = types.ModuleType("zeus.monitor")
+    zmon.ZeusMonitor = monitor
+    for name, mod in (("zeus", zeus), ("zeus.monitor", zmon), ("zeus.device.exception", exc_mod)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(NoGPUError, match="ZeusGPUNotSupportedError: GPU 0 does not support"):
+        ZeusMeter(0)
+    # the auto meter then takes pynvml's counter
+    w = World()
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(w))
+    monkeypatch.setattr(meters, "_cuda_sync", lambda: (lambda: None))
+    assert make_meter("auto").source == "measured:nvml-total-energy(gpu0)"
+    # an unrelated bug inside Zeus is not swallowed
+    zmon.ZeusMonitor = lambda **kw: (_ for _ in ()).throw(KeyError("libamd_smi.so"))
+    with pytest.raises(KeyError):
+        ZeusMeter(0)

@@ -9,6 +9,9 @@ the same name nest last-in first-out. Each measurement's ``source`` says what it
 ``ZeusMeter``             ``measured:nvml-total-energy(gpu<i>)``: NVML's total-energy counter
                           read by Zeus (GPU only; updates every 20-100 ms, so a single
                           millisecond phase often reads 0 J, see :mod:`refspec.energy.attribution`)
+``CounterMeter``          the same counter read through ``pynvml`` where Zeus is missing, or
+                          ``measured:nvml-power-integral(gpu<i>)`` where NVML refuses the counter
+                          (:mod:`refspec.energy.nvml_meter`)
 ``RooflineMeter``         ``modelled:roofline(<profile>)``: time and energy from the analytic
                           model of the window's work; or ``modelled:roofline(<profile>,wall-time)``
                           when the time is measured and only the energy is modelled
@@ -17,8 +20,9 @@ the same name nest last-in first-out. Each measurement's ``source`` says what it
                           for tests that assert exact numbers
 ========================  ===================================================================
 
-:func:`make_meter` picks one by name; ``"auto"`` takes Zeus when CUDA and NVML's energy counter
-are present and the roofline meter with this CPU's measured profile otherwise.
+:func:`make_meter` picks one by name; ``"auto"`` takes the first measured meter of :func:`measured_gpu_meter`
+(Zeus, then pynvml's counter, then pynvml's power integral) and, where none can be built, the
+roofline model (labelled modelled).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from refspec.energy.phases import ForwardShape, Measurement
 from refspec.energy.roofline import total_cost, work_time_s
 from refspec.energy.windows import (DEFAULT_COUNTER_PERIOD_S, MeterError, NoGPUError,  # noqa: F401  (re-exported)
                                     ShortWindowWarner, Windows)
+from refspec.energy.nvml_meter import CounterMeter, nvml_meter
 from refspec.energy.zeus_meter import ZeusMeter, nvml_energy_counter_available  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -159,7 +164,7 @@ class RooflineMeter:
         return Measurement(time_s=time_s, energy_j=self.profile.energy_j(cost, time_s), source=self.source)
 
 
-MeterKind = Literal["auto", "zeus", "roofline", "time", "fake"]
+MeterKind = Literal["auto", "zeus", "nvml", "roofline", "time", "fake"]
 
 
 def _cuda_sync() -> Callable[[], None] | None:
@@ -186,11 +191,13 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
     """Build an energy meter by name.
 
     Args:
-        kind: ``"zeus"`` (NVML counter), ``"roofline"`` (modelled), ``"time"`` (time only),
-            ``"fake"`` (needs ``clock`` and ``energy``), or ``"auto"``: Zeus when CUDA and
-            NVML's energy counter are present; a CUDA GPU without the counter gets the roofline
-            meter with its data-sheet profile (H100/H200) or, if unknown, the time meter; no
-            GPU gets the roofline meter with this CPU's measured profile in wall-time mode.
+        kind: ``"zeus"`` (NVML counter through Zeus), ``"nvml"`` (NVML through pynvml: the
+            counter, else a power integral), ``"roofline"`` (modelled), ``"time"`` (time
+            only), ``"fake"`` (needs ``clock`` and ``energy``), or ``"auto"``: the first
+            measured meter of :func:`measured_gpu_meter`; a CUDA GPU none can read gets the
+            roofline meter with its data-sheet profile (H100/H200) or, if unknown, the time
+            meter; no GPU gets the roofline meter with this CPU's measured profile in
+            wall-time mode.
         gpu_index: GPU to meter.
         profile: roofline profile name (``cpu``, ``h100``, ``h200``) or object; default: the
             CPU profile without a GPU, else the GPU's.
@@ -205,7 +212,7 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
         An object implementing :class:`refspec.energy.phases.EnergyMeter`.
 
     Raises:
-        NoGPUError: ``kind="zeus"`` without a usable GPU.
+        NoGPUError: ``kind="zeus"`` or ``"nvml"`` without a usable GPU.
         ValueError: an unknown kind or profile, or ``fake`` without clock and counter.
     """
     if kind == "fake":
@@ -216,6 +223,8 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
         return TimeMeter(sync=_cuda_sync(), clock=clock or time.perf_counter)
     if kind == "zeus":
         return ZeusMeter(gpu_index)
+    if kind == "nvml":
+        return nvml_meter(gpu_index, sync=_cuda_sync())
     if kind == "roofline":
         prof = _roofline_profile(profile, gpu_index, dtype_bytes)
         if time_source is None:
@@ -236,14 +245,37 @@ def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dty
     return gpu if gpu is not None else cpu_profile(dtype_bytes)
 
 
+def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = None,
+                       pynvml_module: Any | None = None) -> Any:
+    """The first measured meter that can be built for GPU ``gpu_index``: Zeus (NVML's counter),
+    else pynvml's total-energy counter, else pynvml's power integral.
+
+    Raises:
+        NoGPUError: none can be built; the message gives each one's reason.
+    """
+    reasons = []
+    if pynvml_module is None:
+        try:
+            return ZeusMeter(gpu_index)
+        except NoGPUError as exc:
+            reasons.append(f"zeus: {exc}")
+    try:
+        return nvml_meter(gpu_index, sync=sync, pynvml_module=pynvml_module)
+    except NoGPUError as exc:
+        reasons.append(f"pynvml: {exc}")
+    raise NoGPUError("no measured energy meter for GPU %d: %s" % (gpu_index, "; ".join(reasons)))
+
+
 def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int) -> Any:
-    """Zeus with an energy counter; a GPU without one: its roofline profile or time only; no GPU:
+    """A measured meter on a GPU; a GPU none can read: its roofline profile or time only; no GPU:
     this CPU's measured roofline profile."""
-    if nvml_energy_counter_available(gpu_index):
-        return ZeusMeter(gpu_index)
     sync = _cuda_sync()
     if sync is None:
         return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "measured")
+    try:
+        return measured_gpu_meter(gpu_index, sync=sync)
+    except NoGPUError as exc:
+        logger.warning("%s", exc)
     prof = _profile_for_this_gpu(gpu_index)
     if prof is None:
         logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only", gpu_index)
@@ -252,5 +284,5 @@ def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int
     return RooflineMeter(prof, time_source=time_source or "measured", sync=sync)
 
 
-__all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "RooflineMeter", "make_meter", "MeterError",
-                          "NoGPUError", "nvml_energy_counter_available")
+__all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "CounterMeter", "RooflineMeter", "make_meter",
+                          "measured_gpu_meter", "MeterError", "NoGPUError", "nvml_energy_counter_available")

@@ -53,8 +53,10 @@ class ZeusMeter:
             raise NoGPUError(f"ZeusMeter needs the 'zeus' package (pip install 'zeus>=0.12'): {exc}") from None
         try:
             return ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[], sync_execution_with="torch")
-        except (ValueError, RuntimeError) as exc:
-            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {exc}") from exc
+        except Exception as exc:
+            if not is_no_gpu_error(exc):
+                raise
+            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {type(exc).__name__}: {exc}") from exc
 
     def begin(self, name: str) -> None:
         """Open a Zeus window for ``name``."""
@@ -83,6 +85,17 @@ class ZeusMeter:
         self.idle_w = (m.energy_j or 0.0) / m.time_s
         logger.info("idle power of gpu%d: %.1f W over %.2f s (%s)", self.gpu_index, self.idle_w, m.time_s, self.source)
         return self.idle_w
+
+
+def is_no_gpu_error(exc: BaseException) -> bool:
+    """Whether ``exc`` from Zeus means "this GPU cannot be monitored here".
+
+    Zeus raises ``ValueError`` for an index without a GPU and its own family of GPU errors
+    (``ZeusGPUNotSupportedError``, ``ZeusGPUInitError``, ...; all defined in ``zeus.*``
+    modules) when NVML is missing or refuses the device; all of them send the caller to the
+    next meter.
+    """
+    return isinstance(exc, (ValueError, RuntimeError)) or type(exc).__module__.split(".")[0] == "zeus"
 
 
 def nvml_energy_counter_available(gpu_index: int = 0) -> bool:

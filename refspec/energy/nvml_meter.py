@@ -1,0 +1,216 @@
+"""Measured meters without Zeus: NVML read directly through ``pynvml`` (the nvidia-ml-py package).
+
+Two counters, tried in this order by :func:`nvml_meter`:
+
+* ``measured:nvml-total-energy(gpu<i>)``: NVML's cumulative total-energy counter (mJ since the
+  driver loaded; Volta and newer), the counter Zeus reads. It updates every 20-100 ms.
+* ``measured:nvml-power-integral(gpu<i>)``: where that counter is refused (old GPUs, some
+  virtualised runtimes), the board power (mW) sampled by a background thread and integrated by
+  the trapezoid rule. NVML's power reading is itself averaged over a short window, so this is
+  coarser than the counter: trust it for windows of seconds, not milliseconds.
+
+Both are plain cumulative counters in J, so one :class:`CounterMeter` brackets windows over
+either. Tests inject a fake ``pynvml`` module and clock and assert exact numbers.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from refspec.energy.phases import ForwardShape, Measurement
+from refspec.energy.windows import DEFAULT_COUNTER_PERIOD_S, NoGPUError, ShortWindowWarner, Windows
+
+logger = logging.getLogger("refspec.energy.meters")
+
+Clock = Callable[[], float]
+Counter = Callable[[], float]
+
+
+class CounterMeter:
+    """Windows over a cumulative energy counter: time = clock delta, energy = counter delta.
+
+    Args:
+        counter: returns the cumulative energy in J.
+        source: the measurement source, e.g. ``"measured:nvml-total-energy(gpu0)"``.
+        sync: called before every read (``torch.cuda.synchronize``: queued GPU work is inside).
+        clock: seconds clock.
+        counter_period_s: the counter period assumed for the short-window warning.
+        close: called by :meth:`close` (stops a sampling thread, shuts NVML down).
+        reader: what read the counter (``"pynvml"``), for reports.
+    """
+
+    def __init__(self, counter: Counter, *, source: str, sync: Callable[[], None] | None = None,
+                 clock: Clock = time.perf_counter, counter_period_s: float = DEFAULT_COUNTER_PERIOD_S,
+                 close: Callable[[], None] | None = None, reader: str = "pynvml") -> None:
+        self._counter = counter
+        self.source = source
+        self.reader = reader
+        self.idle_w: float | None = None
+        self._sync = sync
+        self._clock = clock
+        self._close = close
+        self._windows = Windows()
+        self.short_windows = ShortWindowWarner(source, counter_period_s)
+
+    def _read(self) -> tuple[float, float]:
+        if self._sync is not None:
+            self._sync()
+        return self._clock(), self._counter()
+
+    def begin(self, name: str) -> None:
+        """Open a window: record clock and counter."""
+        self._windows.push(name, self._read())
+
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
+        """Close the latest ``name`` window; returns its time in s and the counter's delta in J."""
+        t, e = self._read()
+        t0, e0 = self._windows.pop(name)
+        m = Measurement(time_s=t - t0, energy_j=e - e0, source=self.source)
+        self.short_windows.check(name, m.time_s, m.energy_j)
+        return m
+
+    def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
+        """Idle power over ``seconds`` of sleep, in W; stored in ``idle_w``."""
+        self.begin("idle")
+        sleep(seconds)
+        m = self.end("idle")
+        self.idle_w = (m.energy_j or 0.0) / m.time_s
+        logger.info("idle power: %.1f W over %.2f s (%s)", self.idle_w, m.time_s, self.source)
+        return self.idle_w
+
+    def close(self) -> None:
+        """Release the counter (idempotent)."""
+        if self._close is not None:
+            close, self._close = self._close, None
+            close()
+
+
+class PowerIntegral:
+    """A cumulative energy counter in J made from power samples (trapezoid rule).
+
+    Every :meth:`energy` call takes a fresh sample, so a window's end is exact to its last
+    reading; the background thread (:meth:`start`) keeps samples dense in between.
+
+    Args:
+        power_w: returns the instantaneous board power in W.
+        clock: seconds clock.
+        period_s: sampling period of the background thread.
+    """
+
+    def __init__(self, power_w: Callable[[], float], *, clock: Clock = time.perf_counter,
+                 period_s: float = 0.02) -> None:
+        self._power_w = power_w
+        self._clock = clock
+        self.period_s = period_s
+        self._lock = threading.Lock()
+        self._last: tuple[float, float] | None = None
+        self._joules = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        """Read power once and add the trapezoid since the previous sample."""
+        with self._lock:
+            p, t = self._power_w(), self._clock()
+            if self._last is not None:
+                t0, p0 = self._last
+                self._joules += 0.5 * (p0 + p) * (t - t0)
+            self._last = (t, p)
+            self.samples += 1
+
+    def energy(self) -> float:
+        """Energy integrated since the first sample, in J (takes a sample first)."""
+        self.sample()
+        with self._lock:
+            return self._joules
+
+    def start(self) -> None:
+        """Start the daemon sampling thread."""
+        def loop() -> None:
+            while not self._stop.wait(self.period_s):
+                try:
+                    self.sample()
+                except Exception as exc:  # a failed read must not kill the run; end() reads again
+                    logger.debug("power sample failed: %r", exc)
+
+        self.sample()
+        self._thread = threading.Thread(target=loop, name="refspec-power-integral", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the sampling thread (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
+def import_pynvml() -> Any:
+    """The ``pynvml`` module (nvidia-ml-py), or NoGPUError saying how to get it."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise NoGPUError(f"reading NVML needs the 'pynvml' module (pip install nvidia-ml-py): {exc}") from None
+    return pynvml
+
+
+def _nvml_error(nv: Any) -> type[BaseException]:
+    return getattr(nv, "NVMLError", RuntimeError)
+
+
+def nvml_meter(gpu_index: int = 0, *, pynvml_module: Any | None = None, sync: Callable[[], None] | None = None,
+               clock: Clock = time.perf_counter, power_period_s: float = 0.02,
+               start_thread: bool = True) -> CounterMeter:
+    """A measured meter of GPU ``gpu_index`` read through ``pynvml``: the total-energy counter,
+    else the integral of power samples.
+
+    Args:
+        gpu_index: NVML index of the GPU (equal to the CUDA index when all GPUs are visible).
+        pynvml_module: the ``pynvml`` module; imported when None (tests inject a fake).
+        sync: called before every read (``torch.cuda.synchronize`` on a GPU).
+        clock: seconds clock.
+        power_period_s: sampling period of the power integral.
+        start_thread: start the power-sampling thread (tests sample by hand).
+
+    Raises:
+        NoGPUError: no ``pynvml``, NVML does not start, no GPU ``gpu_index``, or neither the
+            energy counter nor the power reading is supported; the message gives each reason.
+    """
+    nv = pynvml_module if pynvml_module is not None else import_pynvml()
+    err = _nvml_error(nv)
+    try:
+        nv.nvmlInit()
+        handle = nv.nvmlDeviceGetHandleByIndex(gpu_index)
+    except err as exc:
+        raise NoGPUError(f"NVML cannot open GPU {gpu_index}: {exc}") from exc
+    shutdown = getattr(nv, "nvmlShutdown", lambda: None)
+    try:
+        nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+        return CounterMeter(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0,
+                            source=f"measured:nvml-total-energy(gpu{gpu_index})", sync=sync, clock=clock,
+                            close=shutdown)
+    except err as exc:
+        refused = exc
+    logger.warning("NVML refused the total-energy counter of gpu%d (%s): integrating power samples instead",
+                   gpu_index, refused)
+    try:
+        nv.nvmlDeviceGetPowerUsage(handle)
+    except err as exc:
+        shutdown()
+        raise NoGPUError(f"NVML on GPU {gpu_index} refused both the total-energy counter ({refused}) and the "
+                         f"power reading ({exc}): no energy can be measured") from exc
+    integral = PowerIntegral(lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0, clock=clock,
+                             period_s=power_period_s)
+    if start_thread:
+        integral.start()
+
+    def close() -> None:
+        integral.stop()
+        shutdown()
+
+    return CounterMeter(integral.energy, source=f"measured:nvml-power-integral(gpu{gpu_index})", sync=sync,
+                        clock=clock, counter_period_s=max(DEFAULT_COUNTER_PERIOD_S, 10 * power_period_s),
+                        close=close)

@@ -35,10 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default="none", help="none, or a registered drafter (ngram, draft-model, eagle, ...)")
     p.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
     p.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter option, e.g. max_n=4 (repeatable), as in python -m refspec.eval run")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32), fp32, bf16 or fp16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     return p
@@ -48,8 +51,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     """Every flag, before the model loads (the same meanings as in ``python -m refspec.eval run``)."""
     integer("--max-new-tokens", args.max_new_tokens, low=1, high=1_000_000)
     check_sampling(args)
-    if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16"):
-        raise UsageError(f"--dtype {args.dtype!r} is unknown; use fp32, bf16 or fp16")
+    if args.dtype.lower() not in ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"):
+        raise UsageError(f"--dtype {args.dtype!r} is unknown; use auto, fp32, bf16 or fp16")
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise UsageError("--prompt is empty; give the text to continue")
     if args.drafter == "none":
@@ -57,7 +60,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"--k {args.k} needs a drafter: --drafter none is plain decoding (drop --k or name one)")
     elif args.k is not None:
         integer("--k", args.k, low=1, fix="k = 0 is plain decoding: use --drafter none")
-    check_drafter_options([args.drafter], parse_drafter_options([], args.draft_model))
+    check_drafter_options([args.drafter], parse_drafter_options(args.drafter_option, args.draft_model))
 
 
 def _read_prompts(args) -> list[str]:
@@ -110,19 +113,20 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
 
     from refspec.drafters import registry
     from refspec.engine import Engine, EngineConfig
+    from refspec.eval.run import auto_dtype
     from refspec.eval.runtime import encode_prompt, load_target, parse_dtype, pick_device, set_threads
     from refspec.sampling import SamplingConfig
 
     set_threads()
     device = pick_device(args.device)
-    dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(auto_dtype(device) if args.dtype.lower() == "auto" else args.dtype)
     if args.drafter != "none" and args.drafter not in registry.available() and not registry.is_plugin(args.drafter):
         raise UsageError(f"--drafter {args.drafter!r} is unknown; available: none, {', '.join(registry.available())}")
     target = load_target(args.model, dtype=dtype, device=device)
     prompts = [encode_prompt(target, t, chat=not args.no_chat) for t in texts]
     drafter, k = None, 0
     if args.drafter != "none":
-        opts = {"draft_model": args.draft_model} if args.draft_model else {}
+        opts = dict(parse_drafter_options(args.drafter_option, args.draft_model))
         ctx = registry.DrafterContext(target=target.model, target_name=args.model,
                                       tokenizer_fingerprint=target.fingerprint, dtype=target.model.dtype,
                                       device=device, options=opts)

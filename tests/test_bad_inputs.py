@@ -80,6 +80,8 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("generate-k-zero", ["generate", "--model", "{model}", "--drafter", "ngram", "--k", "0"], "--k", False),
     ("generate-draft-model-for-ngram", ["generate", "--model", "{model}", "--drafter", "ngram", "--draft-model",
                                         "self:1"], "--draft-model", False),
+    ("generate-option-unknown", ["generate", "--model", "{model}", "--drafter", "ngram", "--drafter-option",
+                                 "colour=blue"], "--drafter-option 'colour'", False),
     ("generate-budget-zero", ["generate", "--model", "{model}", "--max-new-tokens", "0"], "--max-new-tokens", False),
     ("generate-prompt-not-text", ["generate", "--model", "{model}", "--prompts-file", "{number_prompt}"],
      "--prompts-file", False),

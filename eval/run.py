@@ -221,8 +221,13 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     Raises:
         UsageError, NoGPUError, DrafterError, AcceptanceModelError, CorpusError: what building them raises.
     """
+    from refspec.eval.corpora.sources import CorpusError
+
     _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
-    prompts = session.prompts(cfg.corpus, cfg.num_prompts)
+    try:
+        prompts = session.prompts(cfg.corpus, cfg.num_prompts)
+    except CorpusError as exc:  # the user's prompt file or corpus name: say which flag named it
+        raise UsageError(f"--corpus {cfg.corpus}: {exc}") from exc
     drafter = session.drafter(cfg)
     _check_context(session, cfg, prompts, drafter)
     _acceptance_injection(cfg, session.device)

@@ -105,6 +105,8 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("index-without-weight-map", [*LOADS, "--model", "{no_weight_map}"], "--model", True),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "w3 w4"], "--model", True),
     ("generate-shape-mismatch", ["generate", "--model", "{wrong_shape}", "--prompt", "w3 w4"], "wrong shape", True),
+    ("corpus-prompt-not-text", [*LOADS, "--corpus", "{number_prompt}"], "--corpus", True),
+    ("corpus-not-json", [*LOADS, "--corpus", "{garbage_jsonl}"], "--corpus", True),
     ("budget-beyond-context", [*LOADS, "--max-new-tokens", "100000"], "--max-new-tokens 100000", True),
     ("sweep-k-beyond-context", ["sweep", *LOADS, "--max-new-tokens", "4", "--k", "0,2,9000", "--batch", "1"],
      "--max-new-tokens 4 (--k 9000", True),
@@ -149,10 +151,11 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (root / "file.txt").write_text("a regular file\n")
     (root / "emptydir").mkdir()
     (root / "number_prompt.jsonl").write_text(json.dumps({"prompt": 5}) + "\n")
+    (root / "garbage.jsonl").write_text("not json at all\n")
     record = {"record_version": 2, "status": "ok", "config_id": "none-k0-b1-x-0"}
     return {
         "model": str(model), "prompts": str(prompts), "file": str(root / "file.txt"), "dir": str(root / "emptydir"),
-        "number_prompt": str(root / "number_prompt.jsonl"),
+        "number_prompt": str(root / "number_prompt.jsonl"), "garbage_jsonl": str(root / "garbage.jsonl"),
         "truncated": str(_write_model_copy(model, root / "truncated", weights[: len(weights) // 2])),
         "garbage": str(_write_model_copy(model, root / "garbage", b"garbage!" * 64)),
         "no_weight_map": str(_write_model_copy(model, root / "no_weight_map", None, {"metadata": {}})),

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from refspec.eval.cli_checks import METERS, check_drafter_options, check_run_flags, csv, parse_drafter_options
+from refspec.eval.cli_checks import check_drafter_options, check_run_flags, csv, parse_drafter_options
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args  # noqa: F401
 
 if TYPE_CHECKING:

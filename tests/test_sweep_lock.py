@@ -15,7 +15,10 @@ from refspec.energy.accounting import AccountingError, pool_runs
 from refspec.energy.ledger import Ledger, finished, read_ledger, unfinished_runs
 from refspec.eval import cli
 from refspec.eval.outdir import LOCK, claimed
-from test_eval_cli import QUIET, one_thread, tiny  # noqa: F401  (fixtures)
+import test_eval_cli
+from test_eval_cli import QUIET
+
+tiny, one_thread = test_eval_cli.tiny, test_eval_cli.one_thread  # the tiny model and one thread, as there
 
 
 def _sweep(tiny, out: Path, budget: int = 4, *extra: str) -> list[str]:

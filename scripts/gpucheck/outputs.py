@@ -1,0 +1,90 @@
+"""Plots and the summary table. A line says what its figure is: measured (which counter) or
+modelled (which roofline); acceptance is always labelled injected."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+Getter = Callable[[dict[str, Any]], Any]
+
+
+def energy_label(points: list[dict[str, Any]]) -> str:
+    """``measured (nvml-total-energy(gpu0))`` or ``MODELLED (roofline(...))`` for the points' energy."""
+    sources = sorted({str(p["energy_source"]) for p in points})
+    kind = "measured" if all(s.startswith("measured:") for s in sources) else "MODELLED"
+    return f"{kind} ({', '.join(s.split(':', 1)[-1] for s in sources)})"
+
+
+def _lines(ax: Any, points: list[dict[str, Any]], y: Getter, y_pred: Getter | None, label: str) -> None:
+    for i, k in enumerate(sorted({p["k"] for p in points})):
+        pts = sorted((p for p in points if p["k"] == k), key=lambda p: p["batch"])
+        xs = [p["batch"] for p in pts]
+        ax.plot(xs, [y(p) for p in pts], "o-", color=f"C{i}", label=f"k={k} {label}")
+        if y_pred is not None:
+            ax.plot(xs, [y_pred(p) for p in pts], "x--", color=f"C{i}", alpha=0.7,
+                    label=f"k={k} modelled (roofline, run ceilings)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def make_plots(points: list[dict[str, Any]], out: Path, title: str) -> list[str]:
+    """At most four PNGs under ``out``; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in points if "error" not in p]
+    if not points:
+        return []
+    energy = energy_label(points)
+    specs = [
+        ("step_time_vs_roofline.png", lambda p: p["step_time_s"]["mean"] * 1e3,
+         lambda p: p["predicted_step_time_s"] * 1e3, "step time (ms)", "measured (wall time)", True),
+        ("energy_per_token.png", lambda p: p["j_per_token"], lambda p: p["predicted_j_per_token"],
+         "J / output token", energy, True),
+        ("measured_over_predicted.png", lambda p: p["measured_over_predicted"], None,
+         "wall / roofline step time", "measured / modelled", False),
+        ("tpot.png", lambda p: p["tpot_s"] * 1e3, None, "TPOT (ms / token / user)", "measured (wall time)", True),
+    ]
+    files = []
+    for name, y, y_pred, ylabel, label, logy in specs:
+        if any(y(p) is None for p in points):
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        _lines(ax, points, y, y_pred, label)
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(f"{title}\nacceptance INJECTED; energy {energy}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def _num(x: Any, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else format(float("nan"), fmt)
+
+
+def summary_table(points: list[dict[str, Any]]) -> str:
+    """One line per point; a failed point shows its error."""
+    rows = [f"{'batch':>5} {'k':>3} {'steps':>5} {'step ms':>9} {'roofline':>9} {'sheet':>9} {'ratio':>6} "
+            f"{'tau':>5} {'J/tok':>8} {'J/tok net':>9} {'TPOT ms':>8} {'bound':>7}"]
+    for p in points:
+        if "error" in p:
+            rows.append(f"{p['batch']:>5} {p['k']:>3} FAILED: {p['error'][:100]}")
+            continue
+        rows.append(f"{p['batch']:>5} {p['k']:>3} {p['steps']:>5} {p['step_time_s']['mean'] * 1e3:>9.3f} "
+                    f"{p['predicted_step_time_s'] * 1e3:>9.3f} {p['datasheet_predicted_step_time_s'] * 1e3:>9.3f} "
+                    f"{_num(p['measured_over_predicted'], '>6.2f')} {p['tau_observed']:>5.2f} "
+                    f"{_num(p['j_per_token'], '>8.4f')} {_num(p['j_per_token_net'], '>9.4f')} "
+                    f"{_num(p['tpot_s'] and p['tpot_s'] * 1e3, '>8.3f')} "
+                    f"{'compute' if p['verify_compute_bound'] else 'memory':>7}")
+    if any("error" not in p for p in points):
+        rows.append("energy: " + energy_label([p for p in points if "error" not in p])
+                    + "; roofline: modelled from the ceilings measured in this run, sheet: the data sheet's")
+    return "\n".join(rows)

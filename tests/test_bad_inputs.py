@@ -228,3 +228,17 @@ def test_ctrl_c_while_generate_imports_is_one_line_and_130(inputs, tmp_path):
     _, err = proc.communicate(timeout=60)
     lines = [ln for ln in err.split("\n") if ln.strip() and not ln.startswith(("INFO", "WARNING"))]
     assert proc.returncode == 130 and lines == ["interrupted"], (proc.returncode, err[-2000:])
+
+
+def test_the_option_table_matches_what_each_built_in_drafter_reads():
+    import re
+
+    from refspec.eval.cli_checks import BUILTIN_OPTIONS
+
+    root = Path(__file__).resolve().parents[1] / "drafters"
+    files = {"ngram": "ngram.py", "draft-model": "draft_model.py", "eagle": "eagle.py", "eagle3": "eagle.py",
+             "block": "block.py"}
+    for drafter, name in files.items():
+        source = (root / name).read_text()
+        read = set(re.findall(r'opt(?:ion)?s(?:\.get\(|\[)"(\w+)"', source))
+        assert read == set(BUILTIN_OPTIONS[drafter]), f"{drafter} reads {sorted(read)}; update BUILTIN_OPTIONS"

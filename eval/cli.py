@@ -18,13 +18,12 @@ so is a second run while the first holds the lock.
 Every flag is checked before anything heavy loads (:mod:`refspec.eval.cli_checks`); a bad one
 prints one ``error:`` line naming it and exits 2, leaving nothing behind; Ctrl-C exits 130.
 
-Only this module prints; everything it calls logs.
+Only the command-line modules (this one, cli_report) print; everything they call logs.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import shlex
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
-from refspec.eval.cli_checks import check_report_flags
+from refspec.eval.cli_report import note_corrupt
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
 
@@ -113,12 +112,6 @@ def _write_sbatch(args: argparse.Namespace, plan: Any, argv: Sequence[str], out_
     return 0
 
 
-def _note_corrupt(corrupt: Sequence[tuple[str, int, str]]) -> None:
-    if corrupt:
-        print(f"note: skipped {len(corrupt)} corrupt records line(s): "
-              + "; ".join(f"{Path(f).name}:{n}" for f, n, _ in corrupt[:5]), file=sys.stderr)
-
-
 def _writes_summary(args: argparse.Namespace, *, sweep: bool, keep: bool) -> bool:
     """Whether this invocation keeps ``summary.json`` and the report (Slurm tasks leave both to ``report``)."""
     return keep and not (sweep and args.task_index is not None)
@@ -136,7 +129,7 @@ def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], pa
     summary = _writes_summary(args, sweep=sweep, keep=keep)
     existing = read_records(records_files(paths.out_dir)) if sweep else None
     known: dict[str, dict[str, Any]] = existing.by_id if existing is not None else {}
-    _note_corrupt(existing.corrupt if existing is not None else ())
+    note_corrupt(existing.corrupt if existing is not None else ())
     session = Session(**plan.session_kwargs)
     exporter = _AcceptanceExporter(args.export_acceptance, command)
     finished: list[dict[str, Any]] = []
@@ -258,61 +251,6 @@ def _strip(argv: Sequence[str], flags: Sequence[str], options: Sequence[str]) ->
     return out
 
 
-def _report(args: argparse.Namespace) -> int:
-    check_report_flags(args)
-    from refspec.eval.report import format_table, write_report
-    from refspec.eval.sweep import (LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, attach_baselines, read_records,
-                                    records_files, write_json_atomic)
-
-    out_dir: Path = args.dir
-    files = records_files(out_dir)
-    if not files:
-        raise UsageError(f"{out_dir} holds no records.jsonl (nor records/*.jsonl); run a sweep into it first")
-    try:
-        loaded = read_records(files)
-    except OSError as exc:
-        raise UsageError(f"cannot read records in {out_dir}: {exc.strerror or exc}") from None
-    _note_corrupt(loaded.corrupt)
-    if not loaded.records:
-        raise UsageError(f"no finished configuration in {', '.join(str(f) for f in files)}")
-    _check_records(loaded.records, out_dir)
-    target = args.latency_target
-    if target is None and (out_dir / SWEEP_META).is_file():
-        try:
-            target = json.loads((out_dir / SWEEP_META).read_text()).get("latency_target_s")
-        except (OSError, json.JSONDecodeError):
-            log.warning("could not read %s; no latency target", out_dir / SWEEP_META)
-    records = loaded.records
-    attach_baselines(records)
-    write_json_atomic(out_dir / SUMMARY, records)
-    ledgers = ([out_dir / LEDGER] if (out_dir / LEDGER).exists() else []) + sorted(
-        (out_dir / TASK_LEDGERS_DIR).glob("*.jsonl"))
-    rep = write_report(out_dir, records, latency_target_s=target, corrupt=loaded.corrupt, ledgers=ledgers)
-    print(format_table(records))
-    print(f"\nmerged {len(files)} records file(s), {len(records)} configuration(s)"
-          + (f", {loaded.duplicates} duplicate record(s) superseded" if loaded.duplicates else ""))
-    print(f"wrote {rep.markdown} and {', '.join(p.name for p in rep.plots)}")
-    return 0
-
-
-def _check_records(records: Sequence[dict[str, Any]], out_dir: Path) -> None:
-    """Every record is of this refspec's version and has what the report reads (before anything is rewritten)."""
-    from refspec.eval.records import RECORD_VERSION
-
-    for r in records:
-        if r.get("record_version") != RECORD_VERSION:
-            raise UsageError(f"report {out_dir}: record {r['config_id']} has record_version "
-                             f"{r.get('record_version')!r}, this refspec reads {RECORD_VERSION}; rerun its sweep")
-        missing = [f for f in _REPORT_FIELDS if f not in r]
-        if missing:
-            raise UsageError(f"report {out_dir}: record {r['config_id']} lacks {', '.join(missing)}; a record "
-                             f"written by hand or cut short? Rerun its sweep")
-
-
-_REPORT_FIELDS = ("drafter", "k", "batch", "corpus", "model", "tau", "energy_per_token_j", "tpot_p99_s",
-                  "baseline_config_id", "energy_source")
-
-
 def _threads(requested: str) -> None:
     """Set intra-op threads from ``--threads`` (see its help); print what ``auto`` chose on a busy machine."""
     import os
@@ -353,14 +291,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        if raw and raw[0] in TOOLS:
-            import importlib
-
-            return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
-        return _main(raw)
+        with _sigterm_as_interrupt():
+            return _dispatch(raw)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (Slurm's time limit, ``kill``) unwinds like Ctrl-C: the lock is released, the ledger run marked aborted."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _dispatch(raw: list[str]) -> int:
+    if raw and raw[0] in TOOLS:
+        import importlib
+
+        return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
+    return _main(raw)
 
 
 def _main(raw: list[str]) -> int:
@@ -372,7 +335,9 @@ def _main(raw: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         if args.command == "report":
-            return _report(args)
+            from refspec.eval.cli_report import report
+
+            return report(args)
         return _execute(args, sweep=args.command == "sweep", argv=norm)
     except (UsageError, ValueError, RuntimeError, OSError) as exc:  # the refspec errors derive from these
         if getattr(args, "debug", False):

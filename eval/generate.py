@@ -135,6 +135,11 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
                     eos_token_ids=target.eos_token_ids)
+    need = max(engine.required_slots(len(p), args.max_new_tokens) for p in prompts)
+    ctx = target.model.args.max_position_embeddings
+    if need > ctx:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt ({max(map(len, prompts))} "
+                         f"tokens) + budget + look-ahead need {need} positions, beyond the model's context of {ctx}")
     gen_ = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, generator=gen_)

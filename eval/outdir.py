@@ -114,6 +114,11 @@ def _holder(path: Path) -> dict[str, Any] | None:
     return holder
 
 
+def running_into(out_dir: Path) -> dict[str, Any] | None:
+    """The live invocation writing ``out_dir`` (its lock record), or None."""
+    return _holder(out_dir / LOCK) if (out_dir / LOCK).exists() else None
+
+
 def _take(path: Path, name: str) -> None:
     for _ in range(3):
         try:
@@ -188,4 +193,4 @@ def _remove_empty(folders: Sequence[Path]) -> None:
             return
 
 
-__all__ = ["definition_id", "resolve_out", "claimed", "scratch", "write_meta", "LOCK", "SWEEP_META"]
+__all__ = ["definition_id", "resolve_out", "claimed", "scratch", "running_into", "write_meta", "LOCK", "SWEEP_META"]

@@ -104,6 +104,8 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("garbage-safetensors", [*LOADS, "--model", "{garbage}"], "--model", True),
     ("index-without-weight-map", [*LOADS, "--model", "{no_weight_map}"], "--model", True),
     ("generate-truncated", ["generate", "--model", "{truncated}", "--prompt", "w3 w4"], "--model", True),
+    ("generate-budget-beyond-context", ["generate", "--model", "{model}", "--prompt", "w3 w4", "--max-new-tokens",
+                                        "100000"], "--max-new-tokens 100000", True),
     ("generate-shape-mismatch", ["generate", "--model", "{wrong_shape}", "--prompt", "w3 w4"], "wrong shape", True),
     ("corpus-prompt-not-text", [*LOADS, "--corpus", "{number_prompt}"], "--corpus", True),
     ("corpus-not-json", [*LOADS, "--corpus", "{garbage_jsonl}"], "--corpus", True),

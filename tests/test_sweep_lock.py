@@ -192,3 +192,20 @@ def test_a_killed_run_s_temporary_directory_is_removed_by_the_next_run(tmp_path,
     with scratch() as tmp:
         assert tmp.name.startswith(f"refspec-eval-{os.getpid()}-")
     assert not left.exists() and alive.exists(), "only the dead run's directory goes"
+
+
+def test_sigterm_mid_sweep_releases_the_lock_and_marks_the_run_aborted(tiny, tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", *_sweep(tiny, out, 400)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "ledger.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # as Slurm does at the time limit
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cli.EXIT_INTERRUPTED, err[-2000:]
+    assert not (out / LOCK).exists(), "the lock goes with the process"
+    assert "aborted" in read_ledger(out / "ledger.jsonl").unfinished.values()

@@ -74,7 +74,8 @@ def check_meter(meter: str) -> None:
     kind, sep, profile = meter.partition(":")
     if kind not in METERS:
         raise UsageError(f"--meter {meter!r} is unknown; use {', '.join(METERS)} or roofline:PROFILE")
-    if sep and (kind != "roofline" or profile.lower() not in ROOFLINE_PROFILES):
+    known = profile.lower() in ROOFLINE_PROFILES or profile.lower().startswith("cpu-")
+    if sep and (kind != "roofline" or not known):
         raise UsageError(f"--meter {meter!r}: a profile goes with roofline only, one of "
                          f"{', '.join(ROOFLINE_PROFILES)} (e.g. --meter roofline:h200)")
 

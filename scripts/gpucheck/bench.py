@@ -56,22 +56,25 @@ def _datasheet(dry: bool, dtype: torch.dtype) -> tuple[Any, str]:
     return prof, f"data sheet {prof.name}" + ("" if key else f" (no profile for {name!r}; H200 assumed)")
 
 
-def _meter(dry: bool, profile: Any, require_measured: bool) -> tuple[Any, str, float | None]:
-    """A measured meter on a GPU (zeus, pynvml counter, power integral), else the roofline model."""
-    from refspec.energy.meters import NoGPUError, RooflineMeter, measured_gpu_meter
+def _measured_meter(dry: bool) -> tuple[Any, str, float | None] | str:
+    """A measured meter on a GPU (zeus, pynvml counter, power integral) with the idle power it
+    read, measured first while the GPU idles; else why there is none."""
+    from refspec.energy.meters import NoGPUError, measured_gpu_meter
 
-    reason = "dry run: no energy counter on a CPU"
-    if not dry:
-        try:
-            meter = measured_gpu_meter(0, sync=torch.cuda.synchronize)
-            idle_w = meter.measure_idle_w(3.0)
-            return meter, f"MEASURED: {meter.source} read by {getattr(meter, 'reader', 'zeus')}", idle_w
-        except NoGPUError as exc:
-            reason = str(exc)
-    if require_measured:
-        raise ModelledEnergyOnly(f"--require-measured-energy: only modelled energy is available ({reason})")
-    sync = torch.cuda.synchronize if not dry else None
-    meter = RooflineMeter(profile, time_source="measured", sync=sync)
+    if dry:
+        return "dry run: no energy counter on a CPU"
+    try:
+        meter = measured_gpu_meter(0, sync=torch.cuda.synchronize)
+    except NoGPUError as exc:
+        return str(exc)
+    idle_w = meter.measure_idle_w(3.0)
+    return meter, f"MEASURED: {meter.source} read by {getattr(meter, 'reader', 'zeus')}", idle_w
+
+
+def _modelled_meter(dry: bool, profile: Any, reason: str) -> tuple[Any, str, float | None]:
+    from refspec.energy.meters import RooflineMeter
+
+    meter = RooflineMeter(profile, time_source="measured", sync=None if dry else torch.cuda.synchronize)
     return meter, f"MODELLED by {meter.source} ({reason})", profile.idle_w
 
 
@@ -84,13 +87,16 @@ def build_bench(args: argparse.Namespace) -> Bench:
     device = torch.device("cpu" if dry else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     datasheet, sheet_note = _datasheet(dry, dtype)
+    measured = _measured_meter(dry)
+    if isinstance(measured, str) and args.require_measured_energy:
+        raise ModelledEnergyOnly(f"--require-measured-energy: only modelled energy is available ({measured})")
     t0 = time.perf_counter()
     ceilings = measure_ceilings(device, dtype, DRY_SHAPES if dry else GPU_SHAPES)
     ceilings["note"] = f"measured in this run; beside {sheet_note}"
     log.info("ceilings: copy %.3g B/s, gemm %.3g FLOP/s in %.1f s", ceilings["copy"]["best"],
              ceilings["gemm"]["best"], time.perf_counter() - t0)
     profile = profile_with_ceilings(datasheet, ceilings)
-    meter, note, idle_w = _meter(dry, profile, args.require_measured_energy)
+    meter, note, idle_w = _modelled_meter(dry, profile, measured) if isinstance(measured, str) else measured
 
     arch: Any = shrunk_config(args.arch) if dry else args.arch
     label = f"{args.arch} (toy: hidden 256, 2 layers, vocab 2048)" if dry else args.arch

@@ -1,0 +1,198 @@
+"""The GPU check, rehearsed on a CPU.
+
+The rehearsal runs the device command (``bash scripts/gpu_check.sh``) with ``--dry-run`` on a
+copy of the checkout, from a python that holds only what the lent GPU machine's image holds:
+no refspec installed (the copy installs itself, as there), and ``zeus``, ``gguf`` and
+``datasets`` made unimportable by a ``sitecustomize`` blocker. The other tests call the
+check's ``main`` in process to pin one behaviour each: the budget, a failing point, the
+--require-measured-energy exit, labels, the $OUT limits, the ceilings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_check  # noqa: E402
+from gpucheck import ceilings, outputs, results  # noqa: E402
+
+DEVICE_COMMAND = ["bash", "scripts/gpu_check.sh"]  # what the device tool runs, in the repository root
+TINY = ["--batches", "1,2", "--ks", "0,3", "--prompt-len", "16", "--new-tokens", "8", "--kv-bucket", "16"]
+LENT_IMAGE_LACKS = ("zeus", "gguf", "datasets")
+
+BLOCKER = textwrap.dedent('''
+    """Make this python look like the lent GPU image: these packages are missing."""
+    import sys
+
+    BLOCKED = {blocked!r}
+
+
+    class _LentImageBlocker:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {{name!r}} (the lent GPU image lacks it)", name=name)
+            return None
+
+
+    sys.meta_path.insert(0, _LentImageBlocker())
+''').format(blocked=set(LENT_IMAGE_LACKS))
+
+IMPORT_EVERY_MODULE = textwrap.dedent('''
+    import importlib, pkgutil, sys
+    import refspec, refspec.drafters, refspec.eval, refspec.models
+    names = []
+    for pkg in (refspec, refspec.models, refspec.drafters, refspec.eval):
+        for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if not m.name.endswith("__main__"):
+                importlib.import_module(m.name)
+                names.append(m.name)
+    leaked = sorted({blocked!r} & set(sys.modules))
+    assert not leaked, leaked
+    print(len(names), "modules import without", {blocked!r})
+''').format(blocked=set(LENT_IMAGE_LACKS))
+
+
+def _copy_checkout(dest: Path) -> None:
+    """The files the device tool sends: tracked and untracked-not-ignored ones."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+        files = [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: cannot tell which files the device tool would send")
+    for f in files:
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """The device command with --dry-run on a copy, from a python shaped like the lent image."""
+    tmp = tmp_path_factory.mktemp("rehearsal")
+    copy, out, blocker = tmp / "checkout", tmp / "out", tmp / "blocker"
+    copy.mkdir()
+    blocker.mkdir()
+    _copy_checkout(copy)
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(blocker), PYTHON=sys.executable, OUT=str(out), REFSPEC_VENV=str(tmp / "venv"),
+               OMP_NUM_THREADS="1", PIP_NO_INDEX="1")
+    proc = subprocess.run([*DEVICE_COMMAND, "--dry-run", "--skip-tests", *TINY], cwd=copy, env=env,
+                          capture_output=True, text=True, timeout=240)
+    return {"proc": proc, "copy": copy, "out": out, "env": env, "venv_python": tmp / "venv" / "bin" / "python"}
+
+
+def test_rehearsal_installs_itself_and_writes_every_point(rehearsal):
+    proc, out = rehearsal["proc"], rehearsal["out"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["complete"] and report["dry_run"]
+    assert Path(report["refspec_from"]) == rehearsal["copy"] / "refspec"  # the copy's own install, nothing leaked
+    assert [(p["batch"], p["k"]) for p in report["points"]] == [(1, 0), (1, 3), (2, 0), (2, 3)]
+    assert all("error" not in p for p in report["points"])
+    assert report["ceilings"]["gemm"]["best"] > 0 and report["ceilings"]["copy"]["best"] > 0
+    assert report["roofline_profile"]["peak_flops"] == report["ceilings"]["gemm"]["best"]
+
+
+def test_rehearsal_labels_its_energy_modelled(rehearsal):
+    report = json.loads((rehearsal["out"] / "gpu_check.json").read_text())
+    assert report["energy_measured"] is False and report["energy_source"].startswith("modelled:roofline(")
+    assert all(p["energy_source"].startswith("modelled:") for p in report["points"])
+    assert report["energy_label"].startswith("MODELLED")
+    assert "MODELLED" in rehearsal["proc"].stdout
+
+
+def test_rehearsal_output_fits_what_comes_back(rehearsal):
+    out = rehearsal["out"]
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert "gpu_check.log" in files and "gpu_check.json" in files and len(files) <= results.MAX_FILES, files
+    log = (out / "gpu_check.log").read_text()
+    assert f"refspec from {rehearsal['copy'] / 'refspec'}" in log and "batch 2, k 3" in log
+    assert json.loads((out / "gpu_check.json").read_text())["out_problems"] == []
+
+
+def test_rehearsal_python_lacks_what_the_image_lacks_and_every_module_imports(rehearsal):
+    vpy, env = str(rehearsal["venv_python"]), rehearsal["env"]
+    for name in LENT_IMAGE_LACKS:
+        probe = subprocess.run([vpy, "-c", f"import {name}"], env=env, capture_output=True, text=True)
+        assert probe.returncode != 0 and "lent GPU image lacks it" in probe.stderr
+    proc = subprocess.run([vpy, "-c", IMPORT_EVERY_MODULE], cwd=rehearsal["copy"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ---- in process: one behaviour each ------------------------------------------------------------
+def _main(tmp_path, *flags):
+    code = gpu_check.main(["--dry-run", "--skip-tests", *TINY, "--out", str(tmp_path), *flags])
+    return code, json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_require_measured_energy_exits_when_only_a_model_is_available(tmp_path):
+    code, report = _main(tmp_path, "--require-measured-energy")
+    assert code == gpu_check.EXIT_MODELLED_ONLY == 3
+    assert "only modelled energy is available" in report["error"] and "points" not in report
+
+
+def test_a_failing_point_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+    real = gpu_check.run_point
+    saved_before = []
+
+    def flaky(bench, args, batch, k):
+        saved_before.append(len(json.loads((tmp_path / "gpu_check.json").read_text()).get("points", [])))
+        if (batch, k) == (1, 3):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(bench, args, batch, k)
+
+    monkeypatch.setattr(gpu_check, "run_point", flaky)
+    code, report = _main(tmp_path)
+    assert code == 1
+    assert saved_before == [0, 1, 2, 3]  # the file was rewritten after every point
+    failed = [p for p in report["points"] if "error" in p]
+    assert [(p["batch"], p["k"]) for p in failed] == [(1, 3)] and "simulated" in failed[0]["error"]
+    assert len(report["points"]) == 4 and report["complete"]
+
+
+def test_budget_stops_cleanly_between_points(tmp_path):
+    code, report = _main(tmp_path, "--budget-s", "0")
+    assert code == 0 and report["complete"] and report["points"] == []
+    assert [(p["batch"], p["k"]) for p in report["skipped_points"]] == [(1, 0), (1, 3), (2, 0), (2, 3)]
+
+
+def test_energy_label_never_calls_a_model_measured():
+    measured = [{"energy_source": "measured:nvml-total-energy(gpu0)"}]
+    assert outputs.energy_label(measured) == "measured (nvml-total-energy(gpu0))"
+    mixed = measured + [{"energy_source": "modelled:roofline(h200-sxm)"}]
+    assert outputs.energy_label(mixed).startswith("MODELLED")
+
+
+def test_out_problems_name_what_would_not_come_back(tmp_path):
+    for i in range(9):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c" / "deep.txt").write_text("x")
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(results.MAX_FILE_BYTES)
+    problems = results.out_problems(tmp_path)
+    assert len(problems) == 3 and "11 files" in problems[0]
+    assert any("big.bin" in p for p in problems) and any("deep.txt" in p for p in problems)
+
+
+def test_ceilings_are_positive_and_replace_the_profile_figures():
+    from refspec.energy.hardware import H200_SXM
+
+    c = ceilings.measure_ceilings(torch.device("cpu"), torch.float32, ceilings.CeilingShapes(
+        copy_bytes=1 << 20, gemm_n=64, repeats=2, trials=2))
+    assert c["gemm"]["best"] >= c["gemm"]["median"] > 0 and c["copy"]["best"] >= c["copy"]["median"] > 0
+    prof = ceilings.profile_with_ceilings(H200_SXM, c)
+    assert (prof.peak_flops, prof.bandwidth_Bps, prof.measured) == (c["gemm"]["best"], c["copy"]["best"], True)
+    assert prof.name == "h200-sxm@run-ceilings" and prof.static_w == H200_SXM.static_w

@@ -45,7 +45,8 @@ import torch
 
 from gpucheck.bench import Bench, ModelledEnergyOnly, build_bench
 from gpucheck.gpu_tests import run_gpu_tests, tests_failed
-from gpucheck.outputs import energy_label, make_plots, summary_table
+from gpucheck.outputs import energy_label, make_plots, phase_table, summary_table
+from gpucheck.phase_loops import isolated_loops, split
 from gpucheck.point import run_point
 from gpucheck.results import Results, out_problems
 
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--require-measured-energy", action="store_true",
                    help=f"exit {EXIT_MODELLED_ONLY} before the benchmark when no energy counter can be read "
                         "(only the roofline model is available)")
+    p.add_argument("--phase-loop-s", type=float, default=None,
+                   help="seconds each phase-isolated loop (prefill, draft, verify) runs at every point for the "
+                        "measured per-phase split (default 2; dry run 0.04; 0 skips them)")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
@@ -90,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.new_tokens = args.new_tokens if args.new_tokens is not None else 32 if dry else 256
     args.kv_bucket = args.kv_bucket if args.kv_bucket is not None else 32 if dry else 128
     args.dtype = args.dtype or ("fp32" if dry else "bf16")
+    args.phase_loop_s = args.phase_loop_s if args.phase_loop_s is not None else 0.04 if dry else 2.0
     return args
 
 
@@ -102,6 +107,21 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
             "refspec_from": str(Path(refspec.__file__).parent), "argv": sys.argv[1:],
             "grid": {"batches": args.batches, "ks": args.ks}, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "kv_bucket": args.kv_bucket, "budget_s": args.budget_s}
+
+
+def _phase_energy(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
+    """Phase-isolated loops of one point and their split; an error is recorded, not raised."""
+    try:
+        loops = isolated_loops(bench, args, p["batch"], p["k"], args.phase_loop_s)
+        out = {"split": split(loops, p["run_window"]), "loops": loops}
+        s = out["split"]
+        log.info("  phases (%s): loops %s, fit %s, additivity residual %+.1f%%", s["energy_source"],
+                 {q: round(x, 3) for q, x in s["loops_share"].items()},
+                 {q: round(x, 3) for q, x in s["fit_share"].items()}, 100 * s["additivity_residual"])
+        return out
+    except Exception as exc:
+        log.exception("phase loops of batch %d, k %d failed", p["batch"], p["k"])
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
 
 
 def _run_grid(bench: Bench, args: argparse.Namespace, results: Results, t_start: float) -> None:
@@ -125,6 +145,8 @@ def _run_grid(bench: Bench, args: argparse.Namespace, results: Results, t_start:
                 log.exception("batch %d, k %d failed", batch, k)
                 p = {"batch": batch, "k": k, "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()[-3000:]}
+            if "error" not in p and args.phase_loop_s > 0:
+                p["phase_energy"] = _phase_energy(bench, args, p)
             last_s = p["seconds"] = time.perf_counter() - t0
             points.append(p)
             if bench.device.type == "cuda":
@@ -147,6 +169,8 @@ def _print_summary(results: Results, bench: Bench | None) -> None:
               f"{bench.datasheet.peak_flops / 1e12:.3g} TFLOP/s")
         print(d["acceptance"]["label"])
         print(summary_table(d.get("points", [])))
+        if any("phase_energy" in p for p in d.get("points", [])):
+            print(phase_table(d["points"]))
     if d.get("skipped_points"):
         print(f"skipped {len(d['skipped_points'])} points: time budget")
     for problem in d.get("out_problems", []):

@@ -196,3 +196,32 @@ def test_ceilings_are_positive_and_replace_the_profile_figures():
     prof = ceilings.profile_with_ceilings(H200_SXM, c)
     assert (prof.peak_flops, prof.bandwidth_Bps, prof.measured) == (c["gemm"]["best"], c["copy"]["best"], True)
     assert prof.name == "h200-sxm@run-ceilings" and prof.static_w == H200_SXM.static_w
+
+
+def test_phase_split_with_exact_loops_and_run():
+    from gpucheck import phase_loops
+
+    def loop(j_per_call, s_per_call, calls=8):
+        w = {"calls": calls // 2, "time_s": s_per_call * calls / 2, "energy_j": j_per_call * calls / 2}
+        return {"j_per_call": j_per_call, "s_per_call": s_per_call, "windows": [w, dict(w)],
+                "energy_source": "measured:fake-counter"}
+
+    loops = {"prefill": loop(5.0, 0.5), "draft": loop(0.5, 0.01), "verify": loop(3.0, 0.02)}
+    # 10 steps of 3 drafts (1.5 J) + 1 verify (3 J): 45 J if additive; the run read 50 J
+    run = {"energy_j": 50.0, "time_s": 0.5, "steps": 10, "forwards": {"draft": 30, "verify": 10},
+           "phase_time_s": {"draft": 0.3, "verify": 0.2}}
+    s = phase_loops.split(loops, run)
+    assert s["loops_j_per_step"] == {"draft": 1.5, "verify": 3.0}
+    assert s["loops_share"] == pytest.approx({"draft": 1 / 3, "verify": 2 / 3})
+    assert s["additivity_residual"] == pytest.approx(-0.1) and not s["additive_within_5pct"]
+    assert s["prefill_j_per_call"] == 5.0 and s["energy_source"] == "measured:fake-counter"
+    # the loops' windows pin each phase's power (50 W draft, 150 W verify); the run adds a misfit
+    assert s["fit_power_w"]["verify"] == pytest.approx(150.0, rel=0.05) and s["fit_relative_residual"] > 0
+
+
+def test_dry_run_points_carry_a_labelled_phase_split(tmp_path):
+    code, report = _main(tmp_path, "--ks", "3", "--batches", "1")
+    split = report["points"][0]["phase_energy"]["split"]
+    assert code == 0 and split["phases"] == ["draft", "verify"]
+    assert sum(split["loops_share"].values()) == pytest.approx(1.0) and split["energy_source"].startswith("modelled:")
+    assert set(report["points"][0]["phase_energy"]["loops"]) == {"prefill", "draft", "verify"}

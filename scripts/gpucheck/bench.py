@@ -39,6 +39,7 @@ class Bench:
     datasheet: Any
     ceilings: dict[str, Any]
     idle_w: float | None
+    max_len: int
 
     @property
     def energy_measured(self) -> bool:
@@ -111,4 +112,4 @@ def build_bench(args: argparse.Namespace) -> Bench:
         r.reserve(max(args.batches), max_len)
     return Bench(device=device, dtype=dtype, arch_label=label, target=target, target_runner=target_runner,
                  draft_runner=draft_runner, meter=meter, meter_note=note, profile=profile, datasheet=datasheet,
-                 ceilings=ceilings, idle_w=idle_w)
+                 ceilings=ceilings, idle_w=idle_w, max_len=max_len)

@@ -88,3 +88,23 @@ def summary_table(points: list[dict[str, Any]]) -> str:
         rows.append("energy: " + energy_label([p for p in points if "error" not in p])
                     + "; roofline: modelled from the ceilings measured in this run, sheet: the data sheet's")
     return "\n".join(rows)
+
+
+def phase_table(points: list[dict[str, Any]]) -> str:
+    """Per point: the phase split of the isolated loops (A) and of the fit (B), the additivity
+    residual, prefill J per call."""
+    rows = [f"{'batch':>5} {'k':>3} {'draft A':>8} {'verify A':>8} {'draft B':>8} {'verify B':>8} "
+            f"{'additivity':>10} {'fit resid':>9} {'prefill J':>10}"]
+    for p in points:
+        s = p.get("phase_energy", {}).get("split")
+        if s is None:
+            continue
+        a, b = s["loops_share"], s["fit_share"]
+        rows.append(f"{p['batch']:>5} {p['k']:>3} {a.get('draft', 0.0):>8.3f} {a['verify']:>8.3f} "
+                    f"{b.get('draft', 0.0):>8.3f} {b['verify']:>8.3f} {s['additivity_residual']:>+10.1%} "
+                    f"{s['fit_relative_residual']:>9.3f} {s['prefill_j_per_call']:>10.4g}")
+    sources = sorted({p["phase_energy"]["split"]["energy_source"] for p in points
+                      if "split" in p.get("phase_energy", {})})
+    rows.append("phase energy: " + (energy_label([{"energy_source": s} for s in sources]) if sources else "none")
+                + "; A = phase-isolated loops x calls per step, B = non-negative fit over their windows and the run")
+    return "\n".join(rows)

@@ -99,6 +99,11 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int) -> dic
     net = None if m.energy_j is None or bench.idle_w is None else m.energy_j - bench.idle_w * m.time_s
     mean_meas, mean_pred = statistics.mean(measured), statistics.mean(predicted)
     per = (lambda x: x / emitted if x is not None and emitted else None)
+    in_window = [e for e in events if e.phase in ("draft", "verify")]
+    run_window = {"energy_j": m.energy_j, "time_s": m.time_s, "steps": len({e.step for e in events}),
+                  "forwards": {p: sum(len(e.work) for e in in_window if e.phase == p) for p in ("draft", "verify")},
+                  "phase_time_s": {p: sum(e.measurement.time_s for e in in_window if e.phase == p)
+                                   for p in ("draft", "verify")}}
     return {
         "batch": batch, "k": k, "steps": gen.steps, "measured_steps": len(measured), "warmup_s": warmup_s,
         "captures_during_measurement": captures,
@@ -106,7 +111,7 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int) -> dic
         "predicted_step_time_s": mean_pred, "datasheet_predicted_step_time_s": statistics.mean(sheet),
         "measured_over_predicted": mean_meas / mean_pred if mean_pred else None,
         "per_step_s": {"measured": [round(x, 7) for x in measured], "predicted": [round(x, 7) for x in predicted]},
-        "window_s": m.time_s, "energy_j": m.energy_j, "energy_source": m.source, "energy_measured": m.measured,
+        "run_window": run_window, "window_s": m.time_s, "energy_j": m.energy_j, "energy_source": m.source, "energy_measured": m.measured,
         "idle_w": bench.idle_w, "energy_net_j": net, "emitted_tokens": emitted,
         "j_per_token": per(m.energy_j), "j_per_token_net": per(net),
         "predicted_j_per_token": per(pred_energy), "datasheet_predicted_j_per_token": per(sheet_energy),

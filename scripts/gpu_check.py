@@ -45,7 +45,7 @@ import torch
 
 from gpucheck.bench import Bench, ModelledEnergyOnly, build_bench
 from gpucheck.gpu_tests import run_gpu_tests, tests_failed
-from gpucheck.outputs import energy_label, make_plots, phase_table, summary_table
+from gpucheck.outputs import eager_table, energy_label, make_plots, phase_table, summary_table
 from gpucheck.phase_loops import isolated_loops, split
 from gpucheck.point import run_point
 from gpucheck.results import Results, out_problems
@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-loop-s", type=float, default=None,
                    help="seconds each phase-isolated loop (prefill, draft, verify) runs at every point for the "
                         "measured per-phase split (default 2; dry run 0.04; 0 skips them)")
+    p.add_argument("--eager-batches", type=_ints, default=None,
+                   help="batches whose points also run without graph capture, for graphs against eager "
+                        "(default 1,32; dry run 2; empty: none)")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
@@ -94,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.new_tokens = args.new_tokens if args.new_tokens is not None else 32 if dry else 256
     args.kv_bucket = args.kv_bucket if args.kv_bucket is not None else 32 if dry else 128
     args.dtype = args.dtype or ("fp32" if dry else "bf16")
+    args.eager_batches = args.eager_batches if args.eager_batches is not None else [2] if dry else [1, 32]
     args.phase_loop_s = args.phase_loop_s if args.phase_loop_s is not None else 0.04 if dry else 2.0
     return args
 
@@ -124,6 +128,22 @@ def _phase_energy(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> 
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
 
 
+def _eager(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
+    """The same point without graph capture: step time and J/token, and the graphs' gain."""
+    keys = ("runner_mode", "step_time_s", "j_per_token", "j_per_token_net", "tpot_s", "energy_source", "tau_observed")
+    try:
+        e = run_point(bench, args, p["batch"], p["k"], eager=True)
+    except Exception as exc:
+        log.exception("eager run of batch %d, k %d failed", p["batch"], p["k"])
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out = {key: e[key] for key in keys}
+    out["graph_speedup"] = e["step_time_s"]["mean"] / p["step_time_s"]["mean"]
+    out["graph_energy_ratio"] = (p["j_per_token"] / e["j_per_token"]) if e["j_per_token"] else None
+    log.info("  %s: step %.3f ms, %s J/token; %s is %.2fx as fast", e["runner_mode"], e["step_time_s"]["mean"] * 1e3,
+             e["j_per_token"], p["runner_mode"], out["graph_speedup"])
+    return out
+
+
 def _run_grid(bench: Bench, args: argparse.Namespace, results: Results, t_start: float) -> None:
     """Every (batch, k) in its own try/except; the results are saved after each."""
     points, skipped = results.data.setdefault("points", []), results.data.setdefault("skipped_points", [])
@@ -147,6 +167,8 @@ def _run_grid(bench: Bench, args: argparse.Namespace, results: Results, t_start:
                      "traceback": traceback.format_exc()[-3000:]}
             if "error" not in p and args.phase_loop_s > 0:
                 p["phase_energy"] = _phase_energy(bench, args, p)
+            if "error" not in p and batch in args.eager_batches:
+                p["eager"] = _eager(bench, args, p)
             last_s = p["seconds"] = time.perf_counter() - t0
             points.append(p)
             if bench.device.type == "cuda":
@@ -171,6 +193,8 @@ def _print_summary(results: Results, bench: Bench | None) -> None:
         print(summary_table(d.get("points", [])))
         if any("phase_energy" in p for p in d.get("points", [])):
             print(phase_table(d["points"]))
+        if any("eager" in p for p in d.get("points", [])):
+            print(eager_table(d["points"]))
     if d.get("skipped_points"):
         print(f"skipped {len(d['skipped_points'])} points: time budget")
     for problem in d.get("out_problems", []):

@@ -102,6 +102,8 @@ def test_rehearsal_installs_itself_and_writes_every_point(rehearsal):
     assert all("error" not in p for p in report["points"])
     assert report["ceilings"]["gemm"]["best"] > 0 and report["ceilings"]["copy"]["best"] > 0
     assert report["roofline_profile"]["peak_flops"] == report["ceilings"]["gemm"]["best"]
+    assert [("eager" in p, "split" in p["phase_energy"]) for p in report["points"]] == [
+        (False, True), (False, True), (True, True), (True, True)]  # dry run: eager at batch 2, phases everywhere
 
 
 def test_rehearsal_labels_its_energy_modelled(rehearsal):
@@ -219,8 +221,11 @@ def test_phase_split_with_exact_loops_and_run():
     assert s["fit_power_w"]["verify"] == pytest.approx(150.0, rel=0.05) and s["fit_relative_residual"] > 0
 
 
-def test_dry_run_points_carry_a_labelled_phase_split(tmp_path):
-    code, report = _main(tmp_path, "--ks", "3", "--batches", "1")
+def test_dry_run_points_carry_a_labelled_phase_split_and_eager_run(tmp_path):
+    code, report = _main(tmp_path, "--ks", "3", "--batches", "1", "--eager-batches", "1")
+    eager = report["points"][0]["eager"]
+    assert eager["runner_mode"] == "eager-static" and eager["graph_speedup"] > 0
+    assert eager["energy_source"].startswith("modelled:")
     split = report["points"][0]["phase_energy"]["split"]
     assert code == 0 and split["phases"] == ["draft", "verify"]
     assert sum(split["loops_share"].values()) == pytest.approx(1.0) and split["energy_source"].startswith("modelled:")

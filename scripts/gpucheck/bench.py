@@ -40,6 +40,7 @@ class Bench:
     ceilings: dict[str, Any]
     idle_w: float | None
     max_len: int
+    eager_runners: tuple[Any, Any] | None = None  # (target, draft) without capture, for graphs vs eager
 
     @property
     def energy_measured(self) -> bool:
@@ -110,6 +111,12 @@ def build_bench(args: argparse.Namespace) -> Bench:
     max_len = -(-(args.prompt_len + args.new_tokens + max_k + 1) // args.kv_bucket) * args.kv_bucket
     for r in (target_runner, draft_runner):
         r.reserve(max(args.batches), max_len)
+    eager = None
+    if args.eager_batches:  # same bucketing and padding, no capture: what the graphs save, alone
+        eager = (GraphRunner(target, capture=False, max_tokens_per_row=max_k + 1),
+                 GraphRunner(target.truncated(1), capture=False, max_tokens_per_row=2))
+        for r in eager:
+            r.reserve(max(args.eager_batches), max_len)
     return Bench(device=device, dtype=dtype, arch_label=label, target=target, target_runner=target_runner,
                  draft_runner=draft_runner, meter=meter, meter_note=note, profile=profile, datasheet=datasheet,
-                 ceilings=ceilings, idle_w=idle_w, max_len=max_len)
+                 ceilings=ceilings, idle_w=idle_w, max_len=max_len, eager_runners=eager)

@@ -108,3 +108,20 @@ def phase_table(points: list[dict[str, Any]]) -> str:
     rows.append("phase energy: " + (energy_label([{"energy_source": s} for s in sources]) if sources else "none")
                 + "; A = phase-isolated loops x calls per step, B = non-negative fit over their windows and the run")
     return "\n".join(rows)
+
+
+def eager_table(points: list[dict[str, Any]]) -> str:
+    """Graphs against eager at the points that ran both: step time and J/token each way."""
+    rows = [f"{'batch':>5} {'k':>3} {'runner':>13} {'step ms':>9} {'eager ms':>9} {'speedup':>7} {'J/tok':>8} "
+            f"{'eager J/tok':>11}"]
+    for p in points:
+        e = p.get("eager")
+        if not e or "error" in e:
+            continue
+        rows.append(f"{p['batch']:>5} {p['k']:>3} {p['runner_mode']:>13} {p['step_time_s']['mean'] * 1e3:>9.3f} "
+                    f"{e['step_time_s']['mean'] * 1e3:>9.3f} {e['graph_speedup']:>7.2f} "
+                    f"{_num(p['j_per_token'], '>8.4f')} {_num(e['j_per_token'], '>11.4f')}")
+    rows.append("eager: the same runners' bucketing and padding without capture; energy "
+                + energy_label([p["eager"] for p in points if p.get("eager") and "error" not in p["eager"]]
+                               or [{"energy_source": "none"}]))
+    return "\n".join(rows)

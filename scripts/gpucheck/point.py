@@ -21,7 +21,8 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def _engine_factory(bench: Bench, args: argparse.Namespace, k: int, model: Any) -> Callable[[Any], Any]:
+def _engine_factory(bench: Bench, args: argparse.Namespace, k: int, model: Any, runners: tuple[Any, Any]
+                    ) -> Callable[[Any], Any]:
     from refspec.drafters.draft_model import DraftModelDrafter
     from refspec.engine import Engine, EngineConfig
     from refspec.eval.injection import make_acceptance_fn
@@ -29,23 +30,22 @@ def _engine_factory(bench: Bench, args: argparse.Namespace, k: int, model: Any) 
     def engine(on_step: Any) -> Any:
         drafter = fn = None
         if k:
-            drafter = DraftModelDrafter(bench.draft_runner, target_vocab_size=bench.target.args.vocab_size,
+            drafter = DraftModelDrafter(runners[1], target_vocab_size=bench.target.args.vocab_size,
                                         kv_bucket=args.kv_bucket)
             fn = make_acceptance_fn(model, torch.Generator(device=bench.device).manual_seed(args.seed + 7))
         return Engine(bench.target, drafter, config=EngineConfig(k=k, kv_bucket=args.kv_bucket),
-                      verify_fn=bench.target_runner, acceptance_fn=fn, on_step=on_step)
+                      verify_fn=runners[0], acceptance_fn=fn, on_step=on_step)
     return engine
 
 
-def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list[int]], new_tokens: int
-                  ) -> tuple[Any, Any, list[float], float, int]:
+def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list[int]], new_tokens: int,
+                  runners: tuple[Any, Any]) -> tuple[Any, Any, list[float], float, int]:
     """Warm-up, then the measured run; the energy window spans steps 2..N (step 1 holds prefill)."""
     sync = torch.cuda.synchronize if bench.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     engine(None).generate(prompts, max_new_tokens=new_tokens)  # same path: captures every graph needed
     sync()
     warmup_s = time.perf_counter() - t0
-    runners = (bench.target_runner, bench.draft_runner)
     captures_before = sum(r.stats.captures for r in runners)
     stamps: list[float] = []
 
@@ -78,16 +78,21 @@ def _predictions(gen: Any, profile: Any) -> tuple[list[float], float]:
     return times, energy
 
 
-def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int) -> dict[str, Any]:
-    """Measure one (batch, k): step times, energy (with its source), tau, TPOT, both rooflines."""
+def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int, *, eager: bool = False) -> dict[str, Any]:
+    """Measure one (batch, k): step times, energy (with its source), tau, TPOT, both rooflines.
+
+    ``eager`` runs the same point through the runners without capture (``bench.eager_runners``).
+    """
     from refspec.energy.roofline import forward_cost
     from refspec.eval.injection import resolve_acceptance_model
 
     g = torch.Generator().manual_seed(args.seed + batch)
     prompts = torch.randint(0, bench.target.args.vocab_size, (batch, args.prompt_len), generator=g).tolist()
     model = resolve_acceptance_model(args.accept_model, k=k) if k else None
-    gen, m, measured, warmup_s, captures = _measured_run(bench, _engine_factory(bench, args, k, model), prompts,
-                                                         args.new_tokens)
+    runners = bench.eager_runners if eager else (bench.target_runner, bench.draft_runner)
+    assert runners is not None, "eager=True needs bench.eager_runners"
+    gen, m, measured, warmup_s, captures = _measured_run(bench, _engine_factory(bench, args, k, model, runners),
+                                                         prompts, args.new_tokens, runners)
     events = [e for e in gen.events if e.step >= 1]
     predicted, pred_energy = _predictions(gen, bench.profile)
     sheet, sheet_energy = _predictions(gen, bench.datasheet)
@@ -105,7 +110,7 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int) -> dic
                   "phase_time_s": {p: sum(e.measurement.time_s for e in in_window if e.phase == p)
                                    for p in ("draft", "verify")}}
     return {
-        "batch": batch, "k": k, "steps": gen.steps, "measured_steps": len(measured), "warmup_s": warmup_s,
+        "batch": batch, "k": k, "runner_mode": runners[0].mode, "steps": gen.steps, "measured_steps": len(measured), "warmup_s": warmup_s,
         "captures_during_measurement": captures,
         "step_time_s": {"mean": mean_meas, "median": statistics.median(measured), "p99": _percentile(measured, 0.99)},
         "predicted_step_time_s": mean_pred, "datasheet_predicted_step_time_s": statistics.mean(sheet),

@@ -327,3 +327,5 @@ def test_zeus_gpu_not_supported_maps_to_the_no_gpu_path(monkeypatch):
     zmon.ZeusMonitor = lambda **kw: (_ for _ in ()).throw(KeyError("libamd_smi.so"))
     with pytest.raises(KeyError):
         ZeusMeter(0)
+    # ... but the measured meter still reads the counter through pynvml
+    assert meters.measured_gpu_meter(0).source == "measured:nvml-total-energy(gpu0)"

@@ -259,6 +259,9 @@ def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = 
             return ZeusMeter(gpu_index)
         except NoGPUError as exc:
             reasons.append(f"zeus: {exc}")
+        except Exception as exc:  # a broken zeus install must not cost the counter pynvml can read
+            logger.warning("zeus failed unexpectedly (%s: %s); trying pynvml", type(exc).__name__, exc)
+            reasons.append(f"zeus: {type(exc).__name__}: {exc}")
     try:
         return nvml_meter(gpu_index, sync=sync, pynvml_module=pynvml_module)
     except NoGPUError as exc:

@@ -335,7 +335,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     Returns:
         The record (see :data:`RECORD_FIELDS`) and the generations.
     """
-    from refspec.energy.ledger import Ledger, read_ledger
+    from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
 
     t_start = time.perf_counter()
     prompts = session.prompts(cfg.corpus, cfg.num_prompts)
@@ -351,11 +351,15 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, rows[: cfg.batch])
         gens = _decode_batches(session, cfg, engine, ledger, rows, run_ids, labels)
-    # the figures come from the ledger as written to disk, never from the engine's own counts
-    acc = pool_runs(read_ledger(ledger_path, offset=ledger.start_offset), ledger.run_ids)
-    record = _record(session, cfg, acc, prompts_unique=len(prompts), rows=len(rows), generations=gens,
-                     ledger_path=ledger_path, injection=injection)
-    record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
+    try:
+        # the figures come from the ledger as written to disk, never from the engine's own counts
+        acc = pool_runs(read_ledger(ledger_path, offset=ledger.start_offset), ledger.run_ids)
+        record = _record(session, cfg, acc, prompts_unique=len(prompts), rows=len(rows), generations=gens,
+                         ledger_path=ledger_path, injection=injection)
+        record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
+    except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
+        mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
+        raise
     compare_with_baseline(record, baseline)
     record.update(versions=library_versions(), cpu_gemm_plan=_gemm_plan_text(), wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from refspec.energy.ledger import mark_aborted
 from refspec.eval.records import compare_with_baseline, ensure_line_end
 from refspec.eval.run import ConfigResult, RunConfig, prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.session import Session
@@ -256,7 +257,11 @@ def run_plan(session: Session, configs: Sequence[RunConfig], paths: SweepPaths, 
             continue
         baseline = None if cfg.is_baseline else done.get(cfg.baseline().config_id)
         result = run_configuration(session, cfg, ledger_path=paths.ledger, baseline=baseline)
-        append_record(paths.records, result.record)
+        try:
+            append_record(paths.records, result.record)
+        except BaseException as exc:  # Ctrl-C or a full disk before the record landed: its runs do not count
+            mark_aborted(paths.ledger, result.record["run_ids"], type(exc).__name__)
+            raise
         done[cfg.config_id] = result.record
         out.append(result.record)
         if on_result is not None:

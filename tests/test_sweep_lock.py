@@ -209,3 +209,47 @@ def test_sigterm_mid_sweep_releases_the_lock_and_marks_the_run_aborted(tiny, tmp
     assert proc.returncode == cli.EXIT_INTERRUPTED, err[-2000:]
     assert not (out / LOCK).exists(), "the lock goes with the process"
     assert "aborted" in read_ledger(out / "ledger.jsonl").unfinished.values()
+
+
+@pytest.mark.parametrize("after", [1, 3])
+def test_resuming_after_sigkill_equals_an_uninterrupted_sweep(tiny, tmp_path, after):
+    import signal
+
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    grid = [*_grid(tiny, out), "--max-new-tokens", "96"]  # long enough to be killed mid-sweep
+    assert cli.main([*grid, "--out", str(reference)]) == 0, "the uninterrupted sweep (the last --out wins)"
+    proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", *grid], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = out / "records.jsonl"
+    deadline = time.monotonic() + 90
+    while proc.poll() is None and time.monotonic() < deadline:
+        if records.exists() and records.read_text().count("\n") >= after:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # no cleanup at all: the lock and an open ledger run stay behind
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and (out / LOCK).exists(), "killed mid-sweep, its lock left behind"
+    assert records.read_text().count("\n") < 4, "some configurations were still to run"
+    assert cli.main(grid) == 0, "the stale lock is taken over and the sweep resumes"
+    assert _outcome(out) == _outcome(reference)
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert set(ledger.unfinished.values()) <= {"killed"}, "a killed run has no end record and is told apart"
+
+
+def test_runs_whose_record_never_landed_are_marked_aborted(tiny, tmp_path, monkeypatch):
+    import refspec.eval.sweep as sweep_mod
+
+    out = tmp_path / "out"
+    real = sweep_mod.append_record
+    calls = []
+
+    def interrupt_second(path, record):
+        calls.append(record["run_ids"])
+        if len(calls) == 2:  # the configuration's runs completed in the ledger; its record is lost
+            raise KeyboardInterrupt
+        real(path, record)
+
+    monkeypatch.setattr(sweep_mod, "append_record", interrupt_second)
+    assert cli.main(_sweep(tiny, out)) == cli.EXIT_INTERRUPTED
+    assert sorted(read_ledger(out / "ledger.jsonl").unfinished) == sorted(calls[1])
+    assert set(read_ledger(out / "ledger.jsonl").unfinished.values()) == {"aborted"}

@@ -239,6 +239,19 @@ class Ledger:
         self.close("aborted" if exc_type is not None else "complete", exc_type.__name__ if exc_type else None)
 
 
+def mark_aborted(path: str | os.PathLike[str], run_ids: Iterable[str], reason: str | None = None) -> None:
+    """Append an ``aborted`` end record for each of ``run_ids`` (the last end record of a run wins).
+
+    For runs that completed but whose result was never kept (interrupted between the run and
+    its record), so totals over the file leave them out like any other unfinished run.
+    """
+    ensure_line_end(path)
+    with open(path, "a", encoding="utf-8") as fh:
+        for run_id in run_ids:
+            fh.write(json.dumps({"kind": "end", "version": LEDGER_VERSION, "run_id": run_id, "status": "aborted",
+                                 "reason": reason, "created_unix_s": time.time()}) + "\n")
+
+
 class LedgerRecords(list):
     """The records of a ledger file (a list of dicts) plus the lines that could not be read.
 
@@ -261,7 +274,8 @@ class LedgerRecords(list):
 def unfinished_runs(records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """Run id -> ``aborted`` or ``killed`` for every run of ``records`` that did not complete.
 
-    Runs written before end records existed (headers without ``ends``) count as complete.
+    Runs written before end records existed (headers without ``ends``) count as complete; the
+    last end record of a run decides (see :func:`mark_aborted`).
     """
     promised: list[str] = []
     ends: dict[str, str] = {}
@@ -346,4 +360,4 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: i
 
 
 __all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA",
-           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "finished"]
+           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "finished", "mark_aborted"]

@@ -195,6 +195,10 @@ def _print_summary(results: Results, bench: Bench | None) -> None:
             print(phase_table(d["points"]))
         if any("eager" in p for p in d.get("points", [])):
             print(eager_table(d["points"]))
+    clocks = [p["sm_clock_mhz"] for p in d.get("points", []) if p.get("sm_clock_mhz")]
+    if clocks:
+        print(f"SM clock under load (read passively, never set): {min(c['min'] for c in clocks):.0f}-"
+              f"{max(c['max'] for c in clocks):.0f} MHz")
     if d.get("skipped_points"):
         print(f"skipped {len(d['skipped_points'])} points: time budget")
     for problem in d.get("out_problems", []):

@@ -230,3 +230,18 @@ def test_dry_run_points_carry_a_labelled_phase_split_and_eager_run(tmp_path):
     assert code == 0 and split["phases"] == ["draft", "verify"]
     assert sum(split["loops_share"].values()) == pytest.approx(1.0) and split["energy_source"].startswith("modelled:")
     assert set(report["points"][0]["phase_energy"]["loops"]) == {"prefill", "draft", "verify"}
+
+
+def test_sm_clock_is_read_passively_during_the_measured_run(tmp_path):
+    from gpucheck.bench import build_bench
+    from gpucheck.point import run_point
+
+    args = gpu_check.parse_args(["--dry-run", *TINY, "--new-tokens", "40", "--eager-batches", "", "--out", str(tmp_path)])
+    bench = build_bench(args)
+    assert bench.sm_clock is None  # a CPU has none
+    reads = iter(range(1000, 2000))
+    bench.sm_clock = lambda: float(next(reads))
+    p = run_point(bench, args, 1, 0)
+    n = p["sm_clock_mhz"]["reads"]
+    assert n == len([s for s in range(1, p["steps"] + 1) if s % 16 == 1]) >= 2
+    assert (p["sm_clock_mhz"]["min"], p["sm_clock_mhz"]["max"]) == (1000.0, 1000.0 + n - 1)

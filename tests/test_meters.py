@@ -329,3 +329,19 @@ def test_zeus_gpu_not_supported_maps_to_the_no_gpu_path(monkeypatch):
         ZeusMeter(0)
     # ... but the measured meter still reads the counter through pynvml
     assert meters.measured_gpu_meter(0).source == "measured:nvml-total-energy(gpu0)"
+
+
+def test_sm_clock_reader_reads_passively_and_is_none_when_refused():
+    from refspec.energy.nvml_meter import sm_clock_reader
+
+    nv = fake_pynvml(World())
+    nv.NVML_CLOCK_SM = 1
+    clocks = iter([345, 1980])
+    nv.nvmlDeviceGetClockInfo = lambda handle, kind: (handle, kind) == ("h0", 1) and next(clocks)
+    read = sm_clock_reader(0, pynvml_module=nv)
+    assert read is not None and read() == 1980.0  # the probe took 345
+    assert not [name for name in vars(nv) if "Set" in name or "Reset" in name]  # nothing that could change a clock
+    refused = fake_pynvml(World())
+    refused.nvmlDeviceGetClockInfo = lambda handle, kind: (_ for _ in ()).throw(FakeNVMLError("Not Supported"))
+    assert sm_clock_reader(0, pynvml_module=refused) is None
+    assert sm_clock_reader(0, pynvml_module=fake_pynvml(World(), init_fails=True)) is None

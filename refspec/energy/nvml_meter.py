@@ -214,3 +214,23 @@ def nvml_meter(gpu_index: int = 0, *, pynvml_module: Any | None = None, sync: Ca
     return CounterMeter(integral.energy, source=f"measured:nvml-power-integral(gpu{gpu_index})", sync=sync,
                         clock=clock, counter_period_s=max(DEFAULT_COUNTER_PERIOD_S, 10 * power_period_s),
                         close=close)
+
+
+def sm_clock_reader(gpu_index: int = 0, *, pynvml_module: Any | None = None) -> Callable[[], float] | None:
+    """A passive reader of GPU ``gpu_index``'s current SM clock in MHz, or None where NVML cannot
+    read it. It only reads: clocks are never locked or reset here (see :mod:`refspec.energy.dvfs`
+    for sweeps on one's own GPU)."""
+    try:
+        nv = pynvml_module if pynvml_module is not None else import_pynvml()
+    except NoGPUError as exc:
+        logger.info("no SM clock reading on gpu%d: %s", gpu_index, exc)
+        return None
+    sm = getattr(nv, "NVML_CLOCK_SM", 1)
+    try:
+        nv.nvmlInit()
+        handle = nv.nvmlDeviceGetHandleByIndex(gpu_index)
+        nv.nvmlDeviceGetClockInfo(handle, sm)
+    except _nvml_error(nv) as exc:
+        logger.info("no SM clock reading on gpu%d: %s", gpu_index, exc)
+        return None
+    return lambda: float(nv.nvmlDeviceGetClockInfo(handle, sm))

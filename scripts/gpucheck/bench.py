@@ -41,6 +41,7 @@ class Bench:
     idle_w: float | None
     max_len: int
     eager_runners: tuple[Any, Any] | None = None  # (target, draft) without capture, for graphs vs eager
+    sm_clock: Any = None  # () -> SM clock in MHz, read passively; None where NVML cannot (a CPU)
 
     @property
     def energy_measured(self) -> bool:
@@ -117,6 +118,10 @@ def build_bench(args: argparse.Namespace) -> Bench:
                  GraphRunner(target.truncated(1), capture=False, max_tokens_per_row=2))
         for r in eager:
             r.reserve(max(args.eager_batches), max_len)
+    from refspec.energy.nvml_meter import sm_clock_reader
+
+    clock = None if dry else sm_clock_reader(0)
     return Bench(device=device, dtype=dtype, arch_label=label, target=target, target_runner=target_runner,
                  draft_runner=draft_runner, meter=meter, meter_note=note, profile=profile, datasheet=datasheet,
-                 ceilings=ceilings, idle_w=idle_w, max_len=max_len, eager_runners=eager)
+                 ceilings=ceilings, idle_w=idle_w, max_len=max_len, eager_runners=eager,
+                 sm_clock=clock)

@@ -39,8 +39,12 @@ def _engine_factory(bench: Bench, args: argparse.Namespace, k: int, model: Any, 
 
 
 def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list[int]], new_tokens: int,
-                  runners: tuple[Any, Any]) -> tuple[Any, Any, list[float], float, int]:
-    """Warm-up, then the measured run; the energy window spans steps 2..N (step 1 holds prefill)."""
+                  runners: tuple[Any, Any]) -> tuple[Any, Any, list[float], float, int, list[float]]:
+    """Warm-up, then the measured run; the energy window spans steps 2..N (step 1 holds prefill).
+
+    Returns the generation, the window's measurement, step times (s), warm-up seconds, graph
+    captures during the measured run, and the SM clocks read under load (MHz; empty on a CPU).
+    """
     sync = torch.cuda.synchronize if bench.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     engine(None).generate(prompts, max_new_tokens=new_tokens)  # same path: captures every graph needed
@@ -48,11 +52,14 @@ def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list
     warmup_s = time.perf_counter() - t0
     captures_before = sum(r.stats.captures for r in runners)
     stamps: list[float] = []
+    clocks: list[float] = []
 
     def on_step(step: int, _emitted: int) -> None:
         stamps.append(time.perf_counter())  # after the step's host sync: its GPU work is done
         if step == 1:
             bench.meter.begin("decode")
+        if bench.sm_clock is not None and step % 16 == 1:
+            clocks.append(bench.sm_clock())  # passive read under load: claim 7's DVFS headroom
 
     gen = engine(on_step).generate(prompts, max_new_tokens=new_tokens)
     if gen.steps < 3:
@@ -62,7 +69,7 @@ def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list
     work = tuple(w for e in gen.events if e.step >= 1 and e.phase in ("draft", "verify") for w in e.work)
     m = bench.meter.end("decode", work)
     captures = sum(r.stats.captures for r in runners) - captures_before
-    return gen, m, [b - a for a, b in zip(stamps, stamps[1:])], warmup_s, captures
+    return gen, m, [b - a for a, b in zip(stamps, stamps[1:])], warmup_s, captures, clocks
 
 
 def _predictions(gen: Any, profile: Any) -> tuple[list[float], float]:
@@ -91,7 +98,7 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int, *, eag
     model = resolve_acceptance_model(args.accept_model, k=k) if k else None
     runners = bench.eager_runners if eager else (bench.target_runner, bench.draft_runner)
     assert runners is not None, "eager=True needs bench.eager_runners"
-    gen, m, measured, warmup_s, captures = _measured_run(bench, _engine_factory(bench, args, k, model, runners),
+    gen, m, measured, warmup_s, captures, clocks = _measured_run(bench, _engine_factory(bench, args, k, model, runners),
                                                          prompts, args.new_tokens, runners)
     events = [e for e in gen.events if e.step >= 1]
     predicted, pred_energy = _predictions(gen, bench.profile)
@@ -116,6 +123,8 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, k: int, *, eag
         "predicted_step_time_s": mean_pred, "datasheet_predicted_step_time_s": statistics.mean(sheet),
         "measured_over_predicted": mean_meas / mean_pred if mean_pred else None,
         "per_step_s": {"measured": [round(x, 7) for x in measured], "predicted": [round(x, 7) for x in predicted]},
+        "sm_clock_mhz": {"min": min(clocks), "median": statistics.median(clocks), "max": max(clocks),
+                         "reads": len(clocks), "how": "read passively (NVML), never set"} if clocks else None,
         "run_window": run_window, "window_s": m.time_s, "energy_j": m.energy_j, "energy_source": m.source, "energy_measured": m.measured,
         "idle_w": bench.idle_w, "energy_net_j": net, "emitted_tokens": emitted,
         "j_per_token": per(m.energy_j), "j_per_token_net": per(net),

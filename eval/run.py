@@ -357,11 +357,12 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         record = _record(session, cfg, acc, prompts_unique=len(prompts), rows=len(rows), generations=gens,
                          ledger_path=ledger_path, injection=injection)
         record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
+        compare_with_baseline(record, baseline)
+        record.update(versions=library_versions(), cpu_gemm_plan=_gemm_plan_text(),
+                      wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise
-    compare_with_baseline(record, baseline)
-    record.update(versions=library_versions(), cpu_gemm_plan=_gemm_plan_text(), wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",
              acc.tokens_per_s or 0.0, "n/a" if acc.j_per_token is None else f"{acc.j_per_token:.4g}",
              record["energy_source_text"])

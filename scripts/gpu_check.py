@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 512; dry run 64)")
     p.add_argument("--new-tokens", type=int, default=None, help="budget per row (default 256; dry run 32)")
     p.add_argument("--kv-bucket", type=int, default=None, help="engine kv_bucket (default 128; dry run 32)")
-    p.add_argument("--budget-s", type=float, default=400.0,
+    p.add_argument("--budget-s", type=float, default=330.0,
                    help="start no (batch, k) point once the run has spent this many seconds, or when the last "
                         "point's duration would overrun it")
     p.add_argument("--require-measured-energy", action="store_true",
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batches whose points also run without graph capture, for graphs against eager "
                         "(default 1,32; dry run 2; empty: none)")
-    p.add_argument("--tests-timeout-s", type=float, default=240.0)
+    p.add_argument("--tests-timeout-s", type=float, default=150.0)
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                    help="weight dtype (default bf16; dry run fp32: bf16 matmuls are ~10x slower on CPUs without "
@@ -116,7 +116,7 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
 def _phase_energy(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
     """Phase-isolated loops of one point and their split; an error is recorded, not raised."""
     try:
-        loops = isolated_loops(bench, args, p["batch"], p["k"], args.phase_loop_s)
+        loops = isolated_loops(bench, args, p["batch"], p["k"], args.phase_loop_s, bench.prefill_loops)
         out = {"split": split(loops, p["run_window"]), "loops": loops}
         s = out["split"]
         log.info("  phases (%s): loops %s, fit %s, additivity residual %+.1f%%", s["energy_source"],

@@ -5,8 +5,10 @@
 # gpu_check.json (rewritten after every point), gpu_check.log (everything printed), <= 4 plots.
 #
 # Usage: bash scripts/gpu_check.sh [gpu_check.py flags]
-#   on the GPU:      bash scripts/gpu_check.sh --require-measured-energy --budget-s 400
+#   on the GPU:      bash scripts/gpu_check.sh        (about 6 minutes: --budget-s 330 by default)
 #   rehearsal (CPU): bash scripts/gpu_check.sh --dry-run --skip-tests
+#   --require-measured-energy exits 3 before the benchmark where no counter can be read; without
+#   it such a run goes on with modelled energy, labelled MODELLED in every table and plot.
 #
 # The install needs nothing beyond the machine's python3 (torch, transformers, safetensors,
 # tokenizers, numpy, matplotlib, tqdm, setuptools, wheel, nvidia-ml-py): it makes a virtual

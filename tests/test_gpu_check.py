@@ -104,6 +104,8 @@ def test_rehearsal_installs_itself_and_writes_every_point(rehearsal):
     assert report["roofline_profile"]["peak_flops"] == report["ceilings"]["gemm"]["best"]
     assert [("eager" in p, "split" in p["phase_energy"]) for p in report["points"]] == [
         (False, True), (False, True), (True, True), (True, True)]  # dry run: eager at batch 2, phases everywhere
+    prefill = [p["phase_energy"]["split"]["prefill_j_per_call"] for p in report["points"]]
+    assert prefill[0] == prefill[1] and prefill[2] == prefill[3]  # one prefill loop per batch, whatever k
 
 
 def test_rehearsal_labels_its_energy_modelled(rehearsal):

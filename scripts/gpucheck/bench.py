@@ -42,6 +42,7 @@ class Bench:
     max_len: int
     eager_runners: tuple[Any, Any] | None = None  # (target, draft) without capture, for graphs vs eager
     sm_clock: Any = None  # () -> SM clock in MHz, read passively; None where NVML cannot (a CPU)
+    prefill_loops: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> its prefill loop
 
     @property
     def energy_measured(self) -> bool:

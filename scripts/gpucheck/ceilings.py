@@ -68,6 +68,26 @@ def _rate(work: float, fn: Callable[[], None], shapes: CeilingShapes, device: to
     return {"best": max(rates), "median": statistics.median(rates)}
 
 
+def _copy_rate(device: torch.device, dtype: torch.dtype, shapes: CeilingShapes, g: torch.Generator
+               ) -> dict[str, float]:
+    """Device-to-device copy of ``copy_bytes`` of random data, in B/s counting read + write."""
+    n_elem = shapes.copy_bytes * 8 // torch.finfo(dtype).bits
+    src = torch.randn(n_elem, generator=g, device=device, dtype=torch.float32).to(dtype)
+    dst = torch.empty_like(src)
+    return _rate(2.0 * src.numel() * src.element_size(), lambda: dst.copy_(src), shapes, device)
+
+
+def _gemm_rate(device: torch.device, dtype: torch.dtype, shapes: CeilingShapes, g: torch.Generator
+               ) -> dict[str, float]:
+    """``[n, n] @ [n, n]`` on normal random operands, in FLOP/s."""
+    n = shapes.gemm_n
+    a = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    assert bool(a.abs().sum() > 0) and bool(b.abs().sum() > 0), "ceiling operands must not be zeros"
+    return _rate(2.0 * n ** 3, lambda: torch.mm(a, b, out=c), shapes, device)
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype, shapes: CeilingShapes) -> dict[str, Any]:
     """Copy bandwidth (read + write, B/s) and GEMM throughput (FLOP/s) of ``device``.
 
@@ -76,22 +96,12 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, shapes: CeilingSh
         and its unit, measured on random data.
     """
     g = torch.Generator(device=device).manual_seed(1234)
-    n_elem = shapes.copy_bytes * 8 // torch.finfo(dtype).bits
-    src = torch.randn(n_elem, generator=g, device=device, dtype=torch.float32).to(dtype)
-    dst = torch.empty_like(src)
-    copy = _rate(2.0 * src.numel() * src.element_size(), lambda: dst.copy_(src), shapes, device)
-    del src, dst
-    n = shapes.gemm_n
-    a = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-    assert bool(a.abs().sum() > 0) and bool(b.abs().sum() > 0), "ceiling operands must not be zeros"
-    gemm = _rate(2.0 * n ** 3, lambda: torch.mm(a, b, out=c), shapes, device)
-    del a, b, c
+    copy = _copy_rate(device, dtype, shapes, g)
+    gemm = _gemm_rate(device, dtype, shapes, g)  # the copy's buffers are freed by now
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"copy": {**copy, "unit": "B/s (read + write)", "bytes": shapes.copy_bytes, "dtype": str(dtype)},
-            "gemm": {**gemm, "unit": "FLOP/s", "n": n, "dtype": str(dtype), "data": "randn"},
+            "gemm": {**gemm, "unit": "FLOP/s", "n": shapes.gemm_n, "dtype": str(dtype), "data": "randn"},
             "repeats": shapes.repeats, "trials": shapes.trials}
 
 

@@ -218,13 +218,22 @@ def _lines_of(path: Path) -> list[str]:
     return [line for line in path.read_text().split("\n") if line.strip()] if path.exists() else []
 
 
+LONG = ["--max-new-tokens", "96"]  # long enough to be killed mid-sweep
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_long(tiny, tmp_path_factory) -> dict[str, tuple]:
+    out = tmp_path_factory.mktemp("uninterrupted_long") / "out"
+    assert cli.main([*_grid(tiny, out), *LONG]) == 0
+    return _outcome(out)
+
+
 @pytest.mark.parametrize("after", [1, 3])
-def test_resuming_after_sigkill_equals_an_uninterrupted_sweep(tiny, tmp_path, after):
+def test_resuming_after_sigkill_equals_an_uninterrupted_sweep(tiny, tmp_path, uninterrupted_long, after):
     import signal
 
-    out, reference = tmp_path / "out", tmp_path / "reference"
-    grid = [*_grid(tiny, out), "--max-new-tokens", "96"]  # long enough to be killed mid-sweep
-    assert cli.main([*grid, "--out", str(reference)]) == 0, "the uninterrupted sweep (the last --out wins)"
+    out = tmp_path / "out"
+    grid = [*_grid(tiny, out), *LONG]
     proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", *grid], env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = out / "records.jsonl"
@@ -238,7 +247,7 @@ def test_resuming_after_sigkill_equals_an_uninterrupted_sweep(tiny, tmp_path, af
     assert proc.returncode == -signal.SIGKILL and (out / LOCK).exists(), "killed mid-sweep, its lock left behind"
     assert records.read_text().count("\n") < 4, "some configurations were still to run"
     assert cli.main(grid) == 0, "the stale lock is taken over and the sweep resumes"
-    assert _outcome(out) == _outcome(reference)
+    assert _outcome(out) == uninterrupted_long
     ledger = read_ledger(out / "ledger.jsonl")
     assert set(ledger.unfinished.values()) <= {"killed"}, "a killed run has no end record and is told apart"
 

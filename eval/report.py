@@ -107,6 +107,17 @@ def sort_key(r: Mapping[str, Any]) -> tuple:
             int(r.get("k", 0)))
 
 
+def _setting(rows: Sequence[Mapping[str, Any]], key: str) -> str:
+    """The value every row shares; a merged directory whose rows differ says so instead of quoting the first."""
+    values = list(dict.fromkeys(str(r.get(key)) for r in rows))
+    return values[0] if len(values) == 1 else "MIXED " + "/".join(values)
+
+
+def _sampling(rows: Sequence[Mapping[str, Any]]) -> str:
+    kinds = list(dict.fromkeys("greedy" if r.get("greedy") else f"temperature {r.get('temperature')}" for r in rows))
+    return kinds[0] if len(kinds) == 1 else "MIXED " + "/".join(kinds)
+
+
 # ---- the text table (CLI) ---------------------------------------------------------------------
 def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     """One fixed-width table of the records, grouped by corpus, with the energy source stated."""
@@ -119,11 +130,9 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     for r in sorted(records, key=sort_key):
         by_corpus[str(r.get("corpus"))].append(r)
     for corpus, rows in by_corpus.items():
-        first = rows[0]
-        lines.append(f"corpus {corpus}: model {first.get('model')}, {first.get('dtype')} on {first.get('device')}, "
-                     f"{first.get('prompts_unique')} prompts ({_rows(rows)}), "
-                     f"{first.get('max_new_tokens')} new tokens per row, "
-                     f"{'greedy' if first.get('greedy') else 'temperature ' + str(first.get('temperature'))}")
+        lines.append(f"corpus {corpus}: model {_setting(rows, 'model')}, {_setting(rows, 'dtype')} on "
+                     f"{_setting(rows, 'device')}, {_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), "
+                     f"{_setting(rows, 'max_new_tokens')} new tokens per row, {_sampling(rows)}")
         lines.append(head)
         lines.append("-" * len(head))
         for r in rows:
@@ -256,11 +265,9 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     md = ["## Results", ""]
     for corpus in corpora(recs):
         rows = [r for r in recs if r["corpus"] == corpus]
-        first = rows[0]
         md += [f"### {corpus}", "",
-               f"{first.get('prompts_unique')} prompts ({_rows(rows)}; prompts repeat cyclically to fill whole "
-               f"batches), {first.get('max_new_tokens')} new tokens per row, "
-               f"{'greedy' if first.get('greedy') else 'temperature ' + str(first.get('temperature'))}.", ""]
+               f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}; prompts repeat cyclically to fill whole "
+               f"batches), {_setting(rows, 'max_new_tokens')} new tokens per row, {_sampling(rows)}.", ""]
         md += _md_table(rows) + [""]
     mismatched = [r for r in recs if r.get("greedy_match_baseline") is False]
     if mismatched:

@@ -395,3 +395,12 @@ def test_log_axes_over_less_than_a_decade_get_a_few_labels_that_do_not_overlap()
         boxes = [t.get_window_extent() for t in shown]
         assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), "labels overlap"
     plt.close(fig)
+
+
+def test_a_table_of_records_with_different_budgets_says_mixed_instead_of_quoting_one(run_dir):
+    from refspec.eval.report import format_table
+
+    records = json.loads((run_dir / "summary.json").read_text())
+    records[1]["max_new_tokens"] = 3  # as in a directory two sweeps wrote into
+    assert "MIXED 6/3 new tokens per row" in format_table(records)
+    assert "MIXED" not in format_table(records[:1])

@@ -276,6 +276,18 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     return md
 
 
+def _unfinished_md(ledgers: Sequence[Path]) -> str:
+    """How many ledger runs did not finish (interrupted or killed): marked there, counted nowhere."""
+    from refspec.energy.ledger import unfinished_in
+
+    gone = {rid: why for p in ledgers if p.exists() for rid, why in unfinished_in(p).items()}
+    if not gone:
+        return "Every run in the ledgers completed."
+    kinds = ", ".join(f"{sum(v == k for v in gone.values())} {k}" for k in sorted(set(gone.values())))
+    return (f"{len(gone)} ledger run(s) did not finish ({kinds}); they are marked in the ledger and no figure "
+            f"counts them.")
+
+
 def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, int, str]],
               ledgers: Sequence[Path]) -> list[str]:
     """Skipped records lines, the ledgers behind the figures, versions and licences."""
@@ -288,6 +300,7 @@ def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, in
     return md + ["## Audit trail", "",
                  "Every figure is computed from the ledger records of its configuration (run ids in each record) "
                  "by refspec.energy.accounting: " + ", ".join(f"`{p.name}`" for p in ledgers) + ".", "",
+                 _unfinished_md(ledgers), "",
                  f"Versions: {versions}." if versions else "", "",
                  f"CPU GEMM plan: {recs[0]['cpu_gemm_plan']}." if recs and recs[0].get("cpu_gemm_plan") else "", "",
                  "## Corpora and licences", "", "```", licence_text(), "```", ""]

@@ -163,6 +163,7 @@ def test_report_states_source_licences_and_caveat(run_dir):
     assert "modelled (not measured)" in md
     assert "CC-BY-NC-4.0" in md and "memorised" in md, "licences and the memorisation caveat"
     assert "Latency target" in md and "What tighter targets cost" in md
+    assert "Every run in the ledgers completed." in md
 
 
 def test_exported_acceptance_loads_and_injects(run_dir, tiny, tmp_path, capsys):

@@ -121,6 +121,7 @@ def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp
     monkeypatch.setattr(run_mod, "_decode_batches", real)
     assert cli.main(_sweep(tiny, out)) == 0
     assert list(read_ledger(out / "ledger.jsonl").unfinished) == [aborted], "the resumed run completed"
+    assert "1 ledger run(s) did not finish (1 aborted)" in (out / "report.md").read_text()
 
 
 def test_a_killed_run_has_no_end_record_and_legacy_runs_count(tmp_path):

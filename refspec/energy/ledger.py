@@ -289,6 +289,20 @@ def unfinished_runs(records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     return out
 
 
+def unfinished_in(path: str | os.PathLike[str]) -> dict[str, str]:
+    """:func:`unfinished_runs` of a ledger file, parsing only its run headers and end records (fast on big files)."""
+    marks = ('"kind": "run"', '"kind": "end"')
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = [ln for ln in fh if any(m in ln for m in marks)]
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # read_ledger reports corrupt lines; here only the marks matter
+    return unfinished_runs(records)
+
+
 def finished(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """``records`` without those of unfinished runs: what totals over a whole ledger may sum."""
     records = list(records)
@@ -360,4 +374,5 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: i
 
 
 __all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA",
-           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "finished", "mark_aborted"]
+           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "unfinished_in", "finished",
+           "mark_aborted"]

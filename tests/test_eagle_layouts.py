@@ -5,22 +5,11 @@ import json
 import pytest
 import torch
 
-from refspec.drafters.eagle import EagleDrafter, Eagle3Head, TreeConfig, load_head
+from refspec.drafters.eagle import EagleDrafter, Eagle3Head, load_head
 from refspec.drafting import DrafterError
 from refspec.engine import Engine, EngineConfig
 
-TREE = TreeConfig(topk=3, depth=4, budget=10)
-
-
-def _prompts(n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = [5, 17, 1, 30, 9, 12, 3, 25][:n]
-    return [torch.randint(3, 96, (m,), generator=g).tolist() for m in lens]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models):
-    return tiny_models["llama"]
+from test_eagle import TREE, _prompts, target  # noqa: F401 - the shared prompts, tree and target fixture
 
 
 def _llama_config(e=64, heads=4, kv=2, inter=128, vocab=96, **extra):

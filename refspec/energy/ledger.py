@@ -39,7 +39,10 @@ from refspec.energy.roofline import total_cost
 
 logger = logging.getLogger(__name__)
 
-LEDGER_VERSION = 1
+LEDGER_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Versions :func:`read_ledger` accepts: 1 lacks the serving keys (``slot_requests``,
+``arrivals_s``, ``queued``, ``clock_s``) and reads as an old static ledger."""
 
 RUN_SCHEMA: dict[str, str] = {
     "kind": '"run": the header of one run',
@@ -68,7 +71,7 @@ SCHEMA: dict[str, str] = {
     "kind": '"phase": one phase of one step',
     "version": "ledger format version (int)",
     "run_id": "run this record belongs to (str)",
-    "step": "decode step index; -1 for prefill (int)",
+    "step": "decode step index; a prefill's is the decode step after which it ran, -1 for the first fill (int)",
     "phase": "prefill | draft | verify | commit | other (str)",
     "batch": "rows in the batch, the static shape B (int)",
     "rows_active": "rows still generating when the phase ran (int)",
@@ -88,6 +91,12 @@ SCHEMA: dict[str, str] = {
     "kv_write_bytes": "modelled KV-cache bytes written (float)",
     "activation_bytes": "modelled compulsory activation bytes (float)",
     "emitted_per_row": "tokens emitted per row in the step, length batch (list of int)",
+    "slot_requests": "request id in each slot during the phase, -1 empty, length batch; on a prefill the ids "
+                     "being prefilled, -1 elsewhere; absent in version 1 (list of int)",
+    "arrivals_s": "prefill only: arrival time of each prefilled request (closed loop: its admission), -1.0 "
+                  "elsewhere, length batch; absent in version 1 (list of float)",
+    "queued": "requests of the stream not yet admitted after the phase; absent in version 1 (int)",
+    "clock_s": "engine clock at the phase's start, s; absent in version 1 (float)",
 }
 """Fields of a phase record, name -> description (units in the descriptions)."""
 
@@ -131,6 +140,8 @@ def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
         "weight_bytes": cost.weight_bytes, "kv_read_bytes": cost.kv_read_bytes,
         "kv_write_bytes": cost.kv_write_bytes, "activation_bytes": cost.activation_bytes,
         "emitted_per_row": list(event.emitted_per_row),
+        "slot_requests": list(event.slot_requests), "arrivals_s": list(event.arrivals_s),
+        "queued": event.queued, "clock_s": event.clock_s,
     }
 
 
@@ -313,8 +324,8 @@ def finished(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 def _problem(record: Any) -> str | None:
     if not isinstance(record, dict):
         return f"not a JSON object but {type(record).__name__}"
-    if record.get("version") != LEDGER_VERSION:
-        return f"unsupported version {record.get('version')!r} (this reader knows {LEDGER_VERSION})"
+    if record.get("version") not in READABLE_VERSIONS:
+        return f"unsupported version {record.get('version')!r} (this reader knows {list(READABLE_VERSIONS)})"
     kind = record.get("kind")
     if kind == "run":
         return None if "run_id" in record else "run header without run_id"
@@ -374,5 +385,5 @@ def read_ledger(path: str | os.PathLike[str], *, strict: bool = False, offset: i
 
 
 __all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "SCHEMA", "RUN_SCHEMA",
-           "END_SCHEMA", "LEDGER_VERSION", "read_ledger", "phase_record", "unfinished_runs", "unfinished_in", "finished",
+           "END_SCHEMA", "LEDGER_VERSION", "READABLE_VERSIONS", "read_ledger", "phase_record", "unfinished_runs", "unfinished_in", "finished",
            "mark_aborted"]

@@ -52,6 +52,9 @@ class ForwardShape:
             which multiplies several rows through fp32 copies
             (:class:`~refspec.models.ops.WeightCopy`); one-row products stream
             ``dtype_bytes``.
+        experts_touched: distinct experts a mixture-of-experts forward routed to, summed over
+            its MoE layers (the expert bytes it read); None for a dense model or a prediction,
+            whose expert reads the cost model takes as the expectation over uniform routing.
     """
 
     args: ModelArgs
@@ -66,6 +69,7 @@ class ForwardShape:
     extra_weight_bytes: int = 0
     extra_flops: int = 0
     matrix_bytes: int | None = None
+    experts_touched: int | None = None
 
 
 class WorkRecorder:
@@ -149,7 +153,8 @@ class PhaseEvent:
     """What one phase of one step did and cost (one ledger record).
 
     Attributes:
-        step: decode step index (-1 for prefill).
+        step: decode step index; a prefill's is the decode step after which it ran (-1 for the
+            first fill).
         phase: one of :data:`PHASES`.
         batch: rows in the batch (static shape).
         rows_active: rows still generating when the phase ran.
@@ -161,6 +166,13 @@ class PhaseEvent:
         work: forwards that ran in the phase, for the analytic model.
         measurement: time and energy of the phase.
         emitted_per_row: tokens emitted per row in this step (for TPOT), length ``batch``.
+        slot_requests: request id in each slot during the phase (-1 empty), length ``batch``;
+            on a prefill, the ids being prefilled in their slots and -1 elsewhere (empty when
+            the caller tracks no requests).
+        arrivals_s: prefill only, length ``batch``: arrival time of each prefilled request
+            (closed loop: its admission time), -1.0 elsewhere.
+        queued: requests of the stream not yet admitted, after this phase.
+        clock_s: engine clock at the phase's start (s).
     """
 
     step: int
@@ -174,6 +186,10 @@ class PhaseEvent:
     work: tuple[ForwardShape, ...] = ()
     measurement: Measurement
     emitted_per_row: tuple[int, ...] = ()
+    slot_requests: tuple[int, ...] = ()
+    arrivals_s: tuple[float, ...] = ()
+    queued: int = 0
+    clock_s: float = 0.0
 
 
 PhaseObserver = Callable[[PhaseEvent], None]

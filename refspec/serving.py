@@ -1,0 +1,115 @@
+"""Serving types: a stream of requests, what each one got, and what a served run did.
+
+:meth:`refspec.engine.Engine.serve` keeps ``batch`` static slots busy: when a slot's request
+finishes (EOS or budget), the next admissible request of the stream is prefilled into it.
+Times are on the engine clock: 0 at the start of ``serve``, advanced by every phase's
+measured (or modelled) time, and jumped forward to the next arrival when every slot is
+empty in an open-loop stream (see ``docs/serving.md``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from refspec.energy.phases import PhaseEvent
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of a stream.
+
+    Attributes:
+        id: unique, >= 0; requests are admitted in id order.
+        prompt: prompt token ids (at least one).
+        max_new_tokens: budget, including the first token from prefill.
+        arrival_s: engine-clock arrival (open loop); None = closed loop: the request arrives
+            when a slot frees for it (its admission).
+    """
+
+    id: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival_s: float | None = None
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What one request got.
+
+    Attributes:
+        id: the request's id.
+        slot: the batch row that served it.
+        prompt_length: tokens in its prompt.
+        tokens: emitted tokens (including a final EOS).
+        finished_by_eos: whether it stopped at EOS (else at its budget or ``max_steps``).
+        arrival_s: open loop: the given arrival; closed loop: its admission time.
+        admitted_s: engine clock at the start of its prefill phase.
+        token_times_s: engine clock at which each emitted token became visible (end of the
+            prefill for the first, end of the commit phase of the step that emitted it for
+            the others); ``len(token_times_s) == len(tokens)``.
+        accepted_per_step: its accepted drafts in each decode step it rode.
+    """
+
+    id: int
+    slot: int
+    prompt_length: int
+    tokens: list[int]
+    finished_by_eos: bool
+    arrival_s: float
+    admitted_s: float
+    token_times_s: list[float]
+    accepted_per_step: list[int]
+
+    @property
+    def ttft_s(self) -> float:
+        """Arrival to first token (queueing included)."""
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        """Arrival to last token."""
+        return self.token_times_s[-1] - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (NaN for one token)."""
+        n = len(self.tokens)
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else math.nan
+
+
+@dataclasses.dataclass
+class ServeResult:
+    """What one :meth:`~refspec.engine.Engine.serve` call did.
+
+    Attributes:
+        requests: per request, ordered by request id.
+        batch: B slots.
+        steps: decode steps run.
+        accepted_per_step: ``[steps][B]`` accepted drafts per slot, -1 where the slot was empty
+            or its request done.
+        emitted_per_step: ``[steps][B]`` tokens emitted per slot.
+        slot_requests_per_step: ``[steps][B]`` request id in each slot during the step, -1 empty.
+        events: every phase event, in order.
+    """
+
+    requests: list[RequestResult]
+    batch: int
+    steps: int
+    accepted_per_step: list[list[int]]
+    emitted_per_step: list[list[int]]
+    slot_requests_per_step: list[list[int]]
+    events: list[PhaseEvent]
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted + 1 over the slot-steps that carried a live request (NaN without one)."""
+        from refspec.energy.accounting import tau_of_steps
+
+        return tau_of_steps(self.accepted_per_step)
+
+    @property
+    def num_emitted(self) -> int:
+        return sum(len(r.tokens) for r in self.requests)
+
+
+__all__ = ["Request", "RequestResult", "ServeResult"]

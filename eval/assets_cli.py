@@ -21,6 +21,7 @@ from refspec.assets import (REGISTRY, AssetError, convert_gguf, fetch_model, get
                             refspec_home, resolve_model, verify_model_dir)
 from refspec.assets.gguf_convert import _ST_DTYPES
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line
+from refspec.extras import MissingExtraError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AssetError as exc:  # a store problem (unknown id, download, integrity): exit 1 as before
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
-    except (UsageError, ValueError, OSError) as exc:  # what the user named is not what the command needs
+    except (UsageError, MissingExtraError, ValueError, OSError) as exc:  # not what the command needs, or a missing extra
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -50,6 +50,7 @@ from refspec.eval.corpora.loaders import (_ALPACA_MEMBER, _ARENA_MEMBER, _GSM_ME
 from refspec.eval.corpora.sources import (ARTIFACTS, Artifact, CorpusError, CorpusFetchError, CorpusFormatError,
                                          CorpusIntegrityError, _download, _jsonl_objects, _normalise, _Record,
                                          artifact_path, corpora_dir, refspec_home, sha256_file, split_of)
+from refspec.extras import require
 
 # ``refspec.eval.corpora`` stays the one public name: the artifact and loader layers are re-exported.
 # To replace one in a test, patch the module that defines it (``refspec.eval.corpora.sources._download``).
@@ -208,7 +209,8 @@ def fetch_corpora(names: Iterable[str] | None = None) -> dict[str, Path]:
 
 
 def _to_dataset(rows: list[dict[str, str]]) -> datasets.Dataset:
-    import datasets  # deferred: importing datasets is slow and `--help` does not need it
+    # deferred: importing datasets is slow and `--help` does not need it
+    datasets = require("datasets", "corpora", "loading a corpus")  # noqa: F811
 
     features = datasets.Features({c: datasets.Value("string") for c in COLUMNS})
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS}, features=features)
@@ -278,7 +280,7 @@ def _hf_rows(name: str, split: str) -> list[dict[str, str]]:
         raise ValueError(f"expected 'hf:NAME[:split[:field]]', got {name!r}")
     parts += [""] * (3 - len(parts))
     dataset_name, hf_split, field = parts[0], parts[1] or "train", parts[2] or "prompt"
-    import datasets
+    datasets = require("datasets", "corpora", "loading a Hugging Face dataset")  # noqa: F811
 
     try:
         data = datasets.load_dataset(dataset_name, split=hf_split)

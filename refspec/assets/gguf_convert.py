@@ -24,6 +24,7 @@ import numpy as np
 from refspec import __version__
 from refspec.assets.registry import AssetError, _check_free_space, _sha256_file, _tqdm
 from refspec.config import ModelArgs
+from refspec.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +213,9 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _hf_tensor(tensor: Any, args: ModelArgs) -> np.ndarray:
     """Dequantize one GGUF tensor into the float32 Hugging Face parameter ``[out, in]``."""
-    from gguf.quants import dequantize
+    quants = require("gguf.quants", "assets", "converting a GGUF model")
 
-    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    w = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # ggml lists dims innermost first
     if w.shape != shape:
         raise AssetError(f"tensor {tensor.name} dequantized to {w.shape}, expected {shape}")
@@ -312,7 +313,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, storage_dtype: s
     Raises:
         AssetError: unsupported or inconsistent GGUF, not enough disk space.
     """
-    import gguf
+    gguf = require("gguf", "assets", "converting a GGUF model")
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -14,24 +15,37 @@ from refspec.energy.meters import NoGPUError
 
 
 class FakeGPU:
-    """A GPU backend that records calls; ``overshoot`` makes the lock not take effect."""
+    """A GPU backend that records calls; ``overshoot`` makes the lock not take effect.
 
-    def __init__(self, default_mhz: int = 1980, overshoot: int = 0) -> None:
+    ``idle_mhz`` set: the clock reads that while not ``loaded`` (a real GPU idles below any
+    lock) and ``clock`` under load. ``refuse`` makes locking raise; ``reset_fails`` resetting.
+    """
+
+    def __init__(self, default_mhz: int = 1980, overshoot: int = 0, *, idle_mhz: int | None = None,
+                 refuse: bool = False, reset_fails: bool = False) -> None:
         self.default_mhz = default_mhz
         self.clock = default_mhz
         self.overshoot = overshoot
+        self.idle_mhz = idle_mhz
+        self.loaded = False
+        self.refuse = refuse
+        self.reset_fails = reset_fails
         self.calls: list[tuple] = []
 
     def set_locked_clocks(self, gpu: int, min_mhz: int, max_mhz: int) -> None:
         self.calls.append(("set", gpu, min_mhz, max_mhz))
+        if self.refuse:
+            raise ClockLockError(f"cannot lock gpu{gpu}: insufficient permissions (fake)")
         self.clock = max_mhz + self.overshoot
 
     def reset_locked_clocks(self, gpu: int) -> None:
         self.calls.append(("reset", gpu))
+        if self.reset_fails:
+            raise RuntimeError("NVML_ERROR_NO_PERMISSION (fake)")
         self.clock = self.default_mhz
 
     def sm_clock_mhz(self, gpu: int) -> int:
-        return self.clock
+        return self.clock if self.idle_mhz is None or self.loaded else self.idle_mhz
 
     def supported_sm_clocks(self, gpu: int) -> list[int]:
         return list(range(345, 1981, 15))
@@ -130,6 +144,75 @@ def test_sweep_finds_latency_preserving_headroom():
     assert sweep.best.clock_mhz == 1400
     assert sweep.energy_saving == pytest.approx(1 - (0.6 + 0.4 * (1400 / 1980) ** 2))
     assert gpu.clock == 1980 and gpu.calls.count(("reset", 0)) == 5
+
+
+# ---- errors are never masked by the reset; locks are verified under load -----------------------
+def test_refused_lock_raises_the_lock_error_even_when_the_reset_fails_too():
+    gpu = FakeGPU(refuse=True, reset_fails=True)
+    with pytest.raises(ClockLockError, match="insufficient permissions") as info:
+        with lock_sm_clocks(0, 1200, backend=gpu):
+            pytest.fail("the body must not run")
+    assert gpu.calls == [("set", 0, 1200, 1200), ("reset", 0)]  # the reset was still tried
+    assert any("could not reset" in n for n in getattr(info.value, "__notes__", ["could not reset"]))
+    assert not dvfs._LOCKED
+
+
+def test_workload_error_propagates_unchanged_when_the_reset_fails():
+    gpu = FakeGPU(reset_fails=True)
+    boom = ValueError("workload failed")
+    with pytest.raises(ValueError) as info:
+        with lock_sm_clocks(0, 1200, backend=gpu):
+            raise boom
+    assert info.value is boom and gpu.calls[-1] == ("reset", 0)
+
+
+def test_failed_reset_after_a_clean_body_is_an_error():
+    gpu = FakeGPU(reset_fails=True)
+    with pytest.raises(ClockLockError, match="could not reset the SM clock of gpu0.*nvidia-smi -rgc"):
+        with lock_sm_clocks(0, 1200, backend=gpu):
+            pass
+    assert not dvfs._LOCKED
+
+
+def test_sweep_resets_and_reraises_when_a_locked_run_fails():
+    gpu = FakeGPU()
+    runs = []
+
+    def run():
+        runs.append(gpu.clock)
+        if len(runs) == 3:  # the second locked point
+            raise RuntimeError("CUDA error (simulated)")
+        return {"energy_per_token_j": 1.0, "tpot_p99_s": 0.01}
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        dvfs_sweep(run, [1600, 1200, 900], backend=gpu, sample_period_s=0.001)
+    assert runs == [1980, 1600, 1200] and gpu.clock == 1980
+    assert [c for c in gpu.calls if c[0] == "reset"] == [("reset", 0)] * 2 and not dvfs._LOCKED
+
+
+def _loaded_run(gpu, seconds=0.05):
+    def run():
+        gpu.loaded = True
+        time.sleep(seconds)
+        gpu.loaded = False
+        return {"energy_per_token_j": 1.0, "tpot_p99_s": 0.01}
+    return run
+
+
+def test_a_lock_that_holds_idle_but_not_under_load_is_caught():
+    gpu = FakeGPU(overshoot=780, idle_mhz=345)  # idles at 345 MHz (below the lock), boosts to 1980 under load
+    with pytest.raises(ClockLockError, match="did not hold"):
+        dvfs_sweep(_loaded_run(gpu), [1200], backend=gpu, sample_period_s=0.002)
+    assert gpu.calls[-1] == ("reset", 0) and gpu.clock == 1980
+
+
+def test_sweep_records_the_clock_sampled_under_load():
+    gpu = FakeGPU(idle_mhz=345)
+    sweep = dvfs_sweep(_loaded_run(gpu), [1410], backend=gpu, sample_period_s=0.002)
+    assert sweep.baseline.load_mhz is not None and sweep.baseline.load_mhz[1] == 1980
+    point = sweep.points[0]
+    assert point.observed_mhz == 345  # right after locking the GPU idles: that reading proves nothing
+    assert point.load_mhz is not None and point.load_mhz[1] == 1410 and point.load_mhz[2] <= 1410
 
 
 def test_sweep_rejects_results_without_the_metrics():

@@ -3,8 +3,14 @@
 Locked clocks outlive the process, so :func:`lock_sm_clocks` resets them three ways: in
 ``finally`` (normal exit and exceptions), in an ``atexit`` handler (interpreter shutdown), and in
 a SIGINT handler it installs for the duration of the lock (which resets, then hands the signal
-to the previous handler, so Ctrl-C still raises KeyboardInterrupt). Setting clocks needs root,
-CAP_SYS_ADMIN or the ``zeusd`` daemon.
+to the previous handler, so Ctrl-C still raises KeyboardInterrupt). A reset that fails while
+another error is in flight (a refused lock, a failing workload) never replaces that error: it is
+logged and added to it as a note. Setting clocks needs root, CAP_SYS_ADMIN or the ``zeusd``
+daemon. An idle GPU runs below any lock, so :func:`dvfs_sweep` verifies each lock by sampling
+the SM clock while the workload runs.
+
+Only a user's own GPU is swept: nothing in the GPU check (``scripts/gpu_check.py``) imports
+this module, and lent machines' clocks are only read (``refspec.energy.nvml_meter.sm_clock_reader``).
 
 The GPU is reached through a small :class:`GPUBackend` protocol; :class:`ZeusGPUBackend` wraps
 ``zeus.device.get_gpus()`` (and NVML for the observed clock), and tests inject a fake GPU.
@@ -16,8 +22,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
+import statistics
 import threading
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -172,6 +180,7 @@ def lock_sm_clocks(gpu: int, mhz: int, *, backend: GPUBackend | None = None,
     except BaseException:
         _unregister(backend, gpu)
         raise
+    in_flight: BaseException | None = None
     try:
         backend.set_locked_clocks(gpu, mhz, mhz)
         observed = backend.sm_clock_mhz(gpu)
@@ -181,14 +190,30 @@ def lock_sm_clocks(gpu: int, mhz: int, *, backend: GPUBackend | None = None,
             logger.info("gpu%d idles at %d MHz below the %d MHz lock; the lock binds under load", gpu, observed, mhz)
         logger.info("locked gpu%d SM clock to %d MHz (observed %d MHz)", gpu, mhz, observed)
         yield ClockLock(gpu=gpu, mhz=mhz, observed_mhz=observed)
+    except BaseException as exc:
+        in_flight = exc
+        raise
     finally:
         try:
-            backend.reset_locked_clocks(gpu)
-            logger.info("reset gpu%d SM clock", gpu)
+            _reset(backend, gpu, in_flight)
         finally:
             _unregister(backend, gpu)
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+
+
+def _reset(backend: GPUBackend, gpu: int, in_flight: BaseException | None) -> None:
+    """Reset ``gpu``'s locked clock; a failure raises only when no other error is in flight."""
+    try:
+        backend.reset_locked_clocks(gpu)
+        logger.info("reset gpu%d SM clock", gpu)
+    except Exception as exc:
+        what = f"could not reset the SM clock of gpu{gpu} ({type(exc).__name__}: {exc}); run `nvidia-smi -rgc -i {gpu}`"
+        if in_flight is None:
+            raise ClockLockError(what) from exc
+        logger.error("%s (while handling %s)", what, type(in_flight).__name__)
+        if hasattr(in_flight, "add_note"):  # Python >= 3.11
+            in_flight.add_note(what)
 
 
 # ---- sweep ------------------------------------------------------------------------------------
@@ -198,15 +223,19 @@ class ClockPoint:
 
     Attributes:
         clock_mhz: locked SM clock, None for the unlocked baseline.
-        observed_mhz: SM clock read right after locking (None unlocked).
+        observed_mhz: SM clock read right after locking (None unlocked); an idle GPU reads below
+            the lock, so this proves little.
         energy_per_token_j: J per output token the run reported.
         tpot_p99_s: p99 time per output token the run reported, s.
+        load_mhz: (min, median, max) SM clock sampled while the workload ran, MHz; None where
+            the run ended before a sample was taken.
     """
 
     clock_mhz: int | None
     observed_mhz: int | None
     energy_per_token_j: float
     tpot_p99_s: float
+    load_mhz: tuple[float, float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,19 +262,58 @@ class DVFSSweep:
 RunResult = Mapping[str, float]
 
 
-def _point(clock: int | None, observed: int | None, result: RunResult) -> ClockPoint:
+def _point(clock: int | None, observed: int | None, result: RunResult, samples: Sequence[int]) -> ClockPoint:
     try:
-        return ClockPoint(clock_mhz=clock, observed_mhz=observed,
-                          energy_per_token_j=float(result["energy_per_token_j"]),
-                          tpot_p99_s=float(result["tpot_p99_s"]))
+        energy, tpot = float(result["energy_per_token_j"]), float(result["tpot_p99_s"])
     except KeyError as exc:
         raise ValueError(f"run_fn must return a mapping with energy_per_token_j and tpot_p99_s; "
                          f"missing {exc}") from None
+    load = (float(min(samples)), float(statistics.median(samples)), float(max(samples))) if samples else None
+    return ClockPoint(clock_mhz=clock, observed_mhz=observed, energy_per_token_j=energy, tpot_p99_s=tpot,
+                      load_mhz=load)
+
+
+def _run_sampling_clock(run_fn: Callable[[], RunResult], read: Callable[[], int], period_s: float
+                        ) -> tuple[RunResult, list[int]]:
+    """``run_fn()`` while a thread samples the SM clock every ``period_s``; its result and the samples."""
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            samples.append(read())
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=loop, name="refspec-dvfs-clock", daemon=True)
+    thread.start()
+    try:
+        result = run_fn()
+    finally:
+        stop.set()
+        thread.join(timeout=1.0)
+    return result, samples
+
+
+def _check_under_load(lock: ClockLock, samples: Sequence[int], tolerance_mhz: int) -> None:
+    """The lock held while the workload ran: the median sampled clock is within tolerance."""
+    if not samples:
+        logger.warning("gpu%d: the workload ended before the SM clock was sampled; the %d MHz lock is unverified "
+                       "under load", lock.gpu, lock.mhz)
+        return
+    median = statistics.median(samples)
+    if median > lock.mhz + tolerance_mhz:
+        raise ClockLockError(f"gpu{lock.gpu} ran at a median {median:.0f} MHz (max {max(samples)}) under load "
+                             f"while locked to {lock.mhz} MHz: the lock did not hold")
 
 
 def dvfs_sweep(run_fn: Callable[[], RunResult], clocks: Sequence[int], *, gpu: int = 0,
-               backend: GPUBackend | None = None, tolerance: float = 0.05) -> DVFSSweep:
+               backend: GPUBackend | None = None, tolerance: float = 0.05, tolerance_mhz: int = 30,
+               sample_period_s: float = 0.01) -> DVFSSweep:
     """Run ``run_fn`` unlocked and at each locked SM clock; find the latency-preserving headroom.
+
+    Each run's SM clock is sampled while it runs; a locked run whose median clock exceeds the
+    lock is an error (the lock did not hold under load). The clock is reset after every point,
+    also when ``run_fn`` raises (that error propagates unchanged).
 
     Args:
         run_fn: runs one measured workload and returns ``{"energy_per_token_j": J,
@@ -254,19 +322,26 @@ def dvfs_sweep(run_fn: Callable[[], RunResult], clocks: Sequence[int], *, gpu: i
         gpu: GPU index.
         backend: GPU backend (:class:`ZeusGPUBackend` when None).
         tolerance: accepted relative increase of p99 TPOT over the unlocked run.
+        tolerance_mhz: accepted excess of the sampled clock over a lock.
+        sample_period_s: period of the clock samples taken during each run.
 
     Returns:
         The :class:`DVFSSweep`.
 
     Raises:
         NoGPUError: no GPU (default backend).
+        ClockLockError: a lock was refused, or did not hold idle or under load.
     """
     backend = backend if backend is not None else ZeusGPUBackend()
-    baseline = _point(None, None, run_fn())
+    read = functools.partial(backend.sm_clock_mhz, gpu)
+    result, samples = _run_sampling_clock(run_fn, read, sample_period_s)
+    baseline = _point(None, None, result, samples)
     points = []
     for mhz in clocks:
-        with lock_sm_clocks(gpu, mhz, backend=backend) as lock:
-            points.append(_point(mhz, lock.observed_mhz, run_fn()))
+        with lock_sm_clocks(gpu, mhz, backend=backend, tolerance_mhz=tolerance_mhz) as lock:
+            result, samples = _run_sampling_clock(run_fn, read, sample_period_s)
+            _check_under_load(lock, samples, tolerance_mhz)
+            points.append(_point(mhz, lock.observed_mhz, result, samples))
     limit = baseline.tpot_p99_s * (1.0 + tolerance)
     ok = [p for p in points if p.tpot_p99_s <= limit]
     headroom = min((p.clock_mhz for p in ok if p.clock_mhz is not None), default=None)

@@ -39,15 +39,25 @@ Gross and net of idle
     the run header (measured on a GPU, the profile's value when modelled).
 
 Throughput, TPOT and tau
-    tokens/s = emitted / total time. TPOT of a row = (sum of the times of decode steps 0 ...
-    the row's last emitting step) / (tokens the row emitted - 1): the first token comes from
-    prefill and its latency is TTFT, not TPOT. Rows that emitted fewer than two tokens have no
-    TPOT. p50 / p99 are linear-interpolated percentiles across rows. tau (acceptance length) =
+    tokens/s = emitted / total time. In a serving ledger (one with ``slot_requests`` and
+    ``clock_s``; :mod:`refspec.energy.serving_window`) TPOT, TTFT, ITL and end-to-end latency
+    are per request, from its emissions on the engine clock. In an old static ledger TPOT of a
+    row = (sum of the times of decode steps 0 ... the row's last emitting step) / (tokens the
+    row emitted - 1): the first token comes from prefill and its latency is TTFT, not TPOT.
+    Rows (requests) with fewer than two tokens have no TPOT. p50 / p99 are linear-interpolated
+    percentiles across rows (requests). tau (acceptance length) =
     (accepted + bonus) / row-steps = (sum accepted + sum rows_active) / sum rows_active over
     steps with a verify, i.e. the mean of accepted + 1 per active row per step.
 
+Steady state and active rows
+    :mod:`refspec.energy.serving_window` defines the steady-state window (its bounds, time,
+    energy, tokens, J/token, mean active rows) and the run's mean active rows (time-weighted
+    over decode steps). ``j_per_token`` is the whole run's; ``window_j_per_token`` the window's.
+    Refill prefills (step >= 0) are prefill groups of their own, never merged with the counts
+    of the decode step that carries the same index.
+
 Pooling
-    Runs of one configuration pool by adding their steps: counts, times and energies add, TPOT
+    Runs of one configuration pool by adding their steps (and their windows): counts, times and energies add, TPOT
     percentiles are taken over the rows of every run, and every ratio above is formed from the
     pooled sums. The runs must agree on idle power.
 
@@ -64,19 +74,16 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from refspec.energy.serving_window import (RequestTimes, Window, latency_percentiles, mean_active_rows, pool_windows,
+                                           request_times, run_window)
+from refspec.energy.steps import COUNTS, AccountingError, Record, Step, decode_steps, group_steps, is_serving
+
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other")
 CLOSURE_RTOL = 1e-9
-COUNTS = ("drafted", "accepted", "emitted", "verified")
 ENERGY_FIELDS = ("total_energy_j", "j_per_token", "j_per_verified_token", "phase_energy_j", "phase_share",
                  "phase_j_per_token", "line_items_j", "line_items_sum_j", "rejected_energy_j", "rejected_share",
                  "verify_rejected_j", "draft_rejected_j", "draft_rejected_share", "closure_error_j", "closes",
                  "net_energy_j", "net_j_per_token", "net_phase_energy_j")
-
-Record = Mapping[str, Any]
-
-
-class AccountingError(ValueError):
-    """Ledger records that cannot be accounted as asked."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,11 +136,26 @@ class Accounting:
     net_energy_j: float | None
     net_j_per_token: float | None
     net_phase_energy_j: dict[str, float] | None
+    serving: bool = False
+    mean_active_rows: float = math.nan
+    window: Window | None = None
+    requests: tuple[RequestTimes, ...] = ()
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    itl_p50_s: float | None = None
+    itl_p99_s: float | None = None
+    e2e_p50_s: float | None = None
+    e2e_p99_s: float | None = None
 
     @property
     def run_id(self) -> str | None:
         """The run's id; None when several runs are pooled."""
         return self.run_ids[0] if len(self.run_ids) == 1 else None
+
+    @property
+    def window_j_per_token(self) -> float | None:
+        """J/token over the steady-state window (NaN when it is empty, None without energy)."""
+        return None if self.window is None else self.window.j_per_token
 
 
 # ---- the definitions every caller shares ---------------------------------------------------
@@ -169,51 +191,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 # ---- one step of one run -------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One step of one run: its records, counts (maxima over the records) and time (their sum)."""
-
-    index: int
-    records: tuple[Record, ...]
-    counts: dict[str, int]
-    rows_active: int
-    has_verify: bool
-    time_s: float
-    emitted_per_row: tuple[int, ...]
-
-    @property
-    def rejected(self) -> int:
-        if not self.counts["verified"]:
-            return 0
-        return max(self.counts["verified"] - self.counts["accepted"] - self.rows_active, 0)
-
-
-def _step(index: int, recs: Sequence[Record]) -> _Step:
-    counts = {f: max(int(r.get(f, 0) or 0) for r in recs) for f in COUNTS}
-    verify = [r for r in recs if r["phase"] == "verify"]
-    rows = [list(r.get("emitted_per_row") or ()) for r in recs]
-    width = max((len(x) for x in rows), default=0)
-    return _Step(index=index, records=tuple(recs), counts=counts,
-                 rows_active=max(int(r["rows_active"]) for r in (verify or recs)),
-                 has_verify=bool(verify) or counts["verified"] > 0,
-                 time_s=sum(float(r["time_s"]) for r in recs),
-                 emitted_per_row=tuple(max((x[i] for x in rows if i < len(x)), default=0) for i in range(width)))
-
-
-def _steps(run_id: str | None, phases: Sequence[Record]) -> list[_Step]:
-    by_step: dict[int, list[Record]] = defaultdict(list)
-    seen: set[tuple[int, str]] = set()
-    for r in phases:
-        key = (int(r["step"]), str(r["phase"]))
-        if key in seen:
-            raise AccountingError(f"run {run_id!r} holds step {key[0]} phase {key[1]!r} twice: two generations "
-                                  f"were written under one run id; give each its own run")
-        seen.add(key)
-        by_step[key[0]].append(r)
-    return [_step(s, recs) for s, recs in by_step.items()]
-
-
-def _line_items(st: _Step) -> dict[str, float]:
+def _line_items(st: Step) -> dict[str, float]:
     """The step's energy split into :data:`LINE_ITEMS` (J)."""
     items = dict.fromkeys(LINE_ITEMS, 0.0)
     drafted, accepted, verified = st.counts["drafted"], st.counts["accepted"], st.counts["verified"]
@@ -234,17 +212,13 @@ def _line_items(st: _Step) -> dict[str, float]:
     return items
 
 
-def _emitted(st: _Step, row: int) -> int:
-    return st.emitted_per_row[row] if row < len(st.emitted_per_row) else 0
-
-
-def _row_tpots(steps: Sequence[_Step]) -> list[float | None]:
-    """TPOT of every row of one run (s), None for rows with fewer than two tokens."""
-    decode = sorted((st for st in steps if st.index >= 0), key=lambda st: st.index)
+def _row_tpots(steps: Sequence[Step]) -> list[float | None]:
+    """TPOT of every row of one old static run (s), None for rows with fewer than two tokens."""
+    decode = decode_steps(steps)
     out: list[float | None] = []
     for row in range(max((len(st.emitted_per_row) for st in steps), default=0)):
-        n = sum(_emitted(st, row) for st in steps)
-        emitting = [st.index for st in decode if _emitted(st, row) > 0]
+        n = sum(st.emitted(row) for st in steps)
+        emitting = [st.index for st in decode if st.emitted(row) > 0]
         if n < 2 or not emitting:
             out.append(None)
             continue
@@ -260,7 +234,7 @@ def _sum_by(records: Iterable[Record], field: str) -> dict[str, float]:
     return dict(out)
 
 
-def _energy(phases: Sequence[Record], steps: Sequence[_Step], emitted: int, verified: int,
+def _energy(phases: Sequence[Record], steps: Sequence[Step], emitted: int, verified: int,
             total_time: float, phase_time: Mapping[str, float], idle_w: float | None) -> dict[str, Any]:
     """Every energy field of :class:`Accounting` (the ledger holds energy on every record)."""
     total = sum(float(r["energy_j"]) for r in phases)
@@ -294,15 +268,18 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
                 idle_w: float | None) -> Accounting:
     """The :class:`Accounting` of ``runs`` (id, header, phase records) taken together."""
     phases = [r for _, _, ps in runs for r in ps]
-    per_run = [_steps(run_id, ps) for run_id, _, ps in runs]
+    per_run = [group_steps(run_id, ps) for run_id, _, ps in runs]
     steps = [st for run in per_run for st in run]
     total = {f: sum(st.counts[f] for st in steps) for f in COUNTS}
     row_steps = sum(st.rows_active for st in steps if st.has_verify)
     total_time = sum(st.time_s for st in steps)
-    prefill_time = sum(st.time_s for st in steps if st.index < 0)
+    prefill_time = sum(st.time_s for st in steps if st.prefill)
     phase_time = _sum_by(phases, "time_s")
-    tpots = [t for run in per_run for t in _row_tpots(run)]
+    serving = all(is_serving(run) for run in per_run)
+    reqs = [r for run_id, run in zip((r for r, _, _ in runs), per_run) for r in request_times(run, run_id)]
+    tpots = [r.tpot_s for r in reqs] if serving else [t for run in per_run for t in _row_tpots(run)]
     valid = [t for t in tpots if t is not None]
+    latency = latency_percentiles(reqs) if serving else {}
     has_energy = all(r.get("energy_j") is not None for r in phases)
     energy = (_energy(phases, steps, total["emitted"], total["verified"], total_time, phase_time, idle_w)
               if has_energy else dict.fromkeys(ENERGY_FIELDS))
@@ -312,14 +289,16 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
     return Accounting(
         run_ids=tuple(run_id for run_id, _, _ in runs), labels=labels, sources=sources,
         measured=all(s.startswith("measured") for s in sources), batch=max(int(r["batch"]) for r in phases),
-        steps=sum(1 for st in steps if st.index >= 0), rows_with_tpot=len(valid), **total,
+        steps=sum(1 for st in steps if st.decode), rows_with_tpot=len(valid), **total,
         rejected_positions=sum(st.rejected for st in steps), row_steps=row_steps,
         total_time_s=total_time, prefill_time_s=prefill_time, decode_time_s=total_time - prefill_time,
         phase_time_s=phase_time, tokens_per_s=_ratio(total["emitted"], total_time),
         tau=acceptance_length(total["accepted"], row_steps),
         acceptance_rate=_ratio(total["accepted"], total["drafted"]),
         tpot_per_row_s=tuple(tpots), tpot_p50_s=_percentile(valid, 50), tpot_p99_s=_percentile(valid, 99),
-        idle_w=idle_w, **energy)
+        idle_w=idle_w, **energy, serving=serving, mean_active_rows=mean_active_rows(steps),
+        window=pool_windows([run_window(run) for run in per_run]), requests=tuple(reqs),
+        **{k: v for k, v in latency.items() if not k.startswith("tpot")})
 
 
 def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dict[str, Any] | None, list[Record]]:

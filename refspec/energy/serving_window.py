@@ -1,0 +1,244 @@
+"""Serving figures of ledger runs: the steady-state window, active rows, and each request's latencies.
+
+Read from ledger records alone (grouped by :func:`refspec.energy.steps.group_steps`);
+:mod:`refspec.energy.accounting` puts them in its :class:`~refspec.energy.accounting.Accounting`.
+
+Steady-state window
+    Decode steps ``[s0, s1)``: ``s0`` is the first decode step with every slot busy (no -1 in
+    ``slot_requests`` and ``rows_active == batch``); ``s1`` is the first decode step after
+    ``s0`` with an empty slot while ``queued == 0`` (the stream could no longer refill it),
+    else one past the last step. The window's time, energy and tokens are those of every
+    record with ``s0 <= step < s1``: decode phases and the refill prefills that ran after
+    those steps. J/token of the window = its energy / its tokens. Without an ``s0`` (never
+    every slot busy, or a ledger without serving keys) the window is empty: its figures are
+    NaN and :attr:`Window.note` says why. Runs pool by adding their windows.
+
+Mean active rows
+    Time-weighted over decode steps: ``sum(rows_active x step time) / sum(step time)``, the
+    step time being its decode phases' (refill prefills excluded); over the whole run, and
+    over the window's decode steps.
+
+Per request (serving ledgers)
+    Its slot and arrival come from the prefill that admitted it (``arrivals_s``: the given
+    arrival in open loop, the admission time in closed loop). Its emissions, what a streaming
+    client sees: the prefill's end (``clock_s + time_s``, the first token), then the end of
+    the commit of every decode step that emitted tokens in its slot while the slot held it.
+    TTFT = first emission - arrival (queueing included); end-to-end = last emission -
+    arrival; TPOT = (last - first emission) / (tokens - 1), none for one token; ITL = the gaps
+    between successive emissions (per step, not per token). Percentiles are linear-interpolated
+    over requests (ITL: over every gap of every request).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from refspec.energy.steps import AccountingError, Step, decode_steps, is_serving
+
+NAN = math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTimes:
+    """One request's emissions on the engine clock (s).
+
+    Attributes:
+        id: request id.
+        slot: the slot that served it.
+        arrival_s: its arrival (closed loop: its admission).
+        emissions_s: when each emission became visible (prefill end, then commit ends).
+        emission_tokens: tokens in each emission.
+    """
+
+    id: int
+    slot: int
+    arrival_s: float
+    emissions_s: tuple[float, ...]
+    emission_tokens: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.emission_tokens)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.emissions_s[0] - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.emissions_s[-1] - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.emissions_s[-1] - self.emissions_s[0]) / (self.tokens - 1) if self.tokens > 1 else None
+
+    @property
+    def itl_s(self) -> tuple[float, ...]:
+        return tuple(b - a for a, b in zip(self.emissions_s, self.emissions_s[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The steady-state window of one run, or of several pooled (figures NaN when empty).
+
+    Attributes:
+        bounds: per run, ``(s0, s1)`` with ``s1`` exclusive, or None for an empty window.
+        steps: decode steps in the window(s).
+        time_s: time of every record in the window (s).
+        decode_time_s: time of its decode phases (s), the weight of its mean active rows.
+        energy_j: energy of every record in the window (J); None without energy.
+        tokens: tokens emitted in the window (refill prefills' first tokens included).
+        mean_active_rows: time-weighted mean of ``rows_active`` over its decode steps.
+        note: why the window is empty (None when it is not).
+    """
+
+    bounds: tuple[tuple[int, int] | None, ...]
+    steps: int
+    time_s: float
+    decode_time_s: float
+    energy_j: float | None
+    tokens: float
+    mean_active_rows: float
+    note: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def j_per_token(self) -> float | None:
+        """Window energy / window tokens (NaN when empty, None without energy)."""
+        if self.energy_j is None:
+            return None
+        return self.energy_j / self.tokens if self.tokens and not self.empty else NAN
+
+    @property
+    def first_step(self) -> int | None:
+        """``s0`` of the only run (None when empty or pooled)."""
+        return self.bounds[0][0] if len(self.bounds) == 1 and self.bounds[0] else None
+
+    @property
+    def last_step(self) -> int | None:
+        """``s1 - 1``, the last decode step inside the window of the only run (None when empty or pooled)."""
+        return self.bounds[0][1] - 1 if len(self.bounds) == 1 and self.bounds[0] else None
+
+
+def _weighted_rows(decode: Sequence[Step]) -> float:
+    time = sum(st.time_s for st in decode)
+    return sum(st.rows_active * st.time_s for st in decode) / time if time > 0 else NAN
+
+
+def mean_active_rows(steps: Sequence[Step]) -> float:
+    """Time-weighted mean of ``rows_active`` over every decode step of ``steps`` (NaN without decode time)."""
+    return _weighted_rows(decode_steps(steps))
+
+
+def _full(st: Step) -> bool:
+    return bool(st.slot_requests) and -1 not in st.slot_requests and st.rows_active >= len(st.slot_requests)
+
+
+def window_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
+    """``(s0, s1)`` of one run's steady-state window (``s1`` exclusive), or None when it is empty."""
+    decode = decode_steps(steps)
+    s0 = next((st.index for st in decode if _full(st)), None)
+    if s0 is None:
+        return None
+    s1 = next((st.index for st in decode if st.index > s0 and not _full(st) and st.queued == 0),
+              decode[-1].index + 1)
+    return s0, s1
+
+
+def _empty(bounds: tuple[None, ...], note: str) -> Window:
+    return Window(bounds=bounds, steps=0, time_s=NAN, decode_time_s=NAN, energy_j=NAN, tokens=NAN,
+                  mean_active_rows=NAN, note=note)
+
+
+def run_window(steps: Sequence[Step]) -> Window:
+    """The steady-state window of one run (see the module docstring)."""
+    if not is_serving(steps):
+        return _empty((None,), "no serving keys in the ledger (an old static ledger): no steady-state window")
+    bounds = window_bounds(steps)
+    if bounds is None:
+        return _empty((None,), "no decode step had every slot busy: no steady state, the window is empty")
+    inside = [st for st in steps if bounds[0] <= st.index < bounds[1]]
+    decode = [st for st in inside if st.decode]
+    energies = [st.energy_j for st in inside]
+    return Window(bounds=(bounds,), steps=len(decode), time_s=sum(st.time_s for st in inside),
+                  decode_time_s=sum(st.time_s for st in decode),
+                  energy_j=None if any(e is None for e in energies) else sum(energies),  # type: ignore[arg-type]
+                  tokens=sum(st.counts["emitted"] for st in inside), mean_active_rows=_weighted_rows(decode))
+
+
+def pool_windows(windows: Sequence[Window]) -> Window:
+    """Several runs' windows as one: times, energies and tokens add; active rows weighted by decode time."""
+    bounds = tuple(b for w in windows for b in w.bounds)
+    full = [w for w in windows if not w.empty]
+    if not full:
+        notes = sorted({w.note for w in windows if w.note})
+        return _empty(bounds, "; ".join(notes) or "no window")  # type: ignore[arg-type]
+    if len(full) == 1 and len(windows) == 1:
+        return full[0]
+    decode_time = sum(w.decode_time_s for w in full)
+    energies = [w.energy_j for w in full]
+    return Window(bounds=bounds, steps=sum(w.steps for w in full), time_s=sum(w.time_s for w in full),
+                  decode_time_s=decode_time,
+                  energy_j=None if any(e is None for e in energies) else sum(energies),  # type: ignore[arg-type]
+                  tokens=sum(w.tokens for w in full),
+                  mean_active_rows=(sum(w.mean_active_rows * w.decode_time_s for w in full) / decode_time
+                                    if decode_time > 0 else NAN))
+
+
+def _admit(reqs: dict[int, dict[str, Any]], st: Step, run_id: str | None) -> None:
+    for slot, rid in enumerate(st.slot_requests):
+        if rid < 0:
+            continue
+        if rid in reqs:
+            raise AccountingError(f"run {run_id!r}: request {rid} is prefilled twice (step {st.index})")
+        arrival = st.arrivals_s[slot] if slot < len(st.arrivals_s) else NAN
+        reqs[rid] = {"slot": slot, "arrival": float(arrival), "times": [st.end_s], "tokens": [st.emitted(slot) or 1]}
+
+
+def request_times(steps: Sequence[Step], run_id: str | None = None) -> list[RequestTimes]:
+    """Every request of one serving run, in id order (empty for a ledger without serving keys).
+
+    Raises:
+        AccountingError: a request prefilled twice, or tokens emitted in a slot for a request
+            it never admitted.
+    """
+    if not is_serving(steps):
+        return []
+    reqs: dict[int, dict[str, Any]] = {}
+    for st in sorted(steps, key=lambda s: (s.index, s.prefill)):  # a refill runs after its step's commit
+        if st.prefill:
+            _admit(reqs, st, run_id)
+            continue
+        for slot, rid in enumerate(st.slot_requests):
+            n = st.emitted(slot)
+            if rid < 0 or n <= 0:
+                continue
+            if rid not in reqs or reqs[rid]["slot"] != slot:
+                raise AccountingError(f"run {run_id!r}: step {st.index} emits for request {rid} in slot {slot}, "
+                                      f"which no prefill admitted there")
+            reqs[rid]["times"].append(st.end_s)
+            reqs[rid]["tokens"].append(n)
+    return [RequestTimes(id=rid, slot=r["slot"], arrival_s=r["arrival"], emissions_s=tuple(r["times"]),
+                         emission_tokens=tuple(r["tokens"])) for rid, r in sorted(reqs.items())]
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def latency_percentiles(requests: Sequence[RequestTimes]) -> dict[str, float | None]:
+    """p50 and p99 of TTFT, TPOT, ITL and end-to-end over ``requests`` (None where there is none)."""
+    tpot = [t for r in requests if (t := r.tpot_s) is not None]
+    series = {"ttft": [r.ttft_s for r in requests], "tpot": tpot,
+              "itl": [g for r in requests for g in r.itl_s], "e2e": [r.e2e_s for r in requests]}
+    return {f"{name}_p{q}_s": _pct(values, q) for name, values in series.items() for q in (50, 99)}
+
+
+__all__ = ["RequestTimes", "Window", "mean_active_rows", "window_bounds", "run_window", "pool_windows",
+           "request_times", "latency_percentiles"]

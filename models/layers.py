@@ -12,6 +12,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
+from refspec.models.moe import MoE
 from refspec.models.ops import WeightCopy, apply_rope, attend, gated_mlp, linear, rms_norm
 
 
@@ -137,21 +138,22 @@ class _StepPlan(NamedTuple):
     qkv_copy: WeightCopy | None
     wo: torch.Tensor
     wo_copy: WeightCopy | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | None  # None in an MoE block
     gate_up_copy: WeightCopy | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_copy: WeightCopy | None
+    moe: MoE | None  # the routed MLP of an MoE block (called as a module)
 
 
 class Block(nn.Module):
-    """One decoder block: attention and gated MLP, each behind an RMSNorm with a residual add
-    (gemma3 also norms each branch's output)."""
+    """One decoder block: attention and gated MLP (or a routed :class:`~refspec.models.moe.MoE`),
+    each behind an RMSNorm with a residual add (gemma3 also norms each branch's output)."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         eps, p1 = args.rms_norm_eps, args.norm_plus_one
         self.attn = Attention(args, layer)
-        self.mlp = MLP(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args)
         self.attn_norm = RMSNorm(args.hidden_size, eps, p1)
         self.mlp_norm = RMSNorm(args.hidden_size, eps, p1)
         self.sandwich = args.sandwich_norms
@@ -192,16 +194,18 @@ class Block(nn.Module):
         attn, mlp = sub(self, "attn"), sub(self, "mlp")
         wqkv, bqkv, qkv_copy = lin(sub(attn, "wqkv"))
         wo, _, wo_copy = lin(sub(attn, "wo"))
-        gate_up, _, gate_up_copy = lin(sub(mlp, "gate_up"))
-        down, _, down_copy = lin(sub(mlp, "down"))
+        moe = mlp if isinstance(mlp, MoE) else None
+        gate_up, _, gate_up_copy = (None, None, None) if moe is not None else lin(sub(mlp, "gate_up"))
+        down, _, down_copy = (None, None, None) if moe is not None else lin(sub(mlp, "down"))
         norms = {name: norm(sub(owner, name)) for owner, name in
                  ((self, "attn_norm"), (self, "mlp_norm"), (attn, "q_norm"), (attn, "k_norm"))}
         post = [norm(sub(self, name)) if self.sandwich else None for name in ("attn_post_norm", "mlp_post_norm")]
         plan = _StepPlan(
             guards=tuple(guards), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale,
-            gelu=mlp.gelu, **norms, attn_post_norm=post[0], mlp_post_norm=post[1],
+            gelu=getattr(mlp, "gelu", False), **norms, attn_post_norm=post[0], mlp_post_norm=post[1],
             wqkv=wqkv, bqkv=bqkv, qkv_copy=qkv_copy, wo=wo, wo_copy=wo_copy,
-            gate_up=gate_up, gate_up_copy=gate_up_copy, down=down, down_copy=down_copy)
+            gate_up=gate_up, gate_up_copy=gate_up_copy, down=down, down_copy=down_copy,
+            moe=moe)
         self.__dict__["_step_plan"] = plan
         return plan
 
@@ -244,6 +248,7 @@ class Block(nn.Module):
         keys, values = cache.read(p.layer, num_keys)  # [B, Hkv, Tk, D] each
         a = linear(attend(q, keys, values, bias, p.scale), p.wo, None, p.wo_copy)
         x = x + (a if p.attn_post_norm is None else rms_norm(a, *p.attn_post_norm))
-        m = gated_mlp(rms_norm(x, *p.mlp_norm), p.gate_up, p.gate_up_copy, p.down, p.down_copy, p.gelu)
+        h = rms_norm(x, *p.mlp_norm)
+        m = p.moe(h) if p.moe is not None else gated_mlp(h, p.gate_up, p.gate_up_copy, p.down, p.down_copy, p.gelu)
         x = x + (m if p.mlp_post_norm is None else rms_norm(m, *p.mlp_post_norm))
         return x.view(shape)

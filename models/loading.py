@@ -5,6 +5,7 @@ loading is strict: any missing or unexpected key is listed in the error.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,30 @@ _COMMON = [
     ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attn_norm.weight"),
 ]
 _PLAIN_MLP_NORM = [("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.mlp_norm.weight")]
+# Routed experts as checkpoints on disk store them: one matrix per expert ({j}), under the
+# family's module name. ``_FUSED`` lists transformers 5's in-memory 3-D form, also accepted.
+_QWEN3_MOE = [
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+    ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", "layers.{i}.mlp.experts.{j}.gate.weight"),
+    ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", "layers.{i}.mlp.experts.{j}.up.weight"),
+    ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", "layers.{i}.mlp.experts.{j}.down.weight"),
+]
+_MIXTRAL = [
+    ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", "layers.{i}.mlp.experts.{j}.gate.weight"),
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", "layers.{i}.mlp.experts.{j}.up.weight"),
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", "layers.{i}.mlp.experts.{j}.down.weight"),
+]
+_FUSED = [  # (HF name, refspec split names of one expert, split along dim 0 of the expert's matrix)
+    ("model.layers.{i}.mlp.experts.gate_up_proj", ("layers.{i}.mlp.experts.{j}.gate.weight",
+                                                   "layers.{i}.mlp.experts.{j}.up.weight")),
+    ("model.layers.{i}.mlp.experts.down_proj", ("layers.{i}.mlp.experts.{j}.down.weight",)),
+]
+_FUSED_ENDS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 KEY_MAP: dict[str, list[tuple[str, str]]] = {
+    "qwen3_moe": _COMMON + _PLAIN_MLP_NORM + _QWEN3_MOE,
+    "mixtral": _COMMON + _PLAIN_MLP_NORM + _MIXTRAL + [
+        ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight")],  # transformers 5's name
     "llama": _COMMON + _PLAIN_MLP_NORM,
     "qwen2": _COMMON + _PLAIN_MLP_NORM,
     "qwen3": _COMMON + _PLAIN_MLP_NORM,
@@ -58,9 +82,30 @@ class CheckpointError(RuntimeError):
     """A checkpoint that does not match the architecture it claims."""
 
 
+@functools.lru_cache(maxsize=None)
 def _template_regex(template: str) -> re.Pattern:
-    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{wb\}", r"(?P<wb>weight|bias)")
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{j\}", r"(?P<j>\d+)").replace(r"\{wb\}", r"(?P<wb>weight|bias)")
     return re.compile(pattern)
+
+
+def _split_fused(family: str, hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A transformers 5 fused expert tensor ``[X, rows, cols]`` as refspec's per-expert names
+    (gate_up rows split in half, gate first), or None when ``hf_name`` is not one."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return None
+    for prefix in _PREFIXES:
+        if hf_name.startswith(prefix):
+            hf_name = "model." + hf_name[len(prefix):]
+            break
+    for template, parts in _FUSED:
+        m = _template_regex(template).fullmatch(hf_name)
+        if m:
+            out = {}
+            for j, expert in enumerate(tensor.unbind(0)):
+                for part, piece in zip(parts, expert.chunk(len(parts))):
+                    out[part.format(i=m["i"], j=j)] = piece
+            return out
+    return None
 
 
 def _translate(name: str, family: str, src: int) -> str | None:
@@ -117,6 +162,11 @@ def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: tor
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
+                    fused = _split_fused(args.family, key, f.get_tensor(key)) if key.endswith(_FUSED_ENDS) else None
+                    if fused is not None:  # transformers 5's 3-D expert tensor: one entry per expert
+                        state.update({n: t.to(dtype=dtype, device=device) for n, t in fused.items() if n in expected})
+                        unexpected.extend(n for n in fused if n not in expected)
+                        continue
                     name = hf_to_refspec_name(args.family, key)
                     if name is None or name not in expected:
                         if not _IGNORED.match(key):

@@ -35,6 +35,10 @@ DEFAULT_STD = 0.02
 FULL_SIZE_TARGETS = ("llama-3.1-8b", "qwen3-8b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
 """Architectures of :data:`refspec.energy.architectures.ARCHS` the GPU timing runs use as random targets."""
 
+MOE_TARGETS = ("qwen3-30b-a3b", "mixtral-8x7b")
+"""Mixture-of-experts architectures of :data:`~refspec.energy.architectures.ARCHS` (Qwen3-30B-A3B
+fits an H200 in bf16: 61 GB of weights)."""
+
 
 def arch_args(arch: str | ModelArgs | dict[str, Any]) -> ModelArgs:
     """``ModelArgs`` of an :data:`~refspec.energy.architectures.ARCHS` name, a HF config dict, or ModelArgs."""
@@ -49,7 +53,8 @@ def arch_args(arch: str | ModelArgs | dict[str, Any]) -> ModelArgs:
 
 def shrunk_config(arch: str, *, hidden_size: int = 256, num_layers: int = 2, vocab_size: int = 2048,
                   intermediate_size: int | None = None, head_dim: int = 64) -> dict[str, Any]:
-    """A toy HF config of the same family as ``arch`` (flags, GQA ratio, rope kind kept).
+    """A toy HF config of the same family as ``arch`` (flags, GQA ratio, rope kind kept; an MoE
+    architecture keeps its experts and top-k, each expert a quarter of the MLP width).
 
     Args:
         arch: a name in :data:`~refspec.energy.architectures.ARCHS`.
@@ -71,6 +76,8 @@ def shrunk_config(arch: str, *, hidden_size: int = 256, num_layers: int = 2, voc
     cfg.update(hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=vocab_size,
                intermediate_size=intermediate_size or 2 * hidden_size, num_attention_heads=heads,
                num_key_value_heads=heads // ratio, head_dim=head_dim)
+    if "moe_intermediate_size" in cfg:  # qwen3_moe: expert width half the dense width, experts as they are
+        cfg["moe_intermediate_size"] = max(8, cfg["intermediate_size"] // 4)
     if "query_pre_attn_scalar" in cfg:
         cfg["query_pre_attn_scalar"] = head_dim
     if cfg.get("sliding_window"):
@@ -126,4 +133,4 @@ def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device
     return model
 
 
-__all__ = ["random_model", "shrunk_config", "arch_args", "FULL_SIZE_TARGETS", "DEFAULT_STD"]
+__all__ = ["random_model", "shrunk_config", "arch_args", "FULL_SIZE_TARGETS", "MOE_TARGETS", "DEFAULT_STD"]

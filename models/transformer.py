@@ -1,4 +1,5 @@
-"""One pure-PyTorch decoder for the llama, qwen2, qwen3 and gemma3 families.
+"""One pure-PyTorch decoder for the llama, qwen2, qwen3 and gemma3 families and the
+mixture-of-experts qwen3_moe and mixtral families (:mod:`refspec.models.moe`).
 
 Every forward writes K/V into a :class:`refspec.cache.StaticKVCache` at per-row slots and
 attends through a boolean mask built from positions (or an explicit tree mask), so step
@@ -14,6 +15,7 @@ from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
 from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.layers import Block, Linear, RMSNorm
+from refspec.models.moe import DISPATCH, MoE
 from refspec.models.ops import WeightCopy, gemm_plan, attention_bias, rope_inv_freq, rope_tables
 
 
@@ -46,6 +48,26 @@ class Transformer(nn.Module):
         global_scaling = a.rope_scaling
         self.inv_freq_global = rope_inv_freq(a.head_dim, a.rope_theta, global_scaling).to(dev)
         self.inv_freq_local = rope_inv_freq(a.head_dim, a.rope_local_theta, None).to(dev)
+        for moe in self._moe_layers():
+            moe.reset_touched(dev)
+
+    def _moe_layers(self) -> list[MoE]:
+        return [blk.mlp for blk in self.layers if isinstance(blk.mlp, MoE)]
+
+    def set_moe_dispatch(self, dispatch: str) -> None:
+        """Expert dispatch of every MoE layer: ``gather`` or ``dense`` (:mod:`refspec.models.moe`)."""
+        if dispatch not in DISPATCH:
+            raise ValueError(f"MoE dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        for moe in self._moe_layers():
+            moe.dispatch = dispatch
+
+    def experts_touched(self) -> int | None:
+        """Distinct experts the last forward routed to, summed over MoE layers (None: a dense
+        model). Reads the layers' device counters (a host sync)."""
+        moes = self._moe_layers()
+        if not moes:
+            return None
+        return int(torch.stack([m.touched for m in moes]).sum())
 
     @property
     def num_layers(self) -> int:
@@ -78,8 +100,8 @@ class Transformer(nn.Module):
         return small
 
     def _copied_linears(self) -> list[nn.Linear]:
-        return [self.lm_head] + [lin for blk in self.layers
-                                 for lin in (blk.attn.wqkv, blk.attn.wo, blk.mlp.gate_up, blk.mlp.down)]
+        return [self.lm_head] + [lin for blk in self.layers for lin in (blk.attn.wqkv, blk.attn.wo)
+                                 + (() if isinstance(blk.mlp, MoE) else (blk.mlp.gate_up, blk.mlp.down))]
 
     def weight_copy_bytes(self, kind: str = "fp32") -> int:
         """Memory :meth:`add_weight_copies` would take for copies of ``kind``."""
@@ -138,14 +160,16 @@ class Transformer(nn.Module):
     def forward_shape(self, rows: int, tokens_per_row: int, num_keys: int, lm_head_tokens: int) -> ForwardShape:
         """The work of one forward of ``rows x tokens_per_row`` queries over ``num_keys`` cache
         slots per row, ``lm_head_tokens`` of which reach the LM head (what :meth:`forward` records;
-        a CUDA-graph replay records the same for the forward it replays)."""
+        a CUDA-graph replay records the same for the forward it replays). An MoE model's shape
+        carries the distinct experts its last forward routed to (:meth:`experts_touched`)."""
         a = self.args
         sliding = any(blk.sliding for blk in self.layers)
         return ForwardShape(args=a, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
                             sliding_context_tokens=rows * num_keys if sliding else None,
                             dtype_bytes=torch.finfo(self.dtype).bits // 8, lm_head_tokens=lm_head_tokens,
                             layers=self.num_layers,
-                            matrix_bytes=self.multirow_matrix_bytes(rows * tokens_per_row))
+                            matrix_bytes=self.multirow_matrix_bytes(rows * tokens_per_row),
+                            experts_touched=self.experts_touched())
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, *,
                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,

@@ -2,10 +2,11 @@
 
 ``ModelArgs`` is the one architecture record every layer of refspec uses: the models build
 themselves from it, the roofline model counts FLOPs and bytes from it, and the asset pipeline
-writes it back as ``config.json``. It covers the llama, qwen2, qwen3 and gemma3 families.
+writes it back as ``config.json``. It covers the llama, qwen2, qwen3 and gemma3 families and
+the mixture-of-experts families qwen3_moe and mixtral (see :mod:`refspec.models.moe`).
 
 Shape glossary used across refspec: B batch, S query length, T cache length, K draft length,
-L layers, H / Hkv query / key-value heads, D head dim, E model dim, V vocab.
+L layers, H / Hkv query / key-value heads, D head dim, E model dim, V vocab; for mixture-of-experts models X experts per layer, k_e experts routed per token.
 """
 from __future__ import annotations
 
@@ -15,11 +16,31 @@ import math
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 class ConfigError(ValueError):
     """A config.json that refspec cannot build a model from."""
+
+
+def _moe_fields(cfg: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
+    """Expert settings of a qwen3_moe or mixtral config (transformers 5 writes qwen3_moe's
+    ``num_experts`` as ``num_local_experts``; both are read)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts or "num_experts_per_tok" not in cfg:
+        raise ConfigError(f"a {family} config.json needs num_experts (num_local_experts) and num_experts_per_tok")
+    out: dict[str, Any] = dict(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]))
+    if family == "mixtral":  # every layer routed, expert width = intermediate_size, top-k always renormalised
+        out.update(moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+        return out
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    out.update(qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)),
+               moe_intermediate_size=int(cfg.get("moe_intermediate_size", cfg["intermediate_size"])),
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+               dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+    return out
 
 
 def _scaling_or_none(params: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -84,6 +105,11 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    num_experts: int = 0  # X, routed experts per MoE layer (0: a dense model)
+    num_experts_per_tok: int = 0  # k_e, experts each token is routed to
+    moe_intermediate_size: int = 0  # MLP width of one expert
+    norm_topk_prob: bool = False  # renormalise the k_e routing weights to sum to 1 (mixtral always)
+    dense_layers: tuple[int, ...] = ()  # MoE families: layers with a dense MLP (intermediate_size) instead
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -92,6 +118,9 @@ class ModelArgs:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.family in MOE_FAMILIES and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"{self.family} needs 1 <= num_experts_per_tok <= num_experts, got "
+                              f"{self.num_experts_per_tok} of {self.num_experts}")
 
     # ---- derived sizes -------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
@@ -99,22 +128,44 @@ class ModelArgs:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
     @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a routed mixture of experts."""
+        return self.is_moe and layer not in self.dense_layers
+
+    def moe_layers(self, layers: int | None = None) -> int:
+        """MoE layers among the first ``layers`` (default all)."""
+        n = self.num_layers if layers is None else layers
+        return sum(self.is_moe_layer(i % self.num_layers) for i in range(n))
+
+    @property
     def attn_scale(self) -> float:
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
         return 1.0 / math.sqrt(base)
 
-    def num_parameters(self, include_embedding: bool = True) -> int:
-        """Parameter count (the LM head counts once when tied)."""
+    def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count (the LM head counts once when tied; routers count; ``active``: only
+        k_e experts per MoE layer)."""
         e, d = self.hidden_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * e * self.intermediate_size
         norms = e * (4 if self.sandwich_norms else 2) + (2 * d if self.qk_norm else 0)
-        total = self.num_layers * (attn + mlp + norms) + e
+        moe = self.moe_layers()
+        experts = self.num_experts if active is False else self.num_experts_per_tok
+        mlp = (3 * e * self.intermediate_size * (self.num_layers - moe)
+               + moe * (self.num_experts * e + experts * 3 * e * self.moe_intermediate_size))
+        total = self.num_layers * (attn + norms) + mlp + e
         if include_embedding:
             total += self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
         return total
+
+    def active_parameters(self, include_embedding: bool = True) -> int:
+        """Parameters one token reads: every expert-free weight and k_e experts per MoE layer."""
+        return self.num_parameters(include_embedding, active=True)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one context token occupies across all layers."""
@@ -128,9 +179,10 @@ class ModelArgs:
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", "gemma3_text")}
         mt = cfg.get("model_type", "")
         family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(mt)
+                  "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(mt)
         if family is None:
-            raise ConfigError(f"model_type {mt!r} is not supported; refspec loads llama, qwen2, qwen3 and gemma3_text")
+            raise ConfigError(f"model_type {mt!r} is not supported; refspec loads llama, qwen2, qwen3, gemma3_text, "
+                              f"qwen3_moe and mixtral")
         try:
             hidden = cfg["hidden_size"]
             heads = cfg["num_attention_heads"]
@@ -163,6 +215,8 @@ class ModelArgs:
         if family == "qwen3":
             kw["qk_norm"] = True
             kw["attention_bias"] = bool(cfg.get("attention_bias", False))
+        if family in MOE_FAMILIES:
+            kw.update(_moe_fields(cfg, family, layers))
         if family == "gemma3":
             kw.update(qk_norm=True, sandwich_norms=True, norm_plus_one=True, embed_scale=True,
                       hidden_act="gelu_tanh")
@@ -175,7 +229,7 @@ class ModelArgs:
                 pattern = cfg.get("sliding_window_pattern", 6)
                 types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
             kw["layer_types"] = tuple("sliding" if t.startswith("sliding") else "full" for t in types)
-        elif cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        elif (cfg.get("use_sliding_window") or family == "mixtral") and cfg.get("sliding_window"):
             raise ConfigError("sliding-window attention is only supported for gemma3 in refspec")
         act = cfg.get("hidden_act") or cfg.get("hidden_activation")
         if family != "gemma3" and act not in (None, "silu"):
@@ -184,9 +238,11 @@ class ModelArgs:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dictionary that ``from_hf_config`` reads back."""
-        model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}[self.family]
+        model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}.get(
+            self.family, self.family)
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "gemma3": "Gemma3ForCausalLM"}[self.family]
+                "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM"}[self.family]
         cfg: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -213,6 +269,15 @@ class ModelArgs:
             cfg.update(hidden_act="silu", use_sliding_window=False, sliding_window=None)
             if self.family == "qwen3":
                 cfg["attention_bias"] = self.attention_bias
+        elif self.family in MOE_FAMILIES:
+            cfg.update(hidden_act="silu", sliding_window=None, num_experts_per_tok=self.num_experts_per_tok)
+            if self.family == "mixtral":
+                cfg["num_local_experts"] = self.num_experts
+            else:
+                cfg.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                           norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                           mlp_only_layers=list(self.dense_layers), attention_bias=self.attention_bias,
+                           use_sliding_window=False)
         else:
             cfg.update(
                 hidden_activation="gelu_pytorch_tanh",

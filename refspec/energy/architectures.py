@@ -5,6 +5,7 @@ runs build random-weight targets of them (:mod:`refspec.models.random_models`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -59,8 +60,32 @@ ARCHS: dict[str, dict[str, Any]] = {
                                rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
                                tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
                                bos_token_id=151643, eos_token_id=151645),
+    # Mixture-of-experts targets (config.json of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                          rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+                          attention_bias=False, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+                         max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                         sliding_window=None, bos_token_id=1, eos_token_id=2),
 }
 """Hugging Face style ``config.json`` dictionaries of the architectures the CLI knows."""
+
+
+def dense_equivalent(args: ModelArgs) -> ModelArgs:
+    """A dense model with an MoE model's active parameters: the same attention, embeddings and
+    layers, one MLP of width k_e x (expert width) per layer (the router's X x E is dropped).
+    A dense model comes back unchanged."""
+    if not args.is_moe:
+        return args
+    family = {"qwen3_moe": "qwen3", "mixtral": "llama"}[args.family]
+    width = args.num_experts_per_tok * args.moe_intermediate_size
+    return dataclasses.replace(args, family=family, intermediate_size=width, num_experts=0, num_experts_per_tok=0,
+                               moe_intermediate_size=0, norm_topk_prob=False, dense_layers=())
 
 
 def arch(name: str) -> ModelArgs:

@@ -97,6 +97,8 @@ SCHEMA: dict[str, str] = {
                   "elsewhere, length batch; absent in version 1 (list of float)",
     "queued": "requests of the stream not yet admitted after the phase; absent in version 1 (int)",
     "clock_s": "engine clock at the phase's start, s; absent in version 1 (float)",
+    "experts_touched": "distinct experts the phase's mixture-of-experts forwards routed to, summed over forwards "
+                       "and MoE layers; null without an MoE forward; absent in older ledgers (int or null)",
 }
 """Fields of a phase record, name -> description (units in the descriptions)."""
 
@@ -127,6 +129,12 @@ def ensure_line_end(path: str | os.PathLike[str]) -> None:
             fh.write(b"\n")
 
 
+def _experts_touched(work) -> int | None:
+    """Distinct experts the phase's MoE forwards routed to, summed (None: no MoE forward)."""
+    counts = [w.experts_touched for w in work if w.experts_touched is not None]
+    return sum(counts) if counts else None
+
+
 def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
     """The JSON-ready phase record of ``event`` (see :data:`SCHEMA`)."""
     cost = total_cost(event.work)
@@ -142,6 +150,7 @@ def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
         "emitted_per_row": list(event.emitted_per_row),
         "slot_requests": list(event.slot_requests), "arrivals_s": list(event.arrivals_s),
         "queued": event.queued, "clock_s": event.clock_s,
+        "experts_touched": _experts_touched(event.work),
     }
 
 

@@ -14,6 +14,13 @@ element (shape glossary in :mod:`refspec.config`):
   ``extra_weight_bytes`` (an EAGLE ``fc``).
 * **linear FLOPs**: 2 per matrix parameter per token (one multiply-add): 2 N L (E D (2H + 2Hkv)
   + 3 E I). Norms, biases and activations (O(E) per token) are not counted.
+* **mixture of experts** (qwen3_moe, mixtral): an MoE layer's MLP is its router (X x E, read
+  and multiplied like a shared matrix) and X experts of 3 E I_e each. FLOPs: k_e experts per
+  token. Weight bytes: only the distinct experts the forward routed to, as its
+  ``ForwardShape.experts_touched`` records them (summed over MoE layers); a prediction, which
+  has no router, takes the expectation X (1 - (1 - k_e/X)^N) per layer
+  (:func:`expected_experts`). So verifying K+1 tokens per row reads more expert bytes than
+  decoding one, even while memory-bound.
 * **attention FLOPs**: 4 H D per (query, key) pair per layer (2 H D for Q K^T, 2 H D for P V);
   pairs = tokens_per_row x keys per row, i.e. ``tokens_per_row * context_tokens`` summed over
   rows, as a dense masked attention computes them. Sliding-window layers read
@@ -42,7 +49,7 @@ import dataclasses
 from typing import Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.architectures import ARCHS, arch  # noqa: F401  (re-exported: named target architectures)
+from refspec.energy.architectures import ARCHS, arch, dense_equivalent  # noqa: F401  (re-exported)
 from refspec.energy.hardware import (GPU_PROFILES, H100_SXM, H200_SXM, HardwareProfile,  # noqa: F401  (re-exported)
                                      cpu_profile, get_profile)
 from refspec.energy.phases import ForwardShape
@@ -100,19 +107,37 @@ class Cost:
         return {**dataclasses.asdict(self), "flops": self.flops, "bytes": self.bytes}
 
 
-def layer_parameters(args: ModelArgs) -> tuple[int, int]:
-    """Parameters of one decoder layer.
+def layer_parameters(args: ModelArgs, layer: int = 0) -> tuple[int, int]:
+    """Parameters of decoder layer ``layer`` that every token reads (experts excluded).
 
     Returns:
-        ``(matrix_params, other_params)``: projection + MLP matrix elements, and biases + norm
-        weights (the same split ``ModelArgs.num_parameters`` sums).
+        ``(matrix_params, other_params)``: projection + MLP matrix elements (an MoE layer: its
+        router ``X x E`` instead of the MLP), and biases + norm weights (the same split
+        ``ModelArgs.num_parameters`` sums).
     """
     e, d, h, kv = args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads
-    matrices = e * d * (2 * h + 2 * kv) + 3 * e * args.intermediate_size
+    mlp = args.num_experts * e if args.is_moe_layer(layer) else 3 * e * args.intermediate_size
+    matrices = e * d * (2 * h + 2 * kv) + mlp
     other = e * (4 if args.sandwich_norms else 2) + (2 * d if args.qk_norm else 0)
     if args.attention_bias:
         other += d * (h + 2 * kv)
     return matrices, other
+
+
+def expert_parameters(args: ModelArgs) -> int:
+    """Matrix elements of one routed expert (gate, up, down), 0 for a dense model."""
+    return 3 * args.hidden_size * args.moe_intermediate_size if args.is_moe else 0
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts one MoE layer reads for ``tokens`` tokens, each routed to
+    ``top_k`` of ``num_experts`` experts uniformly at random: X (1 - (1 - k/X)^N).
+
+    (Each expert is missed by one token with probability 1 - k/X, by all N independently.)
+    """
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
@@ -144,16 +169,18 @@ def forward_cost(shape: ForwardShape) -> Cost:
     layers = a.num_layers if shape.layers is None else shape.layers
     lm_tokens = n if shape.lm_head_tokens is None else shape.lm_head_tokens
     lm_rows = a.vocab_size if shape.lm_head_rows is None else shape.lm_head_rows
-    matrices, other = layer_parameters(a)
+    per_layer = [layer_parameters(a, i % a.num_layers) for i in range(layers)]
+    matrices, other = sum(m for m, _ in per_layer), sum(o for _, o in per_layer)  # over the layers that ran
     kv_per_key = 2 * a.num_kv_heads * a.head_dim * b  # K and V of one key in one layer
     keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
+    expert_flops, expert_bytes = _expert_work(shape, n, layers)
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
     multi = b if shape.matrix_bytes is None else shape.matrix_bytes  # products of 2+ rows
-    weights = ((multi if n > 1 else b) * layers * matrices + (multi if lm_tokens > 1 else b) * lm_head_matrix
-               + b * (layers * other + e + min(n, a.vocab_size) * e))
+    weights = ((multi if n > 1 else b) * matrices + (multi if lm_tokens > 1 else b) * lm_head_matrix
+               + b * (other + e + min(n, a.vocab_size) * e) + expert_bytes)
     return Cost(
-        linear_flops=2.0 * n * layers * matrices,
+        linear_flops=2.0 * n * matrices + expert_flops,
         attention_flops=4.0 * a.num_heads * a.head_dim * shape.tokens_per_row * keys,
         lm_head_flops=2.0 * lm_tokens * lm_rows * e,
         extra_flops=float(shape.extra_flops),
@@ -162,6 +189,21 @@ def forward_cost(shape: ForwardShape) -> Cost:
         kv_write_bytes=float(n * layers * kv_per_key),
         activation_bytes=float(b * (n * layers * 2 * e + n * e + lm_tokens * lm_rows)),
     )
+
+
+def _expert_work(shape: ForwardShape, tokens: int, layers: int) -> tuple[float, float]:
+    """(FLOPs, weight bytes) of the routed experts of a forward of ``tokens`` tokens through
+    ``layers`` layers: k_e experts per token per MoE layer; bytes of the distinct experts
+    touched, as the forward recorded them, else their expectation under uniform routing."""
+    a = shape.args
+    moe = a.moe_layers(layers)
+    if not moe:
+        return 0.0, 0.0
+    per_expert = expert_parameters(a)
+    touched = shape.experts_touched
+    if touched is None:
+        touched = moe * expected_experts(a.num_experts, a.num_experts_per_tok, tokens)
+    return 2.0 * tokens * a.num_experts_per_tok * moe * per_expert, float(shape.dtype_bytes * touched * per_expert)
 
 
 def total_cost(work: Sequence[ForwardShape]) -> Cost:
@@ -188,7 +230,8 @@ class DrafterModel:
     * ``fraction``: each draft forward costs this fraction of one target decode forward (T = 1)
       of the same batch and context; 0 is a free drafter that runs no forwards at all;
     * ``args``: a separate draft model; a draft forward runs all ``args.num_layers`` layers;
-    * otherwise an EAGLE-style head: ``layers`` decoder layers with the target's architecture,
+    * otherwise an EAGLE-style head: ``layers`` decoder layers with the target's architecture
+      (a mixture-of-experts target's dense equivalent: a head layer has a dense MLP),
       an ``fc`` of ``fc_inputs x E -> E`` (2 for EAGLE-1/2, 3 for EAGLE-3, 0 for none), and an
       LM head of ``lm_head_rows`` rows (default: the target's vocabulary).
 
@@ -228,7 +271,7 @@ class DrafterModel:
                                              context_tokens=context_tokens, dtype_bytes=dtype_bytes))
         e = target.hidden_size
         fc = self.fc_inputs * e * e
-        return forward_cost(ForwardShape(args=target, rows=rows, tokens_per_row=tokens_per_row,
+        return forward_cost(ForwardShape(args=dense_equivalent(target), rows=rows, tokens_per_row=tokens_per_row,
                                          context_tokens=context_tokens, dtype_bytes=dtype_bytes,
                                          layers=self.layers, lm_head_rows=self.lm_head_rows,
                                          extra_weight_bytes=fc * dtype_bytes,

@@ -1,0 +1,278 @@
+"""Mixture-of-experts targets (qwen3_moe, mixtral): logits equal transformers' on the same
+weights through our loader, every drafter is lossless on them, and the cost model bills the
+experts the router chose."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from refspec.config import ConfigError, ModelArgs
+from refspec.energy.phases import WorkRecorder
+from refspec.energy.roofline import expected_experts, expert_parameters, forward_cost, layer_parameters
+from refspec.models import CheckpointError, load_model
+from refspec.models import moe as moe_mod
+
+EOS = [2]
+_BASE = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+MOE_HF = {
+    # layer 1 is dense (mlp_only_layers): both MLP kinds in one model
+    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=1e6),
+    "qwen3_moe_unnormed": dict(_BASE, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                               rms_norm_eps=1e-6, rope_theta=1e6),
+    "mixtral": dict(_BASE, model_type="mixtral", intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                    num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6),
+}
+
+
+def _hf_model(name: str, seed: int = 0):
+    """A transformers model of a tiny MoE config; routers scaled up so routing is decisive
+    (no near-ties a rounding difference could flip) and norms perturbed so mapping slips show."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**MOE_HF[name])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("gate.weight"):  # the routers
+                p.normal_(0.0, 1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """(transformers model, our model loaded from its save_pretrained directory) per config."""
+    out = {}
+    for name in MOE_HF:
+        hf = _hf_model(name)
+        d = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(d)
+        out[name] = (hf, load_model(d), d)
+    return out
+
+
+def _logits(model, toks):
+    b, s = toks.shape
+    lg, _ = model(toks, torch.arange(s)[None].expand(b, s), model.new_cache(b, s + 8))
+    return lg
+
+
+@pytest.mark.parametrize("name", list(MOE_HF))
+@pytest.mark.parametrize("dispatch", moe_mod.DISPATCH)
+def test_logits_match_transformers(moe_models, name, dispatch):
+    hf, ours, _ = moe_models[name]
+    toks = torch.randint(0, 96, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(toks).logits
+    ours.set_moe_dispatch(dispatch)
+    try:
+        lg = _logits(ours, toks)
+    finally:
+        ours.set_moe_dispatch("gather")
+    diff = (ref - lg).abs().max().item()
+    assert diff < 1e-4, f"{name}/{dispatch}: logits differ from transformers by {diff}"
+    assert torch.equal(ref.argmax(-1), lg.argmax(-1))
+
+
+def test_config_fields_follow_each_family(moe_models):
+    q = moe_models["qwen3_moe"][1].args
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.norm_topk_prob) == (8, 2, 32, True)
+    assert q.dense_layers == (1,) and q.qk_norm and [q.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    m = moe_models["mixtral"][1].args
+    assert (m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.qk_norm) == (4, 32, True, False)
+    for args in (q, m):
+        assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+
+
+def test_parameter_counts_equal_the_transformers_model(moe_models):
+    for name, (hf, ours, _) in moe_models.items():
+        assert ours.args.num_parameters() == sum(p.numel() for p in hf.parameters()), name
+        assert sum(p.numel() for p in ours.parameters()) == ours.args.num_parameters(), name
+
+
+@pytest.mark.parametrize("bad, msg", [({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+                                      ({"num_experts": None}, "num_experts")])
+def test_bad_expert_configs_are_one_line_errors(bad, msg):
+    cfg = {k: v for k, v in {**MOE_HF["qwen3_moe"], **bad}.items() if v is not None}
+    with pytest.raises(ConfigError, match=msg) as err:
+        ModelArgs.from_hf_config(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_fused_expert_checkpoints_load_the_same_model(moe_models, tmp_path):
+    """transformers 5 keeps experts as 3-D tensors in memory; a checkpoint written from its
+    state dict (fused names) loads to the same logits as the per-expert one on disk."""
+    from safetensors.torch import save_file
+
+    hf, ours, d = moe_models["qwen3_moe"]
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd), "transformers' in-memory form is fused"
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    fused = load_model(tmp_path)
+    toks = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_logits(fused, toks), _logits(ours, toks))
+    del sd["model.layers.0.mlp.experts.down_proj"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing 8 keys"):
+        load_model(tmp_path)
+
+
+def test_save_model_writes_per_expert_names_transformers_reads(moe_models, tmp_path):
+    import transformers
+
+    from refspec.models.loading import save_model
+
+    hf, ours, _ = moe_models["mixtral"]
+    save_model(ours, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    toks = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(again(toks).logits, hf(toks).logits)
+
+
+def test_incremental_cache_equals_full_forward(moe_models):
+    m = moe_models["qwen3_moe"][1]
+    toks = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(4))
+    full = _logits(m, toks)
+    cache = m.new_cache(2, 32)
+    m(toks[:, :8], torch.arange(8)[None].expand(2, 8), cache)
+    steps = [m(toks[:, i:i + 1], torch.full((2, 1), i), cache, num_keys=32)[0][:, 0] for i in range(8, 20)]
+    assert (torch.stack(steps, 1) - full[:, 8:]).abs().max().item() < 1e-4
+
+
+def test_dispatch_paths_agree_and_count_the_same_experts():
+    torch.manual_seed(5)
+    n, e, x, k, i = 13, 16, 6, 2, 8
+    h = torch.randn(n, e)
+    gate_up, down = torch.randn(x, 2 * i, e), torch.randn(x, e, i)
+    w, idx = moe_mod.route(h, torch.randn(x, e), k, True)
+    a, touched_a = moe_mod.dispatch_gather(h, w, idx, gate_up, down)
+    b, touched_b = moe_mod.dispatch_dense(h, w, idx, gate_up, down)
+    assert torch.allclose(a, b, atol=1e-4)
+    assert touched_a == int(touched_b) == len(set(idx.flatten().tolist()))
+    # by hand: each token's weighted sum over its own experts
+    for t in range(n):
+        ref = sum(w[t, j] * moe_mod._expert_mlp(h[t], gate_up[idx[t, j]], down[idx[t, j]]) for j in range(k))
+        assert torch.allclose(a[t], ref, atol=1e-4)
+
+
+# ---- every drafter is lossless on an MoE target -------------------------------------------------
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 17, 1, 30, 9, 12][:n]
+    ps = [torch.randint(3, 96, (m,), generator=g).tolist() for m in lens]
+    if n > 1:
+        ps[1] = ps[1][:6] * 3
+    return ps
+
+
+def _drafter(kind, model):
+    from refspec.drafters.draft_model import DraftModelDrafter
+    from refspec.drafters.eagle import EagleDrafter
+    from refspec.drafters.eagle_body import HeadConfig
+    from refspec.drafters.eagle_head import new_head
+    from refspec.drafters.ngram import NgramDrafter
+
+    if kind == "ngram":
+        return NgramDrafter(max_n=3)
+    if kind == "draft-model":
+        return DraftModelDrafter(model.truncated(1), target_vocab_size=model.args.vocab_size)
+    torch.manual_seed(6)  # an untrained head: greedy output must not depend on what it drafts
+    head = new_head(HeadConfig.for_target("eagle", model.args)).float().eval()
+    return EagleDrafter(head, model)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "eagle"])
+def test_greedy_speculative_equals_plain(moe_models, name, kind):
+    from refspec.engine import Engine, EngineConfig
+
+    m = moe_models[name][1]
+    for prompts in (_prompts(1), _prompts(6)):
+        plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=24)
+        spec = Engine(m, _drafter(kind, m), config=EngineConfig(k=3), eos_token_ids=EOS).generate(
+            prompts, max_new_tokens=24)
+        for r, (a, b) in enumerate(zip(plain.tokens, spec.tokens)):
+            assert a == b, f"{name}/{kind} row {r} (batch {len(prompts)}): spec {b} != plain {a}"
+
+
+# ---- billing from the router's choices ----------------------------------------------------------
+def test_billed_bytes_are_attention_shared_and_the_routed_experts(moe_models, monkeypatch):
+    """With the routing fixed (token t of the forward -> experts t mod X and t+1 mod X, in
+    every MoE layer), the recorded forward bills exactly the shared weights, the attention
+    traffic and the distinct routed experts."""
+    m = moe_models["qwen3_moe"][1]
+    a = m.args
+    x = a.num_experts
+
+    def fixed_route(h, router, top_k, renormalise):
+        t = torch.arange(h.shape[0])
+        idx = torch.stack([t % x, (t + 1) % x], dim=1)
+        return torch.full((h.shape[0], 2), 0.5, dtype=h.dtype), idx
+
+    monkeypatch.setattr(moe_mod, "route", fixed_route)
+    for rows, s in ((1, 1), (1, 2), (2, 3), (3, 4)):
+        n = rows * s
+        with WorkRecorder() as rec:
+            m(torch.randint(3, 96, (rows, s)), torch.arange(s)[None].expand(rows, s), m.new_cache(rows, 16),
+              num_keys=16)
+        (shape,) = rec.work
+        distinct = min(x, n + 1)  # experts {0..n} mod X
+        assert shape.experts_touched == 2 * distinct  # two MoE layers
+        cost = forward_cost(shape)
+        shared = sum(layer_parameters(a, i)[0] + layer_parameters(a, i)[1] for i in range(a.num_layers))
+        e = a.hidden_size
+        head_and_embed = a.vocab_size * e + e + n * e  # LM head, final norm, gathered embedding rows
+        expert = 2 * distinct * expert_parameters(a)
+        assert cost.weight_bytes == 4 * (shared + head_and_embed + expert)
+        assert cost.linear_flops == 2 * n * (sum(layer_parameters(a, i)[0] for i in range(a.num_layers))
+                                             + 2 * a.num_experts_per_tok * expert_parameters(a))
+        kv = 2 * a.num_kv_heads * a.head_dim * 4
+        assert cost.kv_read_bytes == a.num_layers * rows * 16 * kv
+
+
+def test_expected_experts_equals_enumeration_and_simulation():
+    # exact: every way N tokens can each pick k of X experts
+    for x, k, n in ((4, 2, 3), (5, 1, 4), (6, 3, 2)):
+        combos = list(itertools.combinations(range(x), k))
+        mean = sum(len(set().union(*pick)) for pick in itertools.product(combos, repeat=n)) / len(combos) ** n
+        assert math.isclose(expected_experts(x, k, n), mean, rel_tol=1e-12)
+    # Monte Carlo at real shapes: Qwen3-30B-A3B (128, 8) and Mixtral (8, 2)
+    g = torch.Generator().manual_seed(7)
+    for x, k, n in ((128, 8, 1), (128, 8, 8), (128, 8, 64), (8, 2, 3)):
+        trials = 4000
+        picks = torch.rand(trials, n, x, generator=g).topk(k, dim=-1).indices  # k distinct per token
+        hit = torch.zeros(trials, x, dtype=torch.bool).scatter_(1, picks.reshape(trials, -1), True)
+        sim = hit.sum(1).double()
+        se = sim.std().item() / trials ** 0.5
+        assert abs(sim.mean().item() - expected_experts(x, k, n)) < 4 * se + 1e-9, (x, k, n)
+    assert expected_experts(128, 8, 1) == 8 and expected_experts(8, 2, 10_000) == pytest.approx(8)
+
+
+def test_predicted_verify_reads_grow_with_the_tokens_verified():
+    from refspec.energy.architectures import arch, dense_equivalent
+    from refspec.energy.phases import ForwardShape
+
+    moe = arch("qwen3-30b-a3b")
+    dense = dense_equivalent(moe)
+    assert abs(dense.num_parameters() - moe.active_parameters()) < 0.01 * moe.active_parameters()
+
+    def weights(args, n):
+        return forward_cost(ForwardShape(args=args, rows=n, tokens_per_row=1, context_tokens=n * 64,
+                                         dtype_bytes=2)).weight_bytes
+
+    embed = lambda n: 2 * n * moe.hidden_size  # noqa: E731 - the gathered embedding rows, the same in both
+    assert weights(moe, 1) == pytest.approx(weights(dense, 1), rel=0.01)  # one token: k experts = active
+    grown_moe, grown_dense = weights(moe, 8) - embed(8), weights(dense, 8) - embed(8)
+    assert grown_dense == pytest.approx(weights(dense, 1) - embed(1))  # dense: the same weights for 8 tokens
+    per_expert = 2 * expert_parameters(moe) * moe.num_layers
+    assert grown_moe - (weights(moe, 1) - embed(1)) == pytest.approx(
+        per_expert * (expected_experts(128, 8, 8) - 8))

@@ -49,23 +49,60 @@ def report(args: argparse.Namespace) -> int:
     if live is not None:
         print(f"note: a sweep is still running into {out_dir} (pid {live.get('pid')}); this report covers the "
               f"{len(loaded.records)} configuration(s) finished so far", file=sys.stderr)
-    target = args.latency_target
-    if target is None and (out_dir / SWEEP_META).is_file():
-        try:
-            target = json.loads((out_dir / SWEEP_META).read_text()).get("latency_target_s")
-        except (OSError, json.JSONDecodeError):
-            log.warning("could not read %s; no latency target", out_dir / SWEEP_META)
+    targets = _targets(args, out_dir / SWEEP_META)
     records = loaded.records
+    _check_target_fields(records, targets, out_dir)
     attach_baselines(records)
     write_json_atomic(out_dir / SUMMARY, records)
     ledgers = ([out_dir / LEDGER] if (out_dir / LEDGER).exists() else []) + sorted(
         (out_dir / TASK_LEDGERS_DIR).glob("*.jsonl"))
-    rep = write_report(out_dir, records, latency_target_s=target, corrupt=loaded.corrupt, ledgers=ledgers)
+    rep = write_report(out_dir, records, latency_target_s=targets.tpot_p99_s, ttft_target_s=targets.ttft_p99_s,
+                       corrupt=loaded.corrupt, ledgers=ledgers)
     print(format_table(records))
+    _print_targets(records, targets)
     print(f"\nmerged {len(files)} records file(s), {len(records)} configuration(s)"
           + (f", {loaded.duplicates} duplicate record(s) superseded" if loaded.duplicates else ""))
     print(f"wrote {rep.markdown} and {', '.join(p.name for p in rep.plots)}")
     return 0
+
+
+def _targets(args: argparse.Namespace, meta: Path) -> Any:
+    """The p99 targets: the flags, else the sweep's (``sweep.json``)."""
+    from refspec.energy.latency import Targets
+
+    tpot, ttft = args.latency_target, getattr(args, "ttft_target", None)
+    if (tpot is None or ttft is None) and meta.is_file():
+        try:
+            saved = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            log.warning("could not read %s; no latency target from it", meta)
+        else:
+            tpot = saved.get("latency_target_s") if tpot is None else tpot
+            ttft = saved.get("ttft_target_s") if ttft is None else ttft
+    return Targets(tpot, ttft)
+
+
+def _check_target_fields(records: Sequence[dict[str, Any]], targets: Any, out_dir: Path) -> None:
+    """A TTFT target needs records with TTFT: none at all is an error (before anything is rewritten)."""
+    if targets.ttft_p99_s is not None and not any(r.get("ttft_p99_s") is not None for r in records):
+        raise UsageError(f"report {out_dir}: --ttft-target needs ttft_p99_s, which none of the {len(records)} "
+                         "record(s) has (records written before serving windows, static lockstep runs: their window "
+                         "and TTFT fields are absent); rerun the sweep, or drop --ttft-target")
+
+
+def _print_targets(records: Sequence[dict[str, Any]], targets: Any) -> None:
+    """The choice per corpus on stdout; a corpus where nothing meets the targets also gets a stderr note."""
+    from refspec.eval.report import config_label
+    from refspec.eval.report_serving import target_choices, targets_text, unmet
+
+    if not targets.given():
+        return
+    choices = target_choices(records, targets)
+    print("\n" + "\n".join(targets_text(choices, targets, config_label)))
+    missed = unmet(choices)
+    if missed:
+        print(f"note: no configuration meets {targets.text()} on {', '.join(missed)}; report.md shows by how much "
+              "each one misses", file=sys.stderr)
 
 
 def _check_records(records: Sequence[dict[str, Any]], out_dir: Path) -> None:
@@ -73,13 +110,19 @@ def _check_records(records: Sequence[dict[str, Any]], out_dir: Path) -> None:
     from refspec.eval.records import RECORD_VERSION
 
     for r in records:
-        if r.get("record_version") != RECORD_VERSION:
+        if r.get("record_version") not in _readable(RECORD_VERSION):
             raise UsageError(f"report {out_dir}: record {r['config_id']} has record_version "
-                             f"{r.get('record_version')!r}, this refspec reads {RECORD_VERSION}; rerun its sweep")
+                             f"{r.get('record_version')!r}, this refspec reads "
+                             f"{', '.join(map(str, _readable(RECORD_VERSION)))}; rerun its sweep")
         missing = [f for f in _REPORT_FIELDS if f not in r]
         if missing:
             raise UsageError(f"report {out_dir}: record {r['config_id']} lacks {', '.join(missing)}; a record "
                              f"written by hand or cut short? Rerun its sweep")
+
+
+def _readable(current: int) -> tuple[int, ...]:
+    """Record versions the report reads: the current one and 2 (static runs before serving windows, shown as such)."""
+    return tuple(sorted({2, current}))
 
 
 _REPORT_FIELDS = ("drafter", "k", "batch", "corpus", "model", "tau", "energy_per_token_j", "tpot_p99_s",

@@ -9,8 +9,10 @@ directory:
 * ``tau_by_corpus.png``: acceptance length tau per corpus per drafter and K, one marker per batch;
 * ``phase_energy.png``: J per output token of each configuration, stacked by phase;
 * ``latency_energy.png``: p99 TPOT against J per output token, one panel per corpus, the
-  latency target drawn and the lowest-energy configuration meeting it marked
-  (:func:`refspec.energy.latency.choose_config`).
+  p99 TPOT target drawn and the lowest-energy configuration meeting every target marked
+  (:func:`refspec.energy.latency.choose`);
+* ``window_vs_run.png``: J per output token over the steady-state window and over the whole
+  run against batch, per corpus (records with serving window fields only).
 
 Every figure says where its energy came from (measured by which counter, or modelled by which
 roofline profile), and every injected-acceptance run is labelled as such.
@@ -24,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from refspec.eval.report import (PHASE_ORDER, config_label, corpora, energy_sources, series_label, sort_key,
                                  with_energy)
+from refspec.eval.report_serving import has_window, j_run, j_window
 
 
 def _plt():
@@ -67,9 +70,15 @@ def _legible_log(ax: Any, x_ticks: Sequence[float] | None = None) -> None:
         ax.xaxis.set_minor_locator(ticker.NullLocator())
 
 
-def _energy_label(records: Sequence[Mapping[str, Any]]) -> str:
+def _energy_label(records: Sequence[Mapping[str, Any]], which: bool = False) -> str:
+    """``J per output token (measured)``; ``which``: also say whose J/token ``energy_per_token_j`` is."""
     measured = all(r.get("energy_measured") for r in records)
-    return "J per output token (" + ("measured" if measured else "MODELLED") + ")"
+    text = "J per output token (" + ("measured" if measured else "MODELLED") + ")"
+    if not which:
+        return text
+    windows = [has_window(r) for r in records]
+    return text + ("\nsteady-state window" if all(windows) else "\nwhole run" if not any(windows)
+                   else "\nwindow, else whole run (old records)")
 
 
 def _panels(n: int, width: float = 5.0, height: float = 4.0):
@@ -113,7 +122,7 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
         _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
         ax.set_title(f"{corpus}", fontsize=10)
         ax.set_xlabel("batch")
-        ax.set_ylabel(_energy_label(recs))
+        ax.set_ylabel(_energy_label(recs, which=True))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, title="solid: run; dashed: roofline", title_fontsize=7)
     _suptitle(fig, "Energy per output token vs batch (" + "; ".join(energy_sources(recs)) + ")")
@@ -204,15 +213,16 @@ def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target
                             xytext=(3, 3), textcoords="offset points")
         if target_s is not None:
             ax.axvline(1e3 * target_s, color="r", ls="--", lw=1, label=f"target p99 {1e3 * target_s:g} ms")
-            chosen = (choices or {}).get(corpus, {}).get("chosen")
-            if chosen is not None:
-                ax.plot([1e3 * chosen["tpot_p99_s"]], [chosen["energy_per_token_j"]], "*", ms=16, color="gold",
-                        markeredgecolor="k", label=f"chosen: {config_label(chosen)}")
+        choice = (choices or {}).get(corpus)
+        chosen = None if choice is None else choice.chosen
+        if chosen is not None:
+            ax.plot([1e3 * chosen["tpot_p99_s"]], [chosen["energy_per_token_j"]], "*", ms=16, color="gold",
+                    markeredgecolor="k", label=f"chosen (meets every target): {config_label(chosen)}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _legible_log(ax)
         ax.set_xlabel("TPOT p99 (ms per token per user)")
-        ax.set_ylabel(_energy_label(recs))
+        ax.set_ylabel(_energy_label(recs, which=True))
         ax.set_title(corpus, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
@@ -222,14 +232,58 @@ def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target
     return path
 
 
+def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """J/token of the steady-state window (solid) and of the whole run (dashed) against batch, per corpus.
+
+    Only records with serving window fields are drawn; the gap between the two lines is what
+    ramp-up and drain add to a run's J/token.
+    """
+    recs = [r for r in records if has_window(r) and _finite(j_window(r)) and _finite(j_run(r))]
+    if not recs:
+        return None
+    corpus_names = corpora(recs)
+    colors = _colors(recs)
+    plt, fig, axes = _panels(len(corpus_names))
+    for ax, corpus in zip(axes, corpus_names):
+        series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for r in recs:
+            if r["corpus"] == corpus:
+                series[series_label(r)].append(r)
+        for name, rows in sorted(series.items()):
+            rows = sorted(rows, key=lambda r: r["batch"])
+            bs = [r["batch"] for r in rows]
+            ax.plot(bs, [j_window(r) for r in rows], "o-", color=colors[name], label=f"{name}: window")
+            ax.plot(bs, [j_run(r) for r in rows], "s--", color=colors[name], mfc="none", alpha=0.7,
+                    label=f"{name}: run")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
+        ax.set_title(corpus, fontsize=10)
+        ax.set_xlabel("batch (slots kept busy)")
+        ax.set_ylabel(_energy_label(recs))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, title="solid: steady-state window; dashed: whole run", title_fontsize=6)
+    _suptitle(fig, "J/token over the steady-state window and over the whole run (ramp-up and drain included) ("
+              + "; ".join(energy_sources(recs)) + ")")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _finite(x: Any) -> bool:
+    return x is not None and math.isfinite(float(x))
+
+
 def write_plots(records: Sequence[Mapping[str, Any]], out_dir: Path, target_s: float | None,
                 choices: Mapping[str, Mapping[str, Any]] | None) -> list[Path]:
     """Draw every plot into ``out_dir``; returns the files written (a plot without data is skipped)."""
     plots = (plot_energy_vs_batch(records, out_dir / "energy_vs_batch.png"),
              plot_tau_by_corpus(records, out_dir / "tau_by_corpus.png"),
              plot_phase_energy(records, out_dir / "phase_energy.png"),
-             plot_latency_energy(records, out_dir / "latency_energy.png", target_s, choices))
+             plot_latency_energy(records, out_dir / "latency_energy.png", target_s, choices),
+             plot_window_vs_run(records, out_dir / "window_vs_run.png"))
     return [p for p in plots if p is not None]
 
 
-__all__ = ["plot_energy_vs_batch", "plot_tau_by_corpus", "plot_phase_energy", "plot_latency_energy", "write_plots"]
+__all__ = ["plot_energy_vs_batch", "plot_tau_by_corpus", "plot_phase_energy", "plot_latency_energy",
+           "plot_window_vs_run", "write_plots"]

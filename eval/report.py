@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from refspec.energy.accounting_text import format_closure
+from refspec.energy.latency import Targets
+from refspec.eval.report_serving import (audit_md, greedy_text, j_run, old_records_note, serving_line, target_choices,
+                                         targets_md, window_cell)
 
 log = logging.getLogger(__name__)
 
 PHASE_ORDER = ("prefill", "draft", "verify", "commit", "other")
-TIGHTER = (1.0, 0.75, 0.5, 0.25)
-"""Latency targets reported, as fractions of the given target."""
 
 
 # ---- small formatting helpers ---------------------------------------------------------------
@@ -70,15 +71,6 @@ def _vs_baseline(r: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _match(r: Mapping[str, Any]) -> str:
-    m = r.get("greedy_match_baseline")
-    if m is None:
-        return "-"
-    if m:
-        return "yes"
-    return f"no ({r.get('greedy_rows_matching')}/{r.get('rows')} rows)"
-
-
 def energy_sources(records: Iterable[Mapping[str, Any]]) -> list[str]:
     """Distinct energy sources in words."""
     return sorted({str(r.get("energy_source_text") or r.get("energy_source")) for r in records})
@@ -121,8 +113,9 @@ def _sampling(rows: Sequence[Mapping[str, Any]]) -> str:
 # ---- the text table (CLI) ---------------------------------------------------------------------
 def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     """One fixed-width table of the records, grouped by corpus, with the energy source stated."""
-    head = (f"{'configuration':<26}{'tau':>6}{'tok/s':>9}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}"
-            f"{'J/token':>11}  {'prefill/draft/verify/commit %':<30}{'greedy=base':<13}vs baseline")
+    head = (f"{'configuration':<26}{'tau':>6}{'tok/s':>9}{'rows':>6}{'TTFT p99 ms':>12}{'TPOT p99 ms':>12}"
+            f"{'J/tok window':>13}{'J/tok run':>11}  {'prefill/draft/verify/commit %':<30}{'greedy = baseline':<36}"
+            f"vs baseline")
     lines: list[str] = []
     for line in injection_lines(records):
         lines.append(f"!! {line}")
@@ -133,13 +126,14 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"corpus {corpus}: model {_setting(rows, 'model')}, {_setting(rows, 'dtype')} on "
                      f"{_setting(rows, 'device')}, {_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), "
                      f"{_setting(rows, 'max_new_tokens')} new tokens per row, {_sampling(rows)}")
+        lines.append(f"  {serving_line(rows)}")
         lines.append(head)
         lines.append("-" * len(head))
         for r in rows:
             lines.append(f"{config_label(r):<26}{_f(r.get('tau'), '.3f'):>6}{_f(r.get('tokens_per_s'), '.2f'):>9}"
-                         f"{_f(r.get('tpot_p50_s'), '.1f', 1e3):>13}{_f(r.get('tpot_p99_s'), '.1f', 1e3):>13}"
-                         f"{_f(r.get('energy_per_token_j'), '.4g'):>11}  {_phases(r):<30}{_match(r):<13}"
-                         f"{_vs_baseline(r)}")
+                         f"{_f(r.get('mean_active_rows'), '.1f'):>6}{_f(r.get('ttft_p99_s'), '.1f', 1e3):>12}"
+                         f"{_f(r.get('tpot_p99_s'), '.1f', 1e3):>12}{window_cell(r):>13}{_f(j_run(r), '.4g'):>11}  "
+                         f"{_phases(r):<30}{greedy_text(r):<36}{_vs_baseline(r)}")
         lines.append("")
     srcs = energy_sources(records)
     lines.append("J/token source: " + "; ".join(srcs))
@@ -148,7 +142,12 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
         lines.append("  (modelled figures are estimates from the analytic model, not measurements)")
     if any(r.get("time_source") == "modelled" for r in records):
         lines.append("  time, tokens/s and TPOT are MODELLED by the roofline meter, not measured")
-    lines.append("J/token counts every phase (prefill included) over emitted tokens: only accepted tokens count.")
+    lines.append("J/token counts every phase (prefill included) over emitted tokens: only accepted tokens count. "
+                 "window: the steady state (every slot busy, the stream still refilling); run: every phase of the "
+                 "run, ramp-up and drain included; rows: mean active rows.")
+    note = old_records_note(records)
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -163,18 +162,9 @@ def with_energy(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return [r for r in records if r.get("energy_per_token_j") is not None and r.get("tpot_p99_s") is not None]
 
 
-def latency_choices(records: Sequence[Mapping[str, Any]], target_s: float) -> dict[str, dict[str, Any]]:
-    """Per corpus: the chosen configuration at ``target_s`` and the cost of tighter targets."""
-    from refspec.energy.latency import choose_config, cost_of_tighter_target
-
-    out: dict[str, dict[str, Any]] = {}
-    by_corpus: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in with_energy(records):
-        by_corpus[str(r["corpus"])].append(r)
-    for corpus, rows in by_corpus.items():
-        out[corpus] = {"chosen": choose_config(rows, target_s),
-                       "tighter": cost_of_tighter_target(rows, [target_s * f for f in TIGHTER])}
-    return out
+def latency_choices(records: Sequence[Mapping[str, Any]], targets: Targets | None) -> dict[str, Any] | None:
+    """Per corpus, the choice under ``targets`` (:func:`refspec.eval.report_serving.target_choices`); None without."""
+    return target_choices(records, targets) if targets is not None and targets.given() else None
 
 
 # ---- Markdown -----------------------------------------------------------------------------------
@@ -187,45 +177,17 @@ class Report:
 
 
 def _md_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    lines = ["| configuration | tau | tokens/s | TPOT p50 ms | TPOT p99 ms | J/token | roofline J/token | "
-             "prefill/draft/verify/commit % | greedy = baseline | vs baseline |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    lines = ["| configuration | tau | tokens/s | mean active rows | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+             "J/token window | J/token run | roofline J/token | prefill/draft/verify/commit % | greedy = baseline | "
+             "vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in records:
         pred = (r.get("roofline") or {}).get("j_per_token")
         lines.append(f"| {config_label(r)} | {_f(r.get('tau'), '.3f')} | {_f(r.get('tokens_per_s'), '.2f')} | "
+                     f"{_f(r.get('mean_active_rows'), '.1f')} | {_f(r.get('ttft_p99_s'), '.1f', 1e3)} | "
                      f"{_f(r.get('tpot_p50_s'), '.1f', 1e3)} | {_f(r.get('tpot_p99_s'), '.1f', 1e3)} | "
-                     f"{_f(r.get('energy_per_token_j'), '.4g')} | {_f(pred, '.4g')} | {_phases(r)} | {_match(r)} | "
+                     f"{window_cell(r)} | {_f(j_run(r), '.4g')} | {_f(pred, '.4g')} | {_phases(r)} | {greedy_text(r)} | "
                      f"{_vs_baseline(r)} |")
-    return lines
-
-
-def _latency_md(records: Sequence[Mapping[str, Any]], target_s: float | None,
-                choices: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
-    from refspec.energy.latency import format_targets
-
-    lines = ["## Latency target", ""]
-    if target_s is None:
-        return lines + ["No latency target given (`--latency-target SECONDS`, p99 TPOT); the plot shows the "
-                        "trade-off without one.", ""]
-    if not choices:
-        return lines + ["No configuration has both energy and TPOT figures; nothing to choose.", ""]
-    lines.append(f"Target: p99 TPOT <= {1e3 * target_s:g} ms per token per user. Chosen per corpus: the lowest J "
-                 f"per output token among the configurations that meet it (refspec.energy.latency.choose_config).")
-    lines.append("")
-    for corpus, c in sorted(choices.items()):
-        chosen = c["chosen"]
-        if chosen is None:
-            lines.append(f"- **{corpus}**: no configuration meets the target.")
-        else:
-            lines.append(f"- **{corpus}**: {config_label(chosen)} ({_f(chosen['energy_per_token_j'], '.4g')} J/token, "
-                         f"p99 {_f(chosen['tpot_p99_s'], '.1f', 1e3)} ms)")
-    lines.append("")
-    lines.append("What tighter targets cost (targets of " + ", ".join(f"{f:g}x" for f in TIGHTER) +
-                 " the given one; `vs loosest` is the energy premium over the given target's choice, "
-                 "`spec vs plain` compares the choice with the best configuration without speculation):")
-    lines.append("")
-    for corpus, c in sorted(choices.items()):
-        lines += [f"{corpus}:", "", "```", format_targets(c["tighter"]), "```", ""]
     return lines
 
 
@@ -266,13 +228,18 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     for corpus in corpora(recs):
         rows = [r for r in recs if r["corpus"] == corpus]
         md += [f"### {corpus}", "",
-               f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}; prompts repeat cyclically to fill whole "
-               f"batches), {_setting(rows, 'max_new_tokens')} new tokens per row, {_sampling(rows)}.", ""]
+               f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), {_setting(rows, 'max_new_tokens')} new "
+               f"tokens per request, {_sampling(rows)}; {serving_line(rows)}.", ""]
         md += _md_table(rows) + [""]
-    mismatched = [r for r in recs if r.get("greedy_match_baseline") is False]
-    if mismatched:
-        md += [f"{len(mismatched)} greedy configuration(s) differ from the baseline's output. In fp32 that is a "
-               "near-tie flipped by a different GEMM shape or a bug; in bf16 near-ties flip routinely.", ""]
+    md += ["J/token window: over the steady state (from the first decode step with every slot busy to the first at "
+           "which the stream can no longer refill a freed slot; ramp-up and drain excluded); J/token run: every "
+           "phase of the run. Mean active rows: time-weighted over the run's decode steps. TTFT: arrival to first "
+           "token, queueing included; TPOT: per request, (last token - first token) / (tokens - 1). "
+           "Greedy = baseline: requests whose output equals the baseline's, and how the others differ (Greedy "
+           "audit per request, below).", ""]
+    note = old_records_note(recs)
+    if note:
+        md += [f"> {note}", ""]
     return md
 
 
@@ -298,6 +265,7 @@ def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, in
         md += ["## Skipped records lines", ""] + [f"- {f}, line {n}: {why}" for f, n, why in corrupt] + [""]
     versions = ", ".join(f"{k} {v}" for k, v in (recs[0].get("versions") or {}).items()) if recs else ""
     return md + ["## Audit trail", "",
+                 *audit_md(recs),
                  "Every figure is computed from the ledger records of its configuration (run ids in each record) "
                  "by refspec.energy.accounting: " + ", ".join(f"`{p.name}`" for p in ledgers) + ".", "",
                  _unfinished_md(ledgers), "",
@@ -307,7 +275,7 @@ def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, in
 
 
 def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency_target_s: float | None = None,
-                 corrupt: Sequence[tuple[str, int, str]] = (), ledgers: Sequence[Path] = (),
+                 ttft_target_s: float | None = None, corrupt: Sequence[tuple[str, int, str]] = (), ledgers: Sequence[Path] = (),
                  title: str = "refspec evaluation") -> Report:
     """Write ``report.md`` and the plots into ``out_dir``.
 
@@ -315,6 +283,7 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
         out_dir: destination (the sweep directory).
         records: configuration records (comparison fields already attached).
         latency_target_s: p99 TPOT target in s, or None.
+        ttft_target_s: p99 TTFT target in s, or None.
         corrupt: ``(file, line, reason)`` of records lines that were skipped.
         ledgers: ledger files behind the records.
         title: the report's heading.
@@ -326,11 +295,12 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
 
     out_dir.mkdir(parents=True, exist_ok=True)
     recs = sorted(records, key=sort_key)
-    choices = latency_choices(recs, latency_target_s) if latency_target_s is not None else None
+    targets = Targets(latency_target_s, ttft_target_s)
+    choices = latency_choices(recs, targets)
     plots = write_plots(recs, out_dir, latency_target_s, choices)
     md = _intro_md(recs, title) + _results_md(recs) + _closure_md(recs)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    md += _latency_md(recs, latency_target_s, choices) + _audit_md(recs, corrupt, ledgers)
+    md += targets_md(recs, targets, choices, config_label) + _audit_md(recs, corrupt, ledgers)
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
     return Report(markdown=path, plots=plots)

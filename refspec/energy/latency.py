@@ -1,53 +1,111 @@
-"""Choosing an operating point under a latency target, and what a tighter target costs.
+"""Choosing an operating point under latency targets, and what a tighter target costs.
 
 Input: sweep records, one per configuration, each a mapping with at least ``batch``,
 ``drafter``, ``k``, ``tpot_p99_s`` (p99 time per output token per user, s) and
-``energy_per_token_j`` (J per output token). Extra keys (e.g. ``source``, ``clock_mhz``) ride
-along. A configuration meets a target T when its p99 TPOT <= T; among those the lowest J per
-token wins (ties: the larger batch, then the smaller k, so the simpler configuration is kept).
+``energy_per_token_j`` (J per output token; in a serving record the steady-state window's,
+:mod:`refspec.energy.serving_window`), plus ``ttft_p99_s`` (p99 time to first token, s) when a
+TTFT target is given. Extra keys ride along. A configuration meets the targets when each given
+p99 is <= its target; among those the lowest J per token wins (ties: the larger batch, then the
+smaller k, so the simpler configuration is kept). Every ratio comes from
+:func:`refspec.energy.accounting.energy_saving`; nothing here divides energies itself.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Sequence
+
+from refspec.energy.accounting import energy_saving
 
 REQUIRED = ("batch", "drafter", "k", "tpot_p99_s", "energy_per_token_j")
 
 Record = Mapping[str, Any]
 
 
-def _check(records: Iterable[Record]) -> list[Record]:
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """p99 latency targets in s; None means no target on that figure."""
+
+    tpot_p99_s: float | None = None
+    ttft_p99_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in self.given().items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"latency target {name} must be a finite number of seconds > 0, got {value!r}")
+
+    def given(self) -> dict[str, float]:
+        """The targets that are set, record field -> seconds."""
+        return {k: v for k, v in (("tpot_p99_s", self.tpot_p99_s), ("ttft_p99_s", self.ttft_p99_s)) if v is not None}
+
+    def text(self) -> str:
+        """``p99 TPOT <= 50 ms, p99 TTFT <= 1000 ms``."""
+        names = {"tpot_p99_s": "p99 TPOT", "ttft_p99_s": "p99 TTFT"}
+        return ", ".join(f"{names[k]} <= {1e3 * v:g} ms" for k, v in self.given().items()) or "no target"
+
+
+def _figure(r: Record, field: str) -> float | None:
+    v = r.get(field)
+    return None if v is None or not math.isfinite(float(v)) else float(v)
+
+
+def _check(records: Iterable[Record], targets: Targets | None = None) -> list[Record]:
     out = list(records)
+    need = REQUIRED + tuple(f for f in (targets.given() if targets else {}) if f not in REQUIRED)
     for i, r in enumerate(out):
-        missing = [f for f in REQUIRED if f not in r]
+        missing = [f for f in need if f not in r]
         if missing:
-            raise ValueError(f"sweep record {i} lacks {missing}; each needs {list(REQUIRED)}")
+            raise ValueError(f"sweep record {i} lacks {missing}; each needs {list(need)}")
     return out
+
+
+def misses(r: Record, targets: Targets) -> dict[str, float | None]:
+    """Per given target, by how much ``r`` misses it (s over the target; 0.0 when met; None: no figure)."""
+    out: dict[str, float | None] = {}
+    for field, target in targets.given().items():
+        v = _figure(r, field)
+        out[field] = None if v is None else max(0.0, v - target)
+    return out
+
+
+def meets(r: Record, targets: Targets) -> bool:
+    """Every given target met by a figure the record has (a missing or NaN figure does not meet it)."""
+    return all(m == 0.0 for m in misses(r, targets).values()) and _figure(r, "energy_per_token_j") is not None
 
 
 def _order(r: Record) -> tuple[float, int, int]:
     return (float(r["energy_per_token_j"]), -int(r["batch"]), int(r["k"]))
 
 
-def choose_config(records: Iterable[Record], tpot_target_s: float) -> Record | None:
-    """Lowest-energy configuration whose p99 TPOT meets ``tpot_target_s``.
-
-    Args:
-        records: sweep records (see the module docstring).
-        tpot_target_s: p99 TPOT target in s.
-
-    Returns:
-        The chosen record, or None when no configuration meets the target.
-    """
-    feasible = [r for r in _check(records) if float(r["tpot_p99_s"]) <= tpot_target_s]
+def choose(records: Iterable[Record], targets: Targets) -> Record | None:
+    """Lowest-energy configuration meeting every target of ``targets``, or None."""
+    feasible = [r for r in _check(records, targets) if meets(r, targets)]
     return min(feasible, key=_order) if feasible else None
 
 
-def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float]) -> list[dict[str, Any]]:
-    """For each target, the best configuration, its energy, and the premium over the loosest.
+def choose_config(records: Iterable[Record], tpot_target_s: float | None,
+                  ttft_target_s: float | None = None) -> Record | None:
+    """Lowest-energy configuration whose p99 TPOT (and p99 TTFT, when given) meets the target(s).
+
+    Args:
+        records: sweep records (see the module docstring).
+        tpot_target_s: p99 TPOT target in s, or None.
+        ttft_target_s: p99 TTFT target in s, or None.
+
+    Returns:
+        The chosen record, or None when no configuration meets the targets.
+    """
+    return choose(records, Targets(tpot_target_s, ttft_target_s))
+
+
+def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float],
+                           ttft_target_s: float | None = None) -> list[dict[str, Any]]:
+    """For each p99 TPOT target (the TTFT target, if any, held), the best configuration and its premiums.
 
     Args:
         records: sweep records.
         targets: p99 TPOT targets in s (any order; rows come out loosest first).
+        ttft_target_s: p99 TTFT target in s every row also meets, or None.
 
     Returns:
         One row per target with keys ``target_s``, ``feasible``, ``batch``, ``drafter``, ``k``,
@@ -56,13 +114,13 @@ def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float]) 
         configuration meeting the target, or None) and ``speculation_premium`` (chosen /
         plain - 1 when both exist; negative means speculation saves energy at this target).
     """
-    recs = _check(records)
+    recs = _check(records, Targets(None, ttft_target_s))
     plain = [r for r in recs if int(r["k"]) == 0]
     rows: list[dict[str, Any]] = []
     loosest: float | None = None
     for target in sorted(targets, reverse=True):
-        best = choose_config(recs, target)
-        best_plain = choose_config(plain, target) if plain else None
+        best = choose_config(recs, target, ttft_target_s)
+        best_plain = choose_config(plain, target, ttft_target_s) if plain else None
         row: dict[str, Any] = dict(target_s=target, feasible=best is not None, batch=None, drafter=None, k=None,
                                    tpot_p99_s=None, energy_per_token_j=None, extra_vs_loosest=None,
                                    plain_energy_per_token_j=None if best_plain is None
@@ -72,11 +130,16 @@ def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float]) 
             e = float(best["energy_per_token_j"])
             loosest = e if loosest is None else loosest
             row.update(batch=best["batch"], drafter=best["drafter"], k=best["k"], tpot_p99_s=float(best["tpot_p99_s"]),
-                       energy_per_token_j=e, extra_vs_loosest=e / loosest - 1.0)
-            if row["plain_energy_per_token_j"]:
-                row["speculation_premium"] = e / row["plain_energy_per_token_j"] - 1.0
+                       energy_per_token_j=e, extra_vs_loosest=premium(e, loosest))
+            row["speculation_premium"] = premium(e, row["plain_energy_per_token_j"])
         rows.append(row)
     return rows
+
+
+def premium(j_per_token: float, reference: float | None) -> float | None:
+    """J/token over the reference's, minus 1: the accounting's saving with its sign turned."""
+    saving = energy_saving(j_per_token, reference)
+    return None if saving is None else 0.0 - saving  # 0.0 - 0.0 is +0.0, never -0.0
 
 
 def format_targets(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -96,4 +159,5 @@ def format_targets(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["choose_config", "cost_of_tighter_target", "format_targets", "REQUIRED"]
+__all__ = ["Targets", "choose", "choose_config", "premium", "cost_of_tighter_target", "format_targets", "meets", "misses",
+           "REQUIRED"]

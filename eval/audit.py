@@ -1,0 +1,259 @@
+"""Greedy audit per request: each request's output against the baseline's, and why the two differ.
+
+Greedy speculative decoding is lossless: every request must emit, token for token, what plain
+decoding (the baseline configuration, k = 0, same request stream) emits for the same prompt.
+Under continuous batching a request shares its steps with whatever else is in the batch, so
+the audit compares request by request (record field ``request_outputs``: per request id its
+prompt and emitted tokens), never whole batches.
+
+Where a request differs, its first divergent position p decides the kind. One target forward
+over ``prompt + common prefix`` (the tokens both runs agreed on) gives the logits at p; the
+baseline emitted token a there, the configuration token b. The divergence is a **near-tie**
+when both lie within the dtype's rounding of the top logit::
+
+    gap   = max(logits) - min(logits[a], logits[b])
+    bound = NEAR_TIE_ULPS * ulp_dtype(max |logits|)      (ulp: the dtype's spacing at that magnitude)
+    near-tie  <=>  gap <= bound                          (so the top-2 margin is <= bound too)
+
+and a **defect** otherwise (a real bug: a wrong token that no rounding explains). Why 4 ulps:
+each logit leaves the LM head rounded to the dtype (up to half an ulp each, one ulp for the
+pair), and the two runs reach it through GEMMs of different shapes (rows in the batch, k + 1
+verify positions against 1) whose reduction orders differ, moving the last hidden state and so
+each logit by about one more rounding of its magnitude each; 4 ulps covers those two sources
+on both tokens and no more: a gap of several ulps is no longer a coin flip of the arithmetic.
+In bf16 (7 stored mantissa bits) at logits near 20 that is 0.5; in fp32 (23 bits) 7.6e-6.
+The forward runs in the model's own dtype, as the runs did.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+NEAR_TIE_ULPS = 4
+"""A divergence is a near-tie when both tokens lie within this many ulps of the top logit (module docstring)."""
+MAX_LISTED = 20
+"""Divergences listed per record (each kind); the counts cover all of them."""
+_MANTISSA_BITS = {"fp32": 23, "bf16": 7, "fp16": 10}
+_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+FIELDS = ("greedy_requests_compared", "greedy_requests_matching", "greedy_requests_near_tie",
+          "greedy_requests_defect", "greedy_requests_unclassified", "greedy_requests_not_comparable",
+          "greedy_near_ties", "greedy_defects", "greedy_near_tie_bound", "greedy_audit_baseline")
+"""Record fields :func:`audit_fields` fills (descriptions: :data:`FIELD_TEXT`)."""
+FIELD_TEXT = {
+    "greedy_requests_compared": "requests whose output was compared with the baseline's (same id and prompt)",
+    "greedy_requests_matching": "of those, requests whose output equals the baseline's token for token",
+    "greedy_requests_near_tie": "differing requests whose first divergent token is a numerical near-tie "
+                                "(both tokens within the dtype's rounding of the top logit; refspec.eval.audit)",
+    "greedy_requests_defect": "differing requests whose first divergence no rounding explains (a defect)",
+    "greedy_requests_unclassified": "differing requests not classified (no model at hand: report-time comparison)",
+    "greedy_requests_not_comparable": "requests present in only one of the two runs, or with different prompts",
+    "greedy_near_ties": "the first near-ties (id, position, tokens, top-2 margin, gap, bound)",
+    "greedy_defects": "the first defects (id, position, tokens, top-2 margin, gap, bound, reason)",
+    "greedy_near_tie_bound": "the near-tie bound in words",
+    "greedy_audit_baseline": "baseline config_id and output digest the classification was made against",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` from a torch dtype or a name."""
+    text = str(dtype).removeprefix("torch.")
+    if text not in _NAMES:
+        raise ValueError(f"no rounding bound for dtype {dtype!r}; the audit knows fp32, bf16 and fp16")
+    return _NAMES[text]
+
+
+def ulp(x: float, dtype: Any) -> float:
+    """Spacing of ``dtype``'s numbers at magnitude ``|x|`` (at 0: that of 1.0, a floor for all-zero logits)."""
+    bits = _MANTISSA_BITS[dtype_name(dtype)]
+    m = abs(float(x))
+    return 2.0 ** ((math.floor(math.log2(m)) if m > 0 else 0) - bits)
+
+
+def near_tie_bound(scale: float, dtype: Any) -> float:
+    """:data:`NEAR_TIE_ULPS` ulps of ``dtype`` at the logit magnitude ``scale``."""
+    return NEAR_TIE_ULPS * ulp(scale, dtype)
+
+
+def bound_text(dtype: Any) -> str:
+    name = dtype_name(dtype)
+    return (f"{NEAR_TIE_ULPS} ulp of the top logit's magnitude in {name} ({_MANTISSA_BITS[name]} mantissa bits): "
+            f"both tokens within it of the top logit")
+
+
+# ---- comparing outputs (no model) ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """A request whose output differs from the baseline's, at its first differing position."""
+
+    id: int
+    position: int                 # index into the emitted tokens
+    prompt: tuple[int, ...] | None
+    prefix: tuple[int, ...]       # emitted tokens both runs agree on (length == position)
+    baseline_token: int | None    # None: the baseline's output ended there
+    token: int | None             # None: the configuration's output ended there
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    compared: int
+    matching: int
+    divergent: tuple[Divergence, ...]
+    not_comparable: tuple[int, ...]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where ``a`` and ``b`` differ (a length difference counts at the shorter's end), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _by_id(outputs: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    return {int(o["id"]): o for o in outputs}
+
+
+def compare(outputs: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]) -> Comparison:
+    """Request-by-request comparison of two ``request_outputs`` lists (``{"id", "prompt", "tokens"}`` each)."""
+    mine, base = _by_id(outputs), _by_id(baseline)
+    both = sorted(set(mine) & set(base))
+    other_prompt = [i for i in both if mine[i].get("prompt") is not None and base[i].get("prompt") is not None
+                    and list(mine[i]["prompt"]) != list(base[i]["prompt"])]
+    matching, divergent = 0, []
+    for rid in (i for i in both if i not in other_prompt):
+        m, b = mine[rid], base[rid]
+        p = first_divergence(m["tokens"], b["tokens"])
+        if p is None:
+            matching += 1
+            continue
+        prompt = m.get("prompt") if m.get("prompt") is not None else b.get("prompt")
+        divergent.append(Divergence(id=rid, position=p, prompt=None if prompt is None else tuple(prompt),
+                                    prefix=tuple(m["tokens"][:p]), token=_at(m["tokens"], p),
+                                    baseline_token=_at(b["tokens"], p)))
+    return Comparison(compared=len(both) - len(other_prompt), matching=matching, divergent=tuple(divergent),
+                      not_comparable=tuple(sorted(set(mine) ^ set(base) | set(other_prompt))))
+
+
+def _at(tokens: Sequence[int], i: int) -> int | None:
+    return int(tokens[i]) if i < len(tokens) else None
+
+
+# ---- classifying a divergence (one target forward) ---------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Margin:
+    """The target's logits at a divergent position, as the near-tie test reads them."""
+
+    top2_margin: float   # top logit - second logit
+    gap: float           # top logit - the lower of the two emitted tokens' logits
+    scale: float         # max |logit|
+    bound: float         # near_tie_bound(scale, dtype)
+    dtype: str
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap <= self.bound
+
+
+def margin_of(logits: Any, a: int, b: int, dtype: Any) -> Margin:
+    """:class:`Margin` of tokens ``a`` and ``b`` in ``logits`` ``[V]`` (computed in ``dtype``)."""
+    import torch
+
+    values = logits.detach().float().flatten()
+    top = torch.topk(values, 2).values
+    scale = float(values.abs().max())
+    gap = float(top[0] - torch.minimum(values[a], values[b]))
+    return Margin(top2_margin=float(top[0] - top[1]), gap=gap, scale=scale, bound=near_tie_bound(scale, dtype),
+                  dtype=dtype_name(dtype))
+
+
+def last_logits(model: Any, tokens: Sequence[int]) -> Any:
+    """Logits ``[V]`` (fp32, from the model's dtype) at the last of ``tokens``: one batch-1 forward, fresh cache."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.device)   # [1, S]
+        positions = torch.arange(len(tokens), device=model.device).unsqueeze(0)    # [1, S]
+        cache = model.new_cache(1, len(tokens))
+        logits, _ = model.forward(ids, positions, cache, logits_at=positions[:, -1:])  # [1, 1, V]
+    return logits[0, -1]
+
+
+MarginFn = Callable[[Divergence], "Margin | None"]
+
+
+def margin_fn(model: Any) -> MarginFn:
+    """The near-tie test of ``model`` (a :class:`refspec.models.transformer.Transformer`): None when it cannot apply."""
+    def margin(d: Divergence) -> Margin | None:
+        if d.prompt is None or d.token is None or d.baseline_token is None:
+            return None
+        return margin_of(last_logits(model, (*d.prompt, *d.prefix)), d.baseline_token, d.token, model.dtype)
+
+    margin.dtype = dtype_name(model.dtype)  # type: ignore[attr-defined]  # the bound's dtype, for the record
+    return margin
+
+
+# ---- the record fields ----------------------------------------------------------------------------
+def _entry(d: Divergence, m: Margin | None, reason: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": d.id, "position": d.position, "baseline_token": d.baseline_token, "token": d.token}
+    if m is not None:
+        out.update(top2_margin=m.top2_margin, gap=m.gap, bound=m.bound, dtype=m.dtype)
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def _classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict], list[dict]]:
+    near, defects = [], []
+    for d in divergent:
+        if d.token is None or d.baseline_token is None:
+            defects.append(_entry(d, None, "outputs of different lengths with a common prefix"))
+            continue
+        m = fn(d)
+        if m is None:
+            defects.append(_entry(d, None, "no prompt recorded: margin not computable"))
+        elif m.near_tie:
+            near.append(_entry(d, m))
+        else:
+            defects.append(_entry(d, m, f"gap {m.gap:.4g} > bound {m.bound:.4g}"))
+    return near, defects
+
+
+def audit_fields(record: Mapping[str, Any], baseline: Mapping[str, Any] | None,
+                 fn: MarginFn | None = None) -> dict[str, Any]:
+    """The audit's record fields (:data:`FIELDS`) of ``record`` against ``baseline``.
+
+    Args:
+        record: a configuration record with ``request_outputs``.
+        baseline: its baseline's record, or None when the outputs are not comparable (sampling,
+            injected acceptance, no baseline): every field is then None.
+        fn: the near-tie test (:func:`margin_fn`); None (at report time, no model) counts the
+            differing requests as unclassified, unless ``record`` already holds a classification
+            made against this very baseline, which is kept.
+
+    Returns:
+        The fields to update ``record`` with.
+    """
+    none = {f: None for f in FIELDS}
+    if baseline is None or not record.get("request_outputs") or not baseline.get("request_outputs"):
+        return none
+    cmp = compare(record["request_outputs"], baseline["request_outputs"])
+    key = f"{baseline.get('config_id')}:{baseline.get('output_digest')}"
+    counts = {"greedy_requests_compared": cmp.compared, "greedy_requests_matching": cmp.matching,
+              "greedy_requests_not_comparable": len(cmp.not_comparable), "greedy_audit_baseline": key}
+    if fn is None:
+        done = record.get("greedy_audit_baseline") == key and record.get("greedy_requests_unclassified") == 0
+        if done and record.get("greedy_requests_matching") == cmp.matching:
+            return {f: record.get(f) for f in FIELDS}
+        return {**none, **counts, "greedy_requests_unclassified": len(cmp.divergent)}
+    near, defects = _classify(cmp.divergent, fn)
+    dtype = getattr(fn, "dtype", None) or record.get("dtype")
+    return {**counts, "greedy_requests_near_tie": len(near), "greedy_requests_defect": len(defects),
+            "greedy_requests_unclassified": 0, "greedy_near_ties": near[:MAX_LISTED],
+            "greedy_defects": defects[:MAX_LISTED],
+            "greedy_near_tie_bound": bound_text(dtype) if dtype in _NAMES else None}
+
+
+__all__ = ["audit_fields", "compare", "first_divergence", "margin_fn", "margin_of", "last_logits", "near_tie_bound",
+           "ulp", "dtype_name", "Divergence", "Comparison", "Margin", "FIELDS", "FIELD_TEXT", "NEAR_TIE_ULPS"]

@@ -1,0 +1,264 @@
+"""The report under serving conditions: latency-target selection, the per-request greedy audit, the window fields."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from refspec.energy.accounting import energy_saving
+from refspec.energy.latency import Targets, choose, misses, premium
+from refspec.eval import audit
+from refspec.eval.audit import Divergence, audit_fields, compare, first_divergence, margin_of, ulp
+from refspec.eval.records import compare_with_baseline
+from refspec.eval.report import format_table, write_report
+from refspec.eval.report_serving import greedy_text, target_choices
+
+
+def _rec(corpus, drafter, k, batch, *, jw, jr=None, tpot, ttft=None, old=False, **extra):
+    """A hand-built record; ``old``: a static record from before serving windows (run J/token only)."""
+    r = dict(record_version=2, status="ok", config_id=f"{drafter}-k{k}-b{batch}-{corpus}", drafter=drafter, k=k,
+             batch=batch, corpus=corpus, model="tiny", dtype="fp32", device="cpu", greedy=True, tau=1.5,
+             tokens_per_s=100.0, tpot_p50_s=tpot / 2, tpot_p99_s=tpot, energy_source="modelled:roofline(cpu)",
+             energy_source_text="modelled (not measured) by roofline profile cpu", energy_measured=False,
+             baseline_config_id=f"none-k0-b{batch}-{corpus}", prompts_unique=16, rows=batch, max_new_tokens=8,
+             energy_per_token_j=jw if not old else jr)
+    if not old:
+        r.update(energy_per_token_j_run=jr if jr is not None else 1.2 * jw, schedule="continuous", requests=4 * batch,
+                 requests_unique=4 * batch, mean_active_rows=0.9 * batch, ttft_p50_s=ttft / 2, ttft_p99_s=ttft,
+                 window_s=1.0, window_tokens=100)
+    return {**r, **extra}
+
+
+SWEEP = [
+    _rec("code", "none", 0, 64, jw=0.10, tpot=0.030, ttft=2.0),
+    _rec("code", "none", 0, 16, jw=0.16, tpot=0.018, ttft=0.6),
+    _rec("code", "eagle", 3, 16, jw=0.14, tpot=0.012, ttft=0.9),
+    _rec("code", "eagle", 3, 4, jw=0.30, tpot=0.008, ttft=0.2),
+    _rec("chat", "none", 0, 64, jw=0.11, tpot=0.035, ttft=2.5),
+    _rec("chat", "ngram", 4, 16, jw=0.13, tpot=0.020, ttft=0.7),
+]
+
+
+# ---- selection under targets --------------------------------------------------------------------
+def test_each_corpus_gets_its_lowest_window_j_per_token_meeting_every_target():
+    loose = target_choices(SWEEP, Targets(0.05, None))
+    assert loose["code"].chosen["batch"] == 64 and loose["chat"].chosen["batch"] == 64
+    tpot = target_choices(SWEEP, Targets(0.015, None))
+    assert (tpot["code"].chosen["drafter"], tpot["code"].chosen["batch"]) == ("eagle", 16)
+    assert tpot["chat"].chosen is None, "no chat configuration reaches 15 ms"
+    both = target_choices(SWEEP, Targets(0.015, 0.5))  # the TTFT target rules out eagle b16 (0.9 s)
+    assert (both["code"].chosen["drafter"], both["code"].chosen["batch"]) == ("eagle", 4)
+    only_ttft = target_choices(SWEEP, Targets(None, 0.8))
+    assert (only_ttft["code"].chosen["drafter"], only_ttft["code"].chosen["batch"]) == ("none", 16)
+    assert only_ttft["chat"].chosen["drafter"] == "ngram" and only_ttft["code"].tighter is None
+
+
+def test_the_others_show_by_how_much_they_miss_each_target():
+    t = Targets(0.015, 0.5)
+    rows = {r["config_id"]: m for r, m in target_choices(SWEEP, t)["code"].rows}
+    assert rows["none-k0-b64-code"]["tpot_p99_s"] == pytest.approx(0.015)
+    assert rows["none-k0-b64-code"]["ttft_p99_s"] == pytest.approx(1.5)
+    assert rows["eagle-k3-b16-code"] == {"tpot_p99_s": 0.0, "ttft_p99_s": pytest.approx(0.4)}
+    assert rows["eagle-k3-b4-code"] == {"tpot_p99_s": 0.0, "ttft_p99_s": 0.0}
+    assert misses({"tpot_p99_s": float("nan")}, Targets(0.01)) == {"tpot_p99_s": None}, "NaN is no figure"
+
+
+def test_an_empty_window_or_an_old_record_is_judged_as_such():
+    empty = _rec("code", "ngram", 2, 64, jw=float("nan"), jr=0.05, tpot=0.01, ttft=0.1)  # cheapest run, no window
+    old = _rec("code", "ngram", 4, 8, jw=None, jr=0.09, tpot=0.01, old=True)
+    c = target_choices([*SWEEP, empty, old], Targets(0.05))["code"]
+    assert c.chosen is old, "an old record competes with its run J/token; an empty window never wins"
+    c = target_choices([*SWEEP, empty, old], Targets(0.05, 1.0))["code"]
+    assert c.chosen["config_id"] == "eagle-k3-b16-code", "b64 misses TTFT 1 s; the old record has no TTFT"
+    assert [(r["config_id"], absent) for r, absent in c.no_figure] == [(old["config_id"], ["ttft_p99_s"])]
+
+
+@pytest.mark.parametrize("bad", [-0.5, 0.0, float("nan"), float("inf")])
+def test_a_target_must_be_a_positive_finite_number_of_seconds(bad):
+    with pytest.raises(ValueError, match="latency target"):
+        Targets(bad, None)
+    with pytest.raises(ValueError, match="ttft"):
+        Targets(None, bad)
+
+
+def test_premiums_are_the_accountings_saving_turned_round():
+    for a, b in ((0.14, 0.16), (0.3, 0.1), (0.2, 0.2)):
+        assert premium(a, b) == pytest.approx(-energy_saving(a, b))
+    assert premium(0.2, 0.2) == 0.0 and math.copysign(1.0, premium(0.2, 0.2)) == 1.0, "never -0.0%"
+    assert choose([], Targets(1.0)) is None
+
+
+# ---- the audit: comparisons and the bound ------------------------------------------------------
+def test_first_divergence_and_request_comparison():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+    mine = [{"id": 0, "prompt": [4], "tokens": [1, 2]}, {"id": 1, "prompt": [5], "tokens": [1, 3]},
+            {"id": 2, "prompt": [6], "tokens": [1]}, {"id": 3, "prompt": [9], "tokens": [7]}]
+    base = [{"id": 0, "prompt": [4], "tokens": [1, 2]}, {"id": 1, "prompt": [5], "tokens": [1, 2]},
+            {"id": 3, "prompt": [8], "tokens": [7]}, {"id": 4, "prompt": [3], "tokens": [7]}]
+    c = compare(mine, base)
+    assert (c.compared, c.matching, c.not_comparable) == (2, 1, (2, 3, 4))
+    assert c.divergent == (Divergence(id=1, position=1, prompt=(5,), prefix=(1,), baseline_token=2, token=3),)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, 23), (torch.bfloat16, 7), (torch.float16, 10)])
+def test_the_bound_is_four_ulps_of_the_top_logit_in_the_dtype(dtype, bits):
+    assert ulp(20.0, dtype) == 2.0 ** (4 - bits) and ulp(-0.7, dtype) == 2.0 ** (-1 - bits)
+    top = 20.0
+    u = ulp(top, dtype)
+    for gap_ulps, near in ((0, True), (3, True), (4, True), (5, False), (40, False)):
+        logits = torch.tensor([0.0, top, top - gap_ulps * u, -5.0], dtype=torch.float64)
+        m = margin_of(logits, 1, 2, dtype)
+        assert m.near_tie is near, f"{gap_ulps} ulps in {dtype}"
+        assert m.top2_margin == pytest.approx(gap_ulps * u) and m.bound == pytest.approx(4 * u)
+    m = margin_of(torch.tensor([top, top - u, 0.0]), 0, 2, dtype)
+    assert not m.near_tie and m.top2_margin == pytest.approx(u), "a small top-2 margin but the token is far down"
+    with pytest.raises(ValueError, match="int8"):
+        ulp(1.0, "int8")
+
+
+# ---- the audit on a tiny random model --------------------------------------------------------
+def _tiny(dtype=torch.float32):
+    from tiny import TINY_HF
+
+    from refspec.models.random_models import random_model
+
+    return random_model({**TINY_HF["llama"], "tie_word_embeddings": False}, dtype=dtype, std=0.2, seed=3)
+
+
+def _greedy(model, prompt, n):
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(torch.argmax(audit.last_logits(model, [*prompt, *out]))))
+    return out
+
+
+def _tied(model, prompt, n):
+    """``model`` with LM-head rows a and b made equal, and the first greedy position where a (or b) is emitted."""
+    ref = _greedy(model, prompt, n)
+    a = ref[2]
+    b = next(t for t in range(model.args.vocab_size) if t != a and t not in ref)
+    with torch.no_grad():
+        model.lm_head.weight[b].copy_(model.lm_head.weight[a])  # logits of a and b equal at every position
+    base = _greedy(model, prompt, n)
+    p = next(i for i, t in enumerate(base) if t in (a, b))
+    return base, p, ({a, b} - {base[p]}).pop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_flip_at_a_tie_is_a_near_tie_and_a_corrupted_token_a_defect(dtype):
+    model = _tiny(dtype)
+    prompts = {0: [5, 9, 13, 7], 1: [3, 30, 41], 2: [11, 12]}
+    base, p, other = _tied(model, prompts[0], 8)
+    flipped = [*base[:p], other, *_greedy(model, [*prompts[0], *base[:p], other], 8 - p - 1)]
+    good = _greedy(model, prompts[1], 6)
+    plain2 = _greedy(model, prompts[2], 6)
+    logits = audit.last_logits(model, [*prompts[2], *plain2[:3]])
+    worst = int(torch.argmin(logits))
+    corrupted = [*plain2[:3], worst, *plain2[4:]]
+    rec_out = [{"id": 0, "prompt": prompts[0], "tokens": flipped}, {"id": 1, "prompt": prompts[1], "tokens": good},
+               {"id": 2, "prompt": prompts[2], "tokens": corrupted}]
+    base_out = [{"id": 0, "prompt": prompts[0], "tokens": base}, {"id": 1, "prompt": prompts[1], "tokens": good},
+                {"id": 2, "prompt": prompts[2], "tokens": plain2}]
+    f = audit_fields({"request_outputs": rec_out}, {"config_id": "none", "output_digest": "d",
+                                                    "request_outputs": base_out}, audit.margin_fn(model))
+    assert (f["greedy_requests_compared"], f["greedy_requests_matching"]) == (3, 1)
+    assert (f["greedy_requests_near_tie"], f["greedy_requests_defect"]) == (1, 1)
+    (tie,), (defect,) = f["greedy_near_ties"], f["greedy_defects"]
+    assert (tie["id"], tie["position"], tie["gap"], tie["top2_margin"]) == (0, p, 0.0, 0.0)
+    assert (defect["id"], defect["position"], defect["token"]) == (2, 3, worst)
+    assert defect["gap"] > defect["bound"] and "bound" in defect["reason"]
+    assert audit.dtype_name(dtype) in f["greedy_near_tie_bound"]
+
+
+def test_the_run_classifies_and_the_report_keeps_it_against_the_same_baseline_only():
+    model = _tiny()
+    prompt = [5, 9, 13, 7]
+    base, p, other = _tied(model, prompt, 6)
+    spec = {"drafter": "ngram", "greedy": True, "output_digest": "x", "row_digests": ["x"],
+            "request_outputs": [{"id": 0, "prompt": prompt, "tokens": [*base[:p], other]}]}
+    baseline = {"config_id": "none-b1", "drafter": "none", "greedy": True, "output_digest": "y", "row_digests": ["y"],
+                "request_outputs": [{"id": 0, "prompt": prompt, "tokens": base[:p + 1]}]}
+    compare_with_baseline(spec, baseline, margin_fn=audit.margin_fn(model))
+    assert (spec["greedy_requests_near_tie"], spec["greedy_requests_unclassified"]) == (1, 0)
+    compare_with_baseline(spec, baseline)  # the report's pass: no model, same baseline
+    assert spec["greedy_requests_near_tie"] == 1 and spec["greedy_near_ties"][0]["position"] == p
+    assert greedy_text(spec) == "0/1 req equal, 1 near-tie"
+    compare_with_baseline(spec, {**baseline, "output_digest": "z"})  # another baseline run: counted, not classified
+    assert spec["greedy_requests_near_tie"] is None and spec["greedy_requests_unclassified"] == 1
+    assert greedy_text(spec) == "0/1 req equal, 1 unclassified"
+    compare_with_baseline(spec, {**baseline, "greedy": True}, margin_fn=None)
+    sampled = {**spec, "greedy": False}
+    compare_with_baseline(sampled, baseline)
+    assert sampled["greedy_requests_compared"] is None, "sampled outputs are not compared token for token"
+
+
+# ---- the report renders it -------------------------------------------------------------------
+def _audited(r, **fields):
+    return {**r, "greedy_requests_compared": 64, "greedy_requests_not_comparable": 0,
+            "greedy_near_tie_bound": "4 ulp of the top logit's magnitude in bf16", **fields}
+
+
+def test_report_shows_window_and_run_side_by_side_the_audit_counts_and_lists_defects(tmp_path):
+    defect = {"id": 17, "position": 5, "baseline_token": 40, "token": 3, "top2_margin": 0.25, "gap": 9.5,
+              "bound": 0.5, "dtype": "bf16", "reason": "gap 9.5 > bound 0.5"}
+    recs = [_audited(SWEEP[2], greedy_requests_matching=61, greedy_requests_near_tie=2, greedy_requests_defect=1,
+                     greedy_requests_unclassified=0, greedy_defects=[defect], greedy_near_ties=[]),
+            SWEEP[1], _rec("code", "ngram", 4, 8, jw=None, jr=0.09, tpot=0.01, old=True,
+                           greedy_match_baseline=False, greedy_rows_matching=6)]
+    rep = write_report(tmp_path, recs, latency_target_s=0.02, ttft_target_s=0.8)
+    md = rep.markdown.read_text()
+    assert "| J/token window | J/token run |" in md.replace("mean active rows | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+                                                           "| ", "")
+    assert "| 0.14 | 0.168 |" in md, "window 0.14 beside run 0.168 for eagle k3 b16"
+    assert "61/64 req equal, 2 near-tie, 1 DEFECT" in md
+    assert "DEFECT request 17 at token 5: baseline 40, this run 3" in md and "gap 9.5 > bound 0.5" in md
+    assert "no: 2/8 rows differ, unclassified" in md and "without per-request outputs" in md
+    assert "| absent | 0.09 |" in md and "window fields" in md
+    assert "**code**: none b16, 0.16 J/token (window)" in md, "TTFT 0.8 s rules out the cheaper eagle b16"
+    assert "| eagle k3 b16 | 0.14 | 0.168 | 14.4 | 900.0 | 12.0 | meets | +100 ms (+12%) | -12.5% |" in md
+    assert "ngram k4 b8: not judged, it has no ttft_p99_s" in md
+    assert "window_vs_run.png" in [p.name for p in rep.plots]
+    table = format_table(recs)
+    assert "J/tok window" in table and "absent" in table and "61/64 req equal, 2 near-tie, 1 DEFECT" in table
+
+
+def test_report_of_old_records_only_says_the_window_fields_are_absent(tmp_path):
+    old = [_rec("code", "none", 0, 8, jw=None, jr=0.2, tpot=0.02, old=True),
+           _rec("code", "ngram", 4, 8, jw=None, jr=0.15, tpot=0.01, old=True, greedy_match_baseline=True)]
+    rep = write_report(tmp_path, old, latency_target_s=0.05)
+    md = rep.markdown.read_text()
+    assert "lack the serving window fields" in md and "**code**: ngram k4 b8, absent J/token (window)" in md
+    assert "window_vs_run.png" not in [p.name for p in rep.plots], "nothing to draw: no record has a window"
+    assert "yes (rows)" in format_table(old)
+
+
+# ---- the command line -------------------------------------------------------------------------
+def _dir(tmp_path, recs):
+    d = tmp_path / "sweep"
+    d.mkdir()
+    (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d
+
+
+def test_report_command_prints_the_choice_and_notes_a_corpus_without_one(tmp_path, capsys):
+    from refspec.eval import cli
+
+    d = _dir(tmp_path, SWEEP)
+    assert cli.main(["report", str(d), "--latency-target", "0.015", "--ttft-target", "1.0"]) == 0
+    out, err = capsys.readouterr()
+    assert "code: eagle k3 b16, 0.14 J/token" in out and "chat: no configuration meets the targets" in out
+    assert "note: no configuration meets p99 TPOT <= 15 ms, p99 TTFT <= 1000 ms on chat" in err
+    assert (d / "report.md").is_file() and "TTFT miss" in (d / "report.md").read_text()
+
+
+def test_a_ttft_target_over_records_without_ttft_is_one_error_and_rewrites_nothing(tmp_path, capsys):
+    from refspec.eval import cli
+
+    d = _dir(tmp_path, [_rec("code", "none", 0, 8, jw=None, jr=0.2, tpot=0.02, old=True)])
+    assert cli.main(["report", str(d), "--ttft-target", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--ttft-target" in err and "absent" in err
+    assert sorted(p.name for p in d.iterdir()) == ["records.jsonl"]

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.energy.architectures import ARCHS, arch
+from refspec.energy.architectures import ARCHS, arch, dense_equivalent
 from refspec.config import ModelArgs
-from refspec.energy.roofline import EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, get_profile, predict_step
+from refspec.energy.roofline import (EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, expected_experts,
+                                     get_profile, loss_regions, predict_step)
 from refspec.eval.cli_checks import check_path_for_dir
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 
@@ -71,21 +72,73 @@ def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Se
     Returns:
         Rows with keys acceptance, k, batch, tokens_per_row, tpot_ms, j_per_token, saving
         (1 - J/token / J/token at k = 0; negative = speculation costs energy), speedup
-        (k = 0 TPOT / TPOT), verify_intensity, bound ("memory" or "compute").
+        (k = 0 TPOT / TPOT), verify_intensity, bound ("memory" or "compute"); for a
+        mixture-of-experts target also experts_per_layer (expected distinct experts one MoE
+        layer reads in the verify forward), dense_j_per_token and dense_saving (the same for
+        :func:`~refspec.energy.architectures.dense_equivalent`, a dense model of equal active
+        parameters).
     """
     rows = []
+    dense = dense_equivalent(target) if target.is_moe else None
     for a in acceptances:
         for b in batches:
-            base = predict_step(target, profile, batch=b, k=0, context=context, acceptance=a,
-                                drafter=drafter, dtype_bytes=dtype_bytes)
+            kw = dict(batch=b, context=context, acceptance=a, drafter=drafter, dtype_bytes=dtype_bytes)
+            base = predict_step(target, profile, k=0, **kw)
+            dense_base = predict_step(dense, profile, k=0, **kw) if dense else None
             for k in ks:
-                p = base if k == 0 else predict_step(target, profile, batch=b, k=k, context=context, acceptance=a,
-                                                     drafter=drafter, dtype_bytes=dtype_bytes)
-                rows.append(dict(acceptance=a, k=k, batch=b, tokens_per_row=p.tokens_per_row, tpot_ms=p.tpot_s * 1e3,
-                                 j_per_token=p.j_per_token, saving=1.0 - p.j_per_token / base.j_per_token,
-                                 speedup=base.tpot_s / p.tpot_s, verify_intensity=p.verify_cost.intensity,
-                                 bound="compute" if p.verify_compute_bound else "memory"))
+                p = base if k == 0 else predict_step(target, profile, k=k, **kw)
+                row = dict(acceptance=a, k=k, batch=b, tokens_per_row=p.tokens_per_row, tpot_ms=p.tpot_s * 1e3,
+                           j_per_token=p.j_per_token, saving=1.0 - p.j_per_token / base.j_per_token,
+                           speedup=base.tpot_s / p.tpot_s, verify_intensity=p.verify_cost.intensity,
+                           bound="compute" if p.verify_compute_bound else "memory")
+                if dense is not None:
+                    d = dense_base if k == 0 else predict_step(dense, profile, k=k, **kw)
+                    row.update(experts_per_layer=expected_experts(target.num_experts, target.num_experts_per_tok,
+                                                                  b * (k + 1)),
+                               dense_j_per_token=d.j_per_token, dense_saving=1.0 - d.j_per_token / dense_base.j_per_token)
+                rows.append(row)
     return rows
+
+
+def loss_lines(target: ModelArgs, profile: HardwareProfile, *, ks: Sequence[int], acceptances: Sequence[float],
+               context: int, drafter: DrafterModel = EAGLE_HEAD, dtype_bytes: int = 2,
+               max_batch: int = 4096) -> list[str]:
+    """One line per (acceptance, k > 0): the batches where speculation loses energy
+    (:func:`~refspec.energy.roofline.loss_regions`), each bound as B and B x (K+1) verified
+    tokens; an MoE target's line names the experts per layer verification reads there and the
+    dense equivalent's regions beside."""
+    dense = dense_equivalent(target) if target.is_moe else None
+
+    def spans(args: ModelArgs, a: float, k: int) -> str:
+        regions = loss_regions(args, profile, k=k, context=context, acceptance=a, drafter=drafter,
+                               dtype_bytes=dtype_bytes, max_batch=max_batch)
+        if not regions:
+            return f"never up to batch {max_batch}"
+        out = []
+        for lo, hi in regions:
+            t = k + 1
+            if hi >= max_batch:
+                text = f"B >= {lo} (B(K+1) >= {lo * t})"
+            else:
+                text = f"B {lo}" + (f"..{hi}" if hi > lo else "") + f" (B(K+1) {lo * t}" + (
+                    f"..{hi * t})" if hi > lo else ")")
+            if args.is_moe and hi < max_batch:
+                x, ke = args.num_experts, args.num_experts_per_tok
+                text += (f" [verify reads {expected_experts(x, ke, hi * (k + 1)):.1f} of {x} experts/layer "
+                         f"vs {expected_experts(x, ke, hi):.1f} decoding]")
+            out.append(text)
+        return ", ".join(out)
+
+    lines = []
+    for a in acceptances:
+        for k in ks:
+            if k == 0:
+                continue
+            line = f"  a={a:.2f} k={k}: speculation loses energy at {spans(target, a, k)}"
+            if dense is not None:
+                line += f"; dense equivalent: {spans(dense, a, k)}"
+            lines.append(line)
+    return lines
 
 
 def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path: Path) -> None:
@@ -102,6 +155,8 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
         bs = [r["batch"] for r in sel]
         ax_t.plot(bs, [r["tpot_ms"] for r in sel], "o-", color=color, label=f"k={k}")
         ax_e.plot(bs, [r["j_per_token"] for r in sel], "o-", color=color, label=f"k={k}")
+        if "dense_j_per_token" in sel[0]:  # an MoE target: its dense equivalent dashed
+            ax_e.plot(bs, [r["dense_j_per_token"] for r in sel], "--", color=color, lw=1)
         cross = profile.ridge / (k + 1)  # naive balance point: B (k + 1) = ridge
         for ax in (ax_t, ax_e):
             ax.axvline(cross, color=color, ls=":", lw=1)
@@ -111,7 +166,8 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
         ax.set_xlabel("batch")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    ax_e.legend(title="dotted: B(k+1) = ridge", fontsize=8, loc="upper right")
+    dense = "; dashed: dense equivalent" if rows and "dense_j_per_token" in rows[0] else ""
+    ax_e.legend(title=f"dotted: B(k+1) = ridge{dense}", fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -119,13 +175,20 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
+    moe = bool(rows) and "dense_j_per_token" in rows[0]
     head = f"{'a':>5} {'k':>3} {'batch':>6} {'tok/step':>8} {'TPOT ms':>9} {'J/token':>10} {'saving':>8} " \
            f"{'speedup':>7} {'FLOP/B':>7} {'verify':>8}"
+    if moe:
+        head += f" {'experts/L':>9} {'dense J/tok':>11} {'dense sav':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['acceptance']:>5.2f} {r['k']:>3d} {r['batch']:>6d} {r['tokens_per_row']:>8.2f} "
-                     f"{r['tpot_ms']:>9.3f} {r['j_per_token']:>10.4g} {100 * r['saving']:>7.1f}% "
-                     f"{r['speedup']:>7.2f} {r['verify_intensity']:>7.1f} {r['bound']:>8}")
+        line = (f"{r['acceptance']:>5.2f} {r['k']:>3d} {r['batch']:>6d} {r['tokens_per_row']:>8.2f} "
+                f"{r['tpot_ms']:>9.3f} {r['j_per_token']:>10.4g} {100 * r['saving']:>7.1f}% "
+                f"{r['speedup']:>7.2f} {r['verify_intensity']:>7.1f} {r['bound']:>8}")
+        if moe:
+            line += (f" {r['experts_per_layer']:>9.1f} {r['dense_j_per_token']:>11.4g} "
+                     f"{100 * r['dense_saving']:>8.1f}%")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -153,7 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params; profile {profile.name}: "
+    active = (f" ({target.active_parameters() / 1e9:.2f} B active: {target.num_experts_per_tok} of "
+              f"{target.num_experts} experts per token; beside a dense equivalent of "
+              f"{dense_equivalent(target).num_parameters() / 1e9:.2f} B)" if target.is_moe else "")
+    print(f"model {args.model}: {target.num_parameters() / 1e9:.2f} B params{active}; profile {profile.name}: "
           f"{profile.peak_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth_Bps / 1e12:.2f} TB/s, ridge "
           f"{profile.ridge:.0f} FLOP/B; drafter {drafter.name}; context {args.context}")
     print(f"energy source: modelled:roofline({profile.name}) (static {profile.static_w:g} W, "
@@ -162,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         b = compute_bound_batch(target, profile, k=k, context=args.context, dtype_bytes=args.dtype_bytes)
         print(f"  k={k}: verify turns compute-bound at batch {b if b else '> 65536'} "
               f"(naive B(k+1) = ridge: {profile.ridge / (k + 1):.0f})")
+    print("where speculation loses energy per token (J/token above k=0 at the same batch):")
+    for line in loss_lines(target, profile, ks=ks, acceptances=accs, context=args.context, drafter=drafter,
+                           dtype_bytes=args.dtype_bytes):
+        print(line)
     print(_format_table(rows))
     if args.out is not None:
         try:

@@ -218,3 +218,48 @@ def test_builtin_drafters_describe_their_own_cost(tiny_models):
     assert (e3.fc_inputs, e3.lm_head_rows) == (3, 32)
     blk = BlockDrafter(BlockHead(a, BlockHeadConfig(feature_layers=(1, 3), num_layers=2)), m).roofline_model(a)
     assert blk.parallel and blk.layers == 2
+
+
+# ---- mixture-of-experts targets -----------------------------------------------------------------
+def _brute_loss_batches(target, k, a, batches):
+    from refspec.energy.roofline import predict_step
+
+    kw = dict(profile=H200_SXM, context=512, acceptance=a)
+    return [b for b in batches if predict_step(target, batch=b, k=k, **kw).j_per_token
+            > predict_step(target, batch=b, k=0, **kw).j_per_token]
+
+
+@pytest.mark.parametrize("name, k, a", [("llama-3.1-8b", 3, 0.6), ("qwen3-30b-a3b", 3, 0.6),
+                                        ("qwen3-30b-a3b", 7, 0.8), ("mixtral-8x7b", 7, 0.6)])
+def test_loss_regions_equal_a_batch_by_batch_scan(name, k, a):
+    from refspec.energy.roofline import loss_regions
+
+    target = arch(name)
+    regions = loss_regions(target, H200_SXM, k=k, context=512, acceptance=a, max_batch=300)
+    brute = _brute_loss_batches(target, k, a, range(1, 301))
+    assert [b for lo, hi in regions for b in range(lo, hi + 1)] == brute
+    if not target.is_moe:
+        assert len(regions) == 1 and regions[0][1] == 300 and regions[0][0] > 1  # dense: only at large batch
+
+
+def test_moe_speculation_loses_at_small_batch_where_its_dense_equivalent_saves():
+    """Verification of B(K+1) tokens reads more distinct experts than decoding B, so at batch 1
+    an MoE target loses energy to speculation that a dense model of equal active parameters
+    saves; at batch 64 k=0 already reads nearly every expert and the MoE saves again."""
+    from refspec.energy.architectures import dense_equivalent
+
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        moe = arch(name)
+        assert _brute_loss_batches(moe, 7, 0.6, [1, 64]) == [1], name
+        assert _brute_loss_batches(dense_equivalent(moe), 7, 0.6, [1]) == [], name
+
+
+def test_cli_shows_an_moe_target_beside_its_dense_equivalent(capsys):
+    rc = main(["--model", "qwen3-30b-a3b", "--batch", "1,64", "--k", "0,7", "--acceptance", "0.6"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "3.35 B active" in out and "dense J/tok" in out and "experts/L" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("a=0.60 k=7"))
+    assert "loses energy at B 1.." in line and "dense equivalent:" in line and "of 128 experts/layer" in line
+    row = next(ln.split() for ln in out.splitlines() if ln.split()[:3] == ["0.60", "7", "1"])
+    assert float(row[6].rstrip("%")) < 0 < float(row[-1].rstrip("%"))  # MoE loses, dense saves at batch 1

@@ -85,6 +85,7 @@ class BlockDrafter:
         self.forwards = 0
         self._pending: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (ctx [B, S, E], start [B]) of that absorb
+        self._refilled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # reset_rows: (rows, ctx, start)
 
     @property
     def block_size(self) -> int:
@@ -102,9 +103,29 @@ class BlockDrafter:
         if c is None or c.batch != b or c.max_len != t or c.k.dtype != self.target.dtype:
             self.cache = self.head.new_cache(b, t, self.target.dtype, self.target.device)
         self.cache.reset()
+        self._refilled = []
         self._pending = (list(state.hidden), torch.zeros_like(state.prompt_lengths))
         self._absorb()
         self.forwards = 0
+
+    @torch.inference_mode()
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+        """Project the new prompts' features of ``rows`` ``[R]`` (``hidden``, each ``[R, S, E]``)
+        into those rows of the context cache; the next ``propose`` reads each one's last prompt
+        feature. Features still pending from the last step are absorbed for every row at
+        ``prev_lengths`` (= the prompt length here): past the prompt, where drafting overwrites them."""
+        b, t = state.tokens.shape
+        c = self.cache
+        if c is None or c.batch != b or c.max_len != t or c.k.dtype != self.target.dtype:
+            self.cache = self.head.new_cache(b, t, self.target.dtype, self.target.device)
+            self._pending, self._last = None, None
+        s = hidden[0].shape[1]
+        pos = torch.arange(s, device=rows.device)[None].expand(rows.numel(), s).clamp(max=t - 1)  # [R, S]
+        ctx = self.head.absorb(self.cache.rows(rows), [h.to(self.target.dtype) for h in hidden], pos)  # [R, S, E]
+        last = (state.prompt_lengths.index_select(0, rows) - 1).clamp_min(0)  # [R] position L - 1
+        self._refilled.append((rows, ctx.gather(1, last[:, None, None].expand(-1, 1, ctx.shape[-1])), last))
+        if self._pending is None:
+            self._patch_last(b)
 
     def commit(self, state: DecodeState) -> None:
         # entries 0..num_accepted of state.hidden are the features of positions prev_lengths + i;
@@ -150,6 +171,21 @@ class BlockDrafter:
         pos = (start[:, None] + torch.arange(s, device=start.device)).clamp_(max=t - 1)  # [B, S]
         ctx = self.head.absorb(self.cache, [h.to(self.target.dtype) for h in hidden], pos)
         self._last = (ctx, start)
+        if self._refilled:
+            self._patch_last(ctx.shape[0])
+
+    def _patch_last(self, b: int) -> None:
+        """Rows refilled by ``reset_rows`` read their prompt's last feature: it goes to context
+        index 0 of the row, whose start becomes position L - 1."""
+        e = self._refilled[0][1].shape[-1]
+        ctx, start = self._last if self._last is not None else (
+            self._refilled[0][1].new_zeros(b, 1, e), torch.zeros(b, dtype=torch.long, device=self._refilled[0][0].device))
+        ctx, start = ctx.clone(), start.clone()
+        for rows, last_ctx, last in self._refilled:
+            ctx[rows, :1] = last_ctx
+            start[rows] = last
+        self._last = (ctx, start)
+        self._refilled = []
 
     def roofline_model(self, target_args) -> DrafterModel:
         """One forward of K tokens per row through the head's layers (``in_fc`` fusing 2E -> E)."""

@@ -69,6 +69,19 @@ class DraftModelDrafter:
                    num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
         self.forwards = 0
 
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+        """Prefill the new prompts of ``rows`` ``[R]`` into those rows of the draft cache (their
+        old entries are overwritten or never attended again)."""
+        b, t = state.tokens.shape
+        if self.cache is None or self.cache.batch != b or self.cache.max_len != t:
+            self.cache = self.model.new_cache(b, t)
+        plens = state.prompt_lengths.index_select(0, rows)  # [R]
+        s = int(plens.max().item())
+        pos = torch.arange(s, device=state.tokens.device)[None].expand(rows.numel(), s)
+        tokens = state.tokens.index_select(0, rows)[:, :s]
+        self.model(tokens.to(self.model.device), pos, self.cache.rows(rows),
+                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+
     def _next(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         if logits.shape[-1] < self.target_vocab:  # a draft vocabulary short of the target's
             pad = torch.full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"),

@@ -112,6 +112,7 @@ class EagleDrafter:
         self.extra_slots = tree.budget if tree is not None else 0
         self.cache: StaticKVCache | None = None
         self._primed: tuple[torch.Tensor, torch.Tensor] | None = None  # (feature [B, E], logits [B, Vd])
+        self._row_primed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows [B] bool, feat, logits)
         self._ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=target.device))  # [Vd]
 
     # -- helpers ----------------------------------------------------------------------------
@@ -144,19 +145,21 @@ class EagleDrafter:
         # warping the Vd draft logits equals warping the full-vocabulary ones (-inf elsewhere)
         return probs_from_logits(logits, state.sampling).log().clamp_min(-1e4)
 
-    def _catch_up(self, state: DecodeState, start: torch.Tensor, pick: torch.Tensor, num_keys: int):
-        """Feed the pairs of ``state.hidden`` at slots ``start + i``; return the output at ``pick``.
+    def _catch_up(self, state: DecodeState, start: torch.Tensor, pick: torch.Tensor, num_keys: int, cache=None):
+        """Feed the pairs of ``state.hidden`` at slots ``start + i`` (of ``cache``, default the
+        head's); return the output at ``pick``.
 
         Returns:
             ``(feature [B, E], logits [B, Vd])`` predicted for the position after the pending token.
         """
         head, t = self.head, state.tokens.shape[1]
+        cache = self.cache if cache is None else cache
         b, w = state.hidden[0].shape[:2]
-        positions = (start[:, None] + torch.arange(w, device=start.device)).clamp_(max=self.cache.max_len - 1)
+        positions = (start[:, None] + torch.arange(w, device=start.device)).clamp_(max=cache.max_len - 1)
         nxt = state.tokens.gather(1, (positions + 1).clamp(max=t - 1))  # x_{j+1}
         emb = self.target.embed_tokens(nxt).to(head.dtype)
         pick = pick.clamp(0, w - 1)[:, None]  # [B, 1]
-        out, logits = head.forward_draft(emb, list(state.hidden), positions, self.cache, positions,
+        out, logits = head.forward_draft(emb, list(state.hidden), positions, cache, positions,
                                          causal_mask(positions, num_keys), num_keys, self.target, logits_at=pick)
         feat = out.gather(1, pick[..., None].expand(b, 1, out.shape[-1])).squeeze(1)  # [B, E]
         return feat, logits[:, 0]
@@ -176,6 +179,34 @@ class EagleDrafter:
         # the prompt's pairs sit at slots 0..w-1 and attend causally: no key beyond them is read
         num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
         self._primed = self._catch_up(state, start, state.prompt_lengths - 1, num_keys)
+        self._row_primed = None
+
+    @torch.inference_mode()
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+        """Catch up the new prompts of ``rows`` ``[R]`` (features ``hidden``, each ``[R, S, E]``)
+        into those rows of the head cache; the next ``propose`` uses their outputs for those rows.
+
+        The next catch-up still feeds every row at ``prev_lengths`` (= the prompt length here):
+        for these rows it writes past the prompt, where drafting overwrites it before any read.
+        """
+        b, t = state.tokens.shape
+        size = t + self._span + 2
+        hc, dev = self.head.config, state.tokens.device
+        if self.cache is None or self.cache.batch != b or self.cache.max_len != size:
+            self.cache = StaticKVCache(num_layers=1, batch=b, num_kv_heads=hc.num_kv_heads, max_len=size,
+                                       head_dim=hc.head_dim, dtype=self.head.dtype, device=dev)
+            self._primed = None  # a previous batch's, of another shape
+        sub = dataclasses.replace(state, tokens=state.tokens.index_select(0, rows), hidden=list(hidden))
+        w = hidden[0].shape[1]
+        num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
+        zero = torch.zeros(rows.numel(), dtype=torch.long, device=dev)
+        feat, logits = self._catch_up(sub, zero, state.prompt_lengths.index_select(0, rows) - 1, num_keys,
+                                      cache=self.cache.rows(rows))  # [R, E], [R, Vd]
+        if self._row_primed is None or self._row_primed[0].shape[0] != b:
+            self._row_primed = (torch.zeros(b, dtype=torch.bool, device=dev), feat.new_zeros(b, feat.shape[-1]),
+                                logits.new_zeros(b, logits.shape[-1]))
+        mask, feats, all_logits = self._row_primed
+        mask[rows], feats[rows], all_logits[rows] = True, feat, logits
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Draft:
@@ -186,6 +217,11 @@ class EagleDrafter:
             w = state.hidden[0].shape[1]
             feat, logits = self._catch_up(state, state.prev_lengths, state.num_accepted,
                                           self._num_keys(state, w, k))
+        if self._row_primed is not None:  # rows refilled since the last step start from their prompt
+            mask, row_feat, row_logits = self._row_primed
+            self._row_primed = None
+            feat = torch.where(mask[:, None], row_feat, feat)
+            logits = torch.where(mask[:, None], row_logits, logits)
         if self.tree is not None:
             return self._propose_tree(state, feat, logits)
         return self._propose_chain(state, feat, logits, k)

@@ -43,6 +43,19 @@ class BigramDrafter:
         span = min(state.tokens.shape[1], state.max_length_bound)
         self._learn(state, torch.arange(span, device=state.tokens.device)[None].expand(b, span))
 
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+        """Rows ``rows`` ``[R]`` hold new prompts (continuous batching): forget their table, learn the prompts."""
+        b, v, dev = state.batch, state.target_args.vocab_size, state.tokens.device
+        if getattr(self, "last", None) is None or self.last.shape != (b, v):
+            self.last = torch.full((b, v), -1, dtype=torch.long, device=dev)
+        lengths = state.lengths.index_select(0, rows)  # [R]
+        span = int(lengths.max())
+        positions = torch.arange(span, device=dev)[None].expand(rows.numel(), span)  # [R, span]
+        where = torch.where(positions < lengths[:, None], positions, torch.full_like(positions, -1))
+        table = torch.full((rows.numel(), v), -1, dtype=torch.long, device=dev)
+        tokens = state.tokens.index_select(0, rows).gather(1, positions)
+        self.last[rows] = table.scatter_reduce_(1, tokens, where, reduce="amax")
+
     def propose(self, state: DecodeState, k: int) -> Draft:
         self.k = k
         token, out = state.pending, []  # [B]

@@ -66,6 +66,10 @@ class NgramDrafter:
     def reset(self, state: DecodeState) -> None:
         return None
 
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+        """Nothing to forget: matches are read from ``state.tokens`` below each row's length."""
+        return None
+
     def propose(self, state: DecodeState, k: int) -> Draft:
         tokens = state.tokens  # [B, T]
         b, t = tokens.shape

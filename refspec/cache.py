@@ -8,6 +8,9 @@ query's own), and are overwritten by the next step's writes (gpt-fast's scheme).
 Slots and positions are the same thing for chains. Trees (EAGLE-2) write node ``i`` at slot
 ``L + i`` while its rotary position is ``L + depth(i)``, and pass an explicit tree mask; after
 acceptance :meth:`StaticKVCache.compact` copies the accepted path's entries into place.
+
+A refill (continuous batching) prefills a new request into a slot's own rows through a
+:class:`RowView`: a forward over R rows whose writes land in the chosen rows of the cache.
 """
 from __future__ import annotations
 
@@ -65,6 +68,11 @@ class StaticKVCache:
         (views, no copy)."""
         return self.k[layer].narrow(2, 0, num_keys), self.v[layer].narrow(2, 0, num_keys)
 
+    def rows(self, rows: torch.Tensor) -> "RowView":
+        """A cache of the ``rows`` ``[R]`` of this one: forwards over R rows write into those
+        rows (a refill prefill reuses a slot's KV rows)."""
+        return RowView(self, rows)
+
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy entries of every layer from ``src_slots`` to ``dst_slots`` (per row).
 
@@ -80,6 +88,39 @@ class StaticKVCache:
         dst = dst_slots[None, :, None, :, None].expand(num_layers, b, hkv, n, d)
         self.k.scatter_(3, dst, self.k.gather(3, src))
         self.v.scatter_(3, dst, self.v.gather(3, src))
+
+
+class RowView:
+    """Rows ``rows`` of a :class:`StaticKVCache` seen as a cache of R rows (what a forward uses:
+    ``write``, ``read``, ``max_len``, ``batch``); writes land in the parent's rows, reads gather
+    them (a copy of the attended prefix).
+
+    Args:
+        parent: the cache (or a view of a CUDA-graph runner's pool).
+        rows: ``[R]`` distinct row indices of ``parent``.
+    """
+
+    def __init__(self, parent: StaticKVCache, rows: torch.Tensor) -> None:
+        self.parent = parent
+        self.index = rows.to(device=parent.device, dtype=torch.long)  # [R]
+        self._rows = self.index[:, None]  # [R, 1]
+        self.batch = int(self.index.numel())
+        self.max_len = parent.max_len
+        self.lengths = parent.lengths.index_select(0, self.index)  # [R] a copy; the parent's are the truth
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.device
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """As :meth:`StaticKVCache.write`, ``slots`` ``[R, S]`` of the view's rows."""
+        self.parent.k[layer].transpose(1, 2).index_put_((self._rows, slots), k)
+        self.parent.v[layer].transpose(1, 2).index_put_((self._rows, slots), v)
+
+    def read(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``num_keys`` slots of the view's rows, each ``[R, Hkv, Tk, D]``."""
+        return (self.parent.k[layer].narrow(2, 0, num_keys).index_select(0, self.index),
+                self.parent.v[layer].narrow(2, 0, num_keys).index_select(0, self.index))
 
 
 def causal_mask(positions: torch.Tensor, num_keys: int, window: int | None = None) -> torch.Tensor:

@@ -7,6 +7,10 @@ Life cycle per batch: ``reset(state)`` once after the target's prefill (``state.
 holds prompt features), then per step ``propose(state, k)`` and, after verification and the
 engine's own bookkeeping, ``commit(state)`` (``state.hidden`` then holds the features of
 the pending token and the accepted drafts, ``state.num_accepted`` the counts).
+
+Continuous batching (:meth:`refspec.engine.Engine.serve`) refills a slot whose request finished
+with a new request: after its prefill the engine calls ``reset_rows(state, rows, hidden)`` for
+those rows only (see :class:`Drafter`), between one step's ``commit`` and the next ``propose``.
 """
 from __future__ import annotations
 
@@ -119,6 +123,18 @@ class Drafter(Protocol):
     :class:`~refspec.energy.phases.ForwardShape` per forward, computed from the tensors it ran.
     ``commit`` should run no forward (the engine bills it as bookkeeping).
 
+    Method ``reset_rows(self, state, rows, hidden) -> None`` (needed by continuous batching; a
+    drafter without it serves only the static schedule): ``rows`` is a ``[R]`` long tensor of
+    slots just prefilled with new requests; ``state`` is the whole batch, already updated for
+    those rows (``tokens``, ``lengths``, ``prompt_lengths``, ``pending``, ``done``,
+    ``num_accepted`` = 0, ``prev_lengths`` = ``lengths``); ``hidden`` holds the requested target
+    features of the R prompts, each ``[R, S, E]`` (S the padded prompt length of the refill;
+    ``state.hidden`` still holds the last verify's, for every row). The drafter forgets
+    everything about those rows and rebuilds their state from the prompt, leaving the other
+    rows untouched; its work is billed to the refill's ``prefill`` phase. It may be the first
+    call of a run (slots filled before all are busy), so it sizes its buffers as ``reset`` does.
+    The next ``propose`` sees every row, the refilled ones included.
+
     Optional method ``roofline_model(self, target_args) -> refspec.energy.roofline.DrafterModel |
     None``: the drafter's cost per draft forward for roofline predictions of a steady-state step
     (``target_args`` is the target's ``ModelArgs``); None means a free drafter that runs no
@@ -133,6 +149,8 @@ class Drafter(Protocol):
     def propose(self, state: DecodeState, k: int) -> Draft: ...
 
     def commit(self, state: DecodeState) -> None: ...
+
+    def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None: ...
 
 
 class DrafterError(ValueError):

@@ -10,8 +10,15 @@ Each step, for a batch of ragged rows with static shapes:
    the row's budget), tree paths are compacted in the cache, the drafter updates its state;
    one host sync reads the step's counts.
 
-Rejected KV entries stay in the cache but are never attended and are overwritten next step.
-Finished rows keep riding along (static shapes) but emit nothing. Every phase is bracketed
+5. **refill**: slots whose request finished are refilled with the next admissible requests of
+   the stream, prefilled together in one phase (:mod:`refspec.slots`; the slot, queue and
+   clock bookkeeping is :mod:`refspec.scheduler`).
+
+:meth:`Engine.serve` runs the loop over a stream of :class:`~refspec.serving.Request` on B static
+slots (continuous batching; ``refill=False`` is the static schedule, a lockstep batch that
+drains); :meth:`Engine.generate` is one static batch. Rejected KV entries stay in the cache but
+are never attended and are overwritten next step. Finished rows and empty slots keep riding
+along (static shapes) but emit nothing and are not counted active. Every phase is bracketed
 by an :class:`~refspec.energy.phases.EnergyMeter` through a
 :class:`~refspec.energy.phases.MeteredPhase` and reported to observers as a
 :class:`~refspec.energy.phases.PhaseEvent`; the work a phase is billed is what the forwards run
@@ -25,13 +32,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from refspec.cache import tree_mask
-from refspec.drafting import DecodeState, Draft, Drafter
+from refspec.drafting import Draft, Drafter
 from refspec.energy.meters import TimeMeter
 from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
-from refspec.sampling import SamplingConfig, choose, probs_from_logits
-from refspec.verify import emitted_tokens, greedy_accept, speculative_sample
-from refspec.verify_tree import tree_ancestors, tree_greedy_accept, tree_speculative_sample
+from refspec.sampling import SamplingConfig
+from refspec.scheduler import Scheduler
+from refspec.serving import Request, ServeResult
+from refspec.slots import Batch, fill, new_batch, release
+from refspec.step import decide, verify_forward
+from refspec.verify import emitted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +110,6 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-@dataclasses.dataclass
-class _Batch:
-    """What the loop carries between steps (device tensors, and the host copies of one sync)."""
-
-    state: DecodeState
-    cache: object  # the target's StaticKVCache (or a CUDA-graph runner's view of its pool)
-    slots: int  # T, cache slots per row
-    out: torch.Tensor  # [B, budget + K + 1] emitted tokens
-    n_out: torch.Tensor  # [B] tokens emitted so far
-    done_host: list[bool]
-    lengths_host: list[int]
-    events: list[PhaseEvent]
-
-
 class Engine:
     """Plain and speculative decoding over a static KV cache.
 
@@ -178,22 +173,23 @@ class Engine:
         lookahead = self.config.k + 1 + int(getattr(self.drafter, "extra_slots", 0) or 0)
         return prompt_len + max_new_tokens + lookahead
 
-    def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int | None) -> int:
+    def _validate(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], max_len: int | None) -> int:
         if not prompts:
             raise GenerationError("no prompts given")
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for b in budgets:
+            if b < 1:
+                raise GenerationError(f"max_new_tokens must be >= 1, got {b}")
         v = self.target.args.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise GenerationError(f"prompt {i} is empty; every row needs at least one token")
             if min(p) < 0 or max(p) >= v:
                 raise GenerationError(f"prompt {i} has token ids outside 0..{v - 1}")
-        need = max(self.required_slots(len(p), max_new_tokens) for p in prompts)
+        need, at = max((self.required_slots(len(p), n), i) for i, (p, n) in enumerate(zip(prompts, budgets)))
         ctx = self.target.args.max_position_embeddings
         if need > ctx:
             raise GenerationError(
-                f"longest prompt ({max(map(len, prompts))} tokens) + max_new_tokens ({max_new_tokens}) + look-ahead "
+                f"prompt {at} ({len(prompts[at])} tokens) + max_new_tokens ({budgets[at]}) + look-ahead "
                 f"needs {need} positions, beyond the model's context of {ctx}")
         if max_len is not None:
             if need > max_len:
@@ -202,11 +198,11 @@ class Engine:
             return max_len
         return _round_up(need, self.config.kv_bucket)
 
-    # ---- the loop -----------------------------------------------------------------------------
+    # ---- entry points ---------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  generator: torch.Generator | None = None, max_len: int | None = None) -> Generation:
-        """Decode a batch of ragged prompts.
+        """Decode a batch of ragged prompts (one static batch: :meth:`serve` without refills).
 
         Args:
             prompts: token ids per row (lengths may differ).
@@ -217,17 +213,69 @@ class Engine:
         Returns:
             The emitted tokens and per-step statistics.
         """
-        cfg, drafter, dev = self.config, self.drafter, self.target.device
-        run = self._prefill(prompts, max_new_tokens, self._validate(prompts, max_new_tokens, max_len), generator)
-        state, cache, b = run.state, run.cache, len(prompts)
-        accepted_log: list[list[int]] = []
-        emitted_log: list[list[int]] = []
-        step, emitted_total = 0, b
-        while not all(run.done_host):
+        t_slots = self._validate(prompts, [max_new_tokens] * len(prompts), max_len)
+        reqs = [Request(id=i, prompt=tuple(int(x) for x in p), max_new_tokens=max_new_tokens)
+                for i, p in enumerate(prompts)]
+        res = self._serve(Scheduler(reqs, len(reqs), refill=False), t_slots, generator)
+        return Generation(tokens=[r.tokens for r in res.requests], prompt_lengths=[r.prompt_length for r in res.requests],
+                          finished_by_eos=[r.finished_by_eos for r in res.requests], steps=res.steps,
+                          accepted_per_step=res.accepted_per_step, emitted_per_step=res.emitted_per_step,
+                          events=res.events)
+
+    @torch.inference_mode()
+    def serve(self, requests: Sequence[Request], *, batch: int, generator: torch.Generator | None = None,
+              max_len: int | None = None, refill: bool = True) -> ServeResult:
+        """Serve a stream of requests on ``batch`` static slots (continuous batching).
+
+        Args:
+            requests: the stream; admitted in id order, each when a slot is free and it has
+                arrived (``arrival_s`` None: closed loop, it arrives when a slot frees for it).
+            batch: B slots.
+            generator: random generator for sampling (on the target's device).
+            max_len: cache slots per row (default: enough for the longest request, rounded).
+            refill: refill freed slots (continuous); False is the static schedule: one lockstep
+                batch of at most ``batch`` requests that drains, started when its last request
+                has arrived.
+
+        Returns:
+            Per request its tokens and token times on the engine clock, per step the slots'
+            statistics, and every phase event.
+        """
+        requests = list(requests)
+        if batch < 1:
+            raise GenerationError(f"batch must be >= 1, got {batch}")
+        if not requests:
+            raise GenerationError("no requests given")
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids) or min(ids) < 0:
+            raise GenerationError("request ids must be unique and >= 0")
+        if any(r.arrival_s is not None and not 0 <= r.arrival_s < float("inf") for r in requests):
+            raise GenerationError("arrival_s must be a finite time >= 0 (or None: closed loop)")
+        if not refill and len(requests) > batch:
+            raise GenerationError(f"the static schedule serves at most batch={batch} requests, got {len(requests)}; "
+                                  f"chunk the stream into batches")
+        if self.drafter is not None and not hasattr(self.drafter, "reset_rows") and (refill or len(requests) < batch):
+            raise GenerationError(f"drafter {self.drafter.name} has no reset_rows; use --schedule static")
+        t_slots = self._validate([r.prompt for r in requests], [r.max_new_tokens for r in requests], max_len)
+        return self._serve(Scheduler(requests, batch, refill=refill), t_slots, generator)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _serve(self, sched: Scheduler, t_slots: int, generator: torch.Generator | None) -> ServeResult:
+        cfg, drafter, dev, b = self.config, self.drafter, self.target.device, sched.batch
+        run = new_batch(self, b, t_slots, max(r.max_new_tokens for r in sched.queue))
+        state, cache = run.state, run.cache
+        step, emitted_total = 0, 0
+        while True:
+            if all(run.done_host):  # no row generating: refill (the first fill at step -1), else stop
+                admitted = self._refill(run, sched, step - 1, generator)
+                if not admitted:
+                    break
+                emitted_total += admitted  # one token each from its prefill
+                continue
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 log.warning("stopping after max_steps=%d with unfinished rows", cfg.max_steps)
                 break
-            active = b - sum(run.done_host)
+            active, slot_req = b - sum(run.done_host), list(sched.slot_req)
             state.step = step
             state.max_length_bound = max(run.lengths_host) + 1
 
@@ -245,19 +293,19 @@ class Engine:
             # 2. verify: the pending token and the drafts of every row, one target forward
             with MeteredPhase(self.meter, "verify") as verify_phase:
                 base = cache.lengths.clone()  # [B] cache length before the step
-                logits, hidden = self._verify(run, draft, base)  # logits [B, N+1, V]
+                logits, hidden = verify_forward(self, run, draft, base)  # logits [B, N+1, V]
 
             with MeteredPhase(self.meter, "commit") as commit_phase:
                 # 3. accept: per row, the longest verified prefix of drafts plus one target token
-                acc, chain, hidden = self._decide(run, draft, logits, hidden, base, generator)
+                acc, chain, hidden = decide(self, run, draft, logits, hidden, base, generator)
                 emit = emitted_tokens(chain, acc)  # [B, D+1]: accepted drafts, then the bonus/recovered token
                 idx = torch.arange(emit.shape[1], device=dev)[None]
                 n_emit = acc.num_accepted + 1
                 # a row emits up to and including its first EOS, and never beyond its budget
                 is_eos = torch.isin(emit, self.eos) & (idx < n_emit[:, None])
                 first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_emit, emit.shape[1]))
-                n_emit = torch.minimum(torch.minimum(n_emit, first_eos + 1), max_new_tokens - run.n_out)
-                done = state.done
+                n_emit = torch.minimum(torch.minimum(n_emit, first_eos + 1), run.budget - run.n_out)
+                done = state.done  # finished rows and empty slots emit nothing
                 n_emit = torch.where(done, torch.zeros_like(n_emit), n_emit)
 
                 # 4. commit: emit, append to the row's tokens, advance the cache by accepted + 1
@@ -272,7 +320,7 @@ class Engine:
                 cache.lengths.add_(advance)  # rejected entries beyond the new length are never read again
                 state.pending = torch.where(done, state.pending, acc.next_token)
                 run.n_out = run.n_out + n_emit
-                newly_done = ~done & ((first_eos < acc.num_accepted + 1) | (run.n_out >= max_new_tokens))
+                newly_done = ~done & ((first_eos < acc.num_accepted + 1) | (run.n_out >= run.budget))
                 num_acc_active = torch.where(done, torch.full_like(n_emit, -1), acc.num_accepted)  # -1: row was done
                 state.done = done | newly_done
                 state.hidden = hidden
@@ -284,117 +332,36 @@ class Engine:
             acc_row, emit_row, adv_row = host[0], host[1], host[3]
             run.done_host = [bool(x) for x in host[2]]
             run.lengths_host = [length + a for length, a in zip(run.lengths_host, adv_row)]
-            accepted_log.append(acc_row)
-            emitted_log.append(emit_row)
             n_acc_sum, n_emit_sum = sum(a for a in acc_row if a > 0), sum(emit_row)
             emitted_total += n_emit_sum
-            common = dict(step=step, batch=b, rows_active=active)
-            self._emit(PhaseEvent(**common, phase="draft", drafted=active * n, work=draft_phase.work,
-                                  measurement=draft_phase.measurement), run.events)
-            self._emit(PhaseEvent(**common, phase="verify", verified=active * (n + 1), accepted=n_acc_sum,
-                                  work=verify_phase.work, measurement=verify_phase.measurement), run.events)
-            self._emit(PhaseEvent(**common, phase="commit", accepted=n_acc_sum, emitted=n_emit_sum,
-                                  work=commit_phase.work, measurement=commit_phase.measurement,
-                                  emitted_per_row=tuple(emit_row)), run.events)
+            common = dict(step=step, batch=b, rows_active=active, slot_requests=tuple(slot_req))
+            for phase, extra in ((draft_phase, dict(drafted=active * n)),
+                                 (verify_phase, dict(verified=active * (n + 1), accepted=n_acc_sum)),
+                                 (commit_phase, dict(accepted=n_acc_sum, emitted=n_emit_sum,
+                                                     emitted_per_row=tuple(emit_row)))):
+                clock_s = sched.advance(phase.measurement.time_s)
+                self._emit(PhaseEvent(**common, **extra, phase=phase.name, work=phase.work,
+                                      measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), run.events)
+            sched.stepped(acc_row, emit_row, slot_req)
+
+            # 5. refill: slots freed by this step take the next admissible requests, prefilled together
+            if sched.refill:
+                emitted_total += self._refill(run, sched, step, generator)
             step += 1
             if self.on_step is not None:
                 self.on_step(step, emitted_total)
-        return self._result(run, prompts, step, accepted_log, emitted_log)
+        release(self, run, sched, unfinished=True)
+        return sched.result(run.events)
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, t_slots: int,
-                 generator: torch.Generator | None) -> _Batch:
-        """The whole prompt in one target forward (the first token comes from its last logits),
-        then the drafter's reset; one metered ``prefill`` phase."""
-        cfg, drafter, dev = self.config, self.drafter, self.target.device
-        b = len(prompts)
-        plens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # [B]
-        s_max = int(max(len(p) for p in prompts))
-        cache = self._cache_for(b, t_slots)
-        tokens = torch.zeros(b, t_slots, dtype=torch.long, device=dev)  # [B, T]
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        out = torch.zeros(b, max_new_tokens + cfg.k + 1, dtype=torch.long, device=dev)
-        hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-        with MeteredPhase(self.meter, "prefill") as phase:
-            positions = torch.arange(s_max, device=dev)[None].expand(b, s_max)  # [B, S]
-            logits, hidden = self.target(tokens[:, :s_max], positions, cache,
-                                         num_keys=min(t_slots, _round_up(s_max, cfg.kv_bucket)),
-                                         logits_at=(plens - 1)[:, None], hidden_layers=hidden_layers)
-            first = choose(logits[:, 0], cfg.sampling, generator)  # [B]
-            cache.lengths.copy_(plens)
-            tokens.scatter_(1, plens[:, None], first[:, None])
-            out[:, 0] = first
-            n_out = torch.ones(b, dtype=torch.long, device=dev)
-            done = torch.isin(first, self.eos) | (n_out >= max_new_tokens)
-            state = DecodeState(tokens=tokens, lengths=cache.lengths, prev_lengths=torch.zeros_like(plens),
-                                pending=first.clone(), prompt_lengths=plens, done=done, hidden=hidden,
-                                num_accepted=torch.zeros_like(plens), sampling=cfg.sampling, generator=generator,
-                                step=0, max_length_bound=s_max + 1, target_args=self.target.args,
-                                dtype_bytes=self.dtype_bytes)
-            if drafter is not None:
-                drafter.reset(state)
-        run = _Batch(state=state, cache=cache, slots=t_slots, out=out, n_out=n_out, done_host=done.tolist(),
-                     lengths_host=plens.tolist(), events=[])
-        self._emit(PhaseEvent(step=-1, phase="prefill", batch=b, rows_active=b, emitted=b, work=phase.work,
-                              measurement=phase.measurement, emitted_per_row=tuple([1] * b)), run.events)
-        return run
-
-    def _verify(self, run: _Batch, draft: Draft, base: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One target forward over ``[pending, drafts]`` of every row at slots ``base + i``.
-
-        Returns:
-            ``(logits [B, N+1, V], hidden states the drafter asked for, each [B, N+1, E])``.
-        """
-        dev, n = self.target.device, draft.tokens.shape[1]
-        inp = torch.cat([run.state.pending[:, None], draft.tokens], dim=1)  # [B, N+1]
-        num_keys = min(run.slots, _round_up(max(run.lengths_host) + n + 1, self.config.kv_bucket))
-        slots = (base[:, None] + torch.arange(n + 1, device=dev)).clamp_(max=run.slots - 1)  # [B, N+1]
-        hidden_layers = tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
-        fwd_kw: dict = {}
-        positions = slots
-        if draft.tree is not None:
-            anc = tree_ancestors(draft.tree.parents)  # [B, N+1, N+1]
-            depth = torch.cat([torch.zeros_like(draft.tree.depth[:, :1]), draft.tree.depth], dim=1)  # [B, N+1]
-            positions = base[:, None] + depth  # a node sits at its depth past the committed prefix
-            fwd_kw["slots"] = slots
-            fwd_kw["mask"] = tree_mask(base, anc, positions, num_keys)
-            window = getattr(self.target.args, "sliding_window", None)
-            if window:
-                fwd_kw["sliding_mask"] = tree_mask(base, anc, positions, num_keys, window)
-        return self.verify_fn(inp, positions, run.cache, num_keys=num_keys, hidden_layers=hidden_layers, **fwd_kw)
-
-    def _decide(self, run: _Batch, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor],
-                base: torch.Tensor, generator: torch.Generator | None):
-        """Acceptance of a chain, or of a tree path (greedy match, or recursive rejection sampling
-        over each node's children), its KV and features compacted onto the chain slots ``base + 1 ..``.
-
-        Returns:
-            ``(Acceptance, chain [B, D] drafted tokens in emission order, hidden)``.
-        """
-        if draft.tree is None:
-            if self.acceptance_fn is not None:
-                return self.acceptance_fn(draft, logits, generator), draft.tokens, hidden
-            if self.config.sampling.greedy:
-                return greedy_accept(draft.tokens, logits), draft.tokens, hidden
-            p = probs_from_logits(logits, self.config.sampling)  # [B, K+1, V] target distributions
-            return speculative_sample(draft.tokens, draft.probs, p, generator), draft.tokens, hidden
-        b, dev, t = base.shape[0], base.device, run.slots
-        tr, p = draft.tree, None if self.config.sampling.greedy else probs_from_logits(logits, self.config.sampling)
-        acc, path = tree_greedy_accept(draft.tokens, tr.parents, tr.depth, logits) if p is None else \
-            tree_speculative_sample(draft.tokens, tr.parents, tr.depth, draft.probs, p, generator)  # path [B, D+1]
-        chain = draft.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [B, D] tokens on the path
-        src = (base[:, None] + path[:, 1:]).clamp_(max=t - 1)
-        dst = (base[:, None] + 1 + torch.arange(path.shape[1] - 1, device=dev)).clamp_(max=t - 1)
-        run.cache.compact(src, dst)
-        hidden = [h.gather(1, path[..., None].expand(b, path.shape[1], h.shape[-1])) for h in hidden]
-        return acc, chain, hidden
-
-    def _result(self, run: _Batch, prompts: Sequence[Sequence[int]], steps: int, accepted_log: list[list[int]],
-                emitted_log: list[list[int]]) -> Generation:
-        counts = run.n_out.tolist()
-        out_host = run.out.tolist()
-        eos_set = set(self.eos.tolist())
-        rows = [out_host[i][: counts[i]] for i in range(len(prompts))]
-        return Generation(tokens=rows, prompt_lengths=[len(p) for p in prompts],
-                          finished_by_eos=[bool(r) and r[-1] in eos_set for r in rows], steps=steps,
-                          accepted_per_step=accepted_log, emitted_per_step=emitted_log, events=run.events)
+    def _refill(self, run: Batch, sched: Scheduler, step: int, generator: torch.Generator | None) -> int:
+        """Free the slots whose request finished; admit the admissible requests into free slots
+        (after a clock jump when every slot is empty) and prefill them together. Returns how
+        many were admitted. The static schedule admits only at the first fill."""
+        release(self, run, sched)
+        if not sched.refill and step >= 0:
+            return 0
+        sched.jump()
+        pairs = sched.admit()
+        if pairs:
+            fill(self, run, sched, pairs, step, generator)
+        return len(pairs)

@@ -190,7 +190,7 @@ class Ledger:
         self.records_written = 0
         self.run_ids: list[str] = []
         self._open_run: str | None = None
-        self._seen: set[tuple[int, str]] = set()
+        self._seen: set[tuple[int, str, tuple[int, ...]]] = set()
         self.begin_run(run_id or uuid.uuid4().hex[:12], labels=labels)
 
     def begin_run(self, run_id: str, *, labels: Mapping[str, Any] | None = None) -> None:
@@ -233,7 +233,9 @@ class Ledger:
             RepeatedPhaseError: the run already holds ``(event.step, event.phase)``.
             LedgerError: the ledger is closed.
         """
-        key = (event.step, event.phase)
+        # a refill's prefill runs after a decode step; two at one step (the first refill's
+        # requests all finished at once) differ in the requests they prefilled
+        key = (event.step, event.phase, event.slot_requests if event.phase == "prefill" else ())
         if key in self._seen:
             raise RepeatedPhaseError(
                 f"ledger run {self.run_id!r} already holds step {event.step} phase {event.phase!r}: a second "

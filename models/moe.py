@@ -10,15 +10,19 @@ Experts are stored fused, ``gate_up [X, 2I, E]`` (gate rows first) and ``down [X
 state dict keeps Hugging Face's per-expert split names (``experts.{j}.gate/up/down.weight``),
 so checkpoints and ``load_state_dict`` see one matrix per expert.
 
-Two dispatch paths compute the same sum:
+Three dispatch paths compute the same sum:
 
 * ``gather`` (eager default): routed (token, expert) pairs sorted by expert; each expert that
   received tokens multiplies exactly those rows. Only the routed experts' weights are read;
   the per-expert counts come to the host (one sync), so it cannot be captured in a CUDA graph.
-* ``dense`` (static shapes; taken whenever a CUDA graph is being captured): every expert runs
-  over every token and a ``[N, X]`` combine matrix, zero off the routed pairs, weights the sum.
-  No host sync and no data-dependent shape, at X / k_e times the expert FLOPs and all expert
-  bytes.
+* ``grouped`` (static shapes, no host sync): the same expert-sorted pairs through
+  :func:`torch.nn.functional.grouped_mm`, one grouped GEMM per projection whose per-expert
+  row counts are device offsets; an expert without rows is a group of zero rows. Capturable
+  in a CUDA graph; on a GPU it needs bf16 and a grouped-GEMM kernel (SM >= 80).
+* ``dense`` (static shapes; what a CUDA graph captures unless ``grouped`` is chosen): every
+  expert runs over every token and a ``[N, X]`` combine matrix, zero off the routed pairs,
+  weights the sum. No host sync and no data-dependent shape, at X / k_e times the expert
+  FLOPs and all expert bytes.
 
 Either way the layer writes the number of distinct experts its forward routed to into the
 device scalar :attr:`MoE.touched` (inside a captured graph too, so a replay updates it); the
@@ -32,7 +36,7 @@ from torch import nn
 
 from refspec.config import ModelArgs
 
-DISPATCH = ("gather", "dense")
+DISPATCH = ("gather", "grouped", "dense")
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +81,28 @@ def dispatch_gather(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     return out, touched
 
 
+def _touched(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Distinct entries of ``experts`` as a device scalar (no host sync)."""
+    hit = torch.zeros(num_experts, dtype=torch.bool, device=experts.device)
+    return hit.index_fill_(0, experts.flatten(), True).sum()
+
+
+def dispatch_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted pairs through grouped GEMMs (static shapes, no host sync).
+    Returns ``(out [N, E], distinct experts as a device scalar)``."""
+    n, k = experts.shape
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
+    ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)  # [X] group ends
+    rows = order // k
+    h = F.grouped_mm(x.index_select(0, rows), gate_up.transpose(1, 2), offs=ends)  # [N*k, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # [N*k, E]
+    y = y * weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, rows, y), _touched(experts, gate_up.shape[0])
+
+
 def dispatch_dense(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every expert over every token, combined by the routing weights (static shapes).
@@ -84,9 +110,7 @@ def dispatch_dense(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     combine = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     combine.scatter_(1, experts, weights)  # [N, X], zero where a token did not route
     y = _expert_mlp(x.unsqueeze(0).expand(gate_up.shape[0], -1, -1), gate_up, down)  # [X, N, E]
-    out = torch.einsum("nx,xne->ne", combine, y)
-    hit = torch.zeros(gate_up.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, experts.flatten(), True)
-    return out, hit.sum()
+    return torch.einsum("nx,xne->ne", combine, y), _touched(experts, gate_up.shape[0])
 
 
 class MoE(nn.Module):
@@ -94,8 +118,8 @@ class MoE(nn.Module):
     ``experts_down``; state dict: ``router.weight`` and ``experts.{j}.gate/up/down.weight``).
 
     Attributes:
-        dispatch: ``"gather"`` or ``"dense"`` (see the module docstring); graph capture always
-            runs ``dense``.
+        dispatch: ``"gather"``, ``"grouped"`` or ``"dense"`` (see the module docstring); graph
+            capture runs ``dense`` in place of ``gather``, which cannot be captured.
         touched: ``[]`` int64 device scalar, distinct experts of the last forward.
     """
 
@@ -117,13 +141,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, E]`` -> ``[N, E]``; updates :attr:`touched`."""
         weights, experts = route(x, self.router.weight, self.top_k, self.renormalise)
-        dense = self.dispatch == "dense" or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        if dense:
-            out, touched = dispatch_dense(x, weights, experts, self.experts_gate_up, self.experts_down)
-            self.touched.copy_(touched)
-        else:
-            out, count = dispatch_gather(x, weights, experts, self.experts_gate_up, self.experts_down)
+        mode = self.dispatch
+        if mode == "gather" and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            mode = "dense"
+        args = (x, weights, experts, self.experts_gate_up, self.experts_down)
+        if mode == "gather":
+            out, count = dispatch_gather(*args)
             self.touched.fill_(count)
+        else:
+            out, touched = (dispatch_grouped if mode == "grouped" else dispatch_dense)(*args)
+            self.touched.copy_(touched)
         return out
 
     # ---- per-expert names in the state dict (Hugging Face's layout) -----------------------------

@@ -133,4 +133,64 @@ def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device
     return model
 
 
-__all__ = ["random_model", "shrunk_config", "arch_args", "FULL_SIZE_TARGETS", "MOE_TARGETS", "DEFAULT_STD"]
+__all__ = ["random_model", "shrunk_config", "arch_args", "write_random_model_dir", "FULL_SIZE_TARGETS", "MOE_TARGETS",
+           "DEFAULT_STD"]
+
+
+def write_random_model_dir(arch: str, path: str, *, tokenizer_from: str, seed: int = 0, num_layers: int = 2,
+                           hidden_size: int = 256) -> ModelArgs:
+    """Write a directory ``python -m refspec.eval --model`` loads: a random-weight toy of ``arch``
+    (:func:`shrunk_config`, fp32) sized to the vocabulary of ``tokenizer_from`` (a model id or a
+    directory with ``tokenizer.json``), whose tokenizer files it copies.
+
+    Returns:
+        The architecture written.
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    from refspec.assets import resolve_model
+    from refspec.models.loading import save_model
+
+    src = Path(tokenizer_from) if Path(tokenizer_from).is_dir() else Path(resolve_model(tokenizer_from))
+    if not (src / "tokenizer.json").exists():
+        raise ValueError(f"{src} has no tokenizer.json to copy")
+    vocab = int(json.loads((src / "config.json").read_text())["vocab_size"])
+    cfg = shrunk_config(arch, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab)
+    model = random_model(cfg, dtype=torch.float32, seed=seed)
+    out = Path(path)
+    save_model(model, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return model.args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m refspec.models.random_models DIR --arch A --tokenizer-from M``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m refspec.models.random_models",
+                                description="Write a random-weight toy of a named architecture (shrunk_config) "
+                                            "with a real tokenizer, for CPU runs of python -m refspec.eval.")
+    p.add_argument("dir")
+    p.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    p.add_argument("--tokenizer-from", default="smollm2-135m", help="model id or directory with tokenizer.json")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    try:
+        args = write_random_model_dir(a.arch, a.dir, tokenizer_from=a.tokenizer_from, seed=a.seed,
+                                      num_layers=a.layers, hidden_size=a.hidden)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}".splitlines()[0], file=__import__("sys").stderr)
+        return 2
+    print(f"wrote {a.dir}: {args.family}, {args.num_parameters() / 1e6:.1f} M parameters"
+          + (f", {args.num_experts} experts (top {args.num_experts_per_tok})" if args.is_moe else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

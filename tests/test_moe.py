@@ -153,15 +153,51 @@ def test_dispatch_paths_agree_and_count_the_same_experts():
     n, e, x, k, i = 13, 16, 6, 2, 8
     h = torch.randn(n, e)
     gate_up, down = torch.randn(x, 2 * i, e), torch.randn(x, e, i)
-    w, idx = moe_mod.route(h, torch.randn(x, e), k, True)
-    a, touched_a = moe_mod.dispatch_gather(h, w, idx, gate_up, down)
-    b, touched_b = moe_mod.dispatch_dense(h, w, idx, gate_up, down)
-    assert torch.allclose(a, b, atol=1e-4)
-    assert touched_a == int(touched_b) == len(set(idx.flatten().tolist()))
-    # by hand: each token's weighted sum over its own experts
-    for t in range(n):
-        ref = sum(w[t, j] * moe_mod._expert_mlp(h[t], gate_up[idx[t, j]], down[idx[t, j]]) for j in range(k))
-        assert torch.allclose(a[t], ref, atol=1e-4)
+    routed = [moe_mod.route(h, torch.randn(x, e), k, True)]
+    t = torch.arange(n)
+    fixed = torch.stack([t % 3, 3 + t % 2], 1)  # experts 0..4; expert 5 gets no token
+    routed.append((torch.rand(n, k), fixed))
+    for w, idx in routed:
+        a, touched_a = moe_mod.dispatch_gather(h, w, idx, gate_up, down)
+        assert touched_a == len(set(idx.flatten().tolist()))
+        for other in (moe_mod.dispatch_grouped, moe_mod.dispatch_dense):
+            b, touched_b = other(h, w, idx, gate_up, down)
+            assert torch.allclose(a, b, atol=1e-4), other.__name__
+            assert int(touched_b) == touched_a, other.__name__
+        for tok in range(n):  # by hand: each token's weighted sum over its own experts
+            ref = sum(w[tok, j] * moe_mod._expert_mlp(h[tok], gate_up[idx[tok, j]], down[idx[tok, j]])
+                      for j in range(k))
+            assert torch.allclose(a[tok], ref, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch", ["grouped", "dense"])
+def test_graph_replays_equal_eager_and_count_experts_on_cuda(moe_models, dispatch):
+    """bf16 on CUDA: a captured verify (grouped or dense dispatch) gives the eager tokens, and
+    each replay updates the experts-touched counters the ledger bills from."""
+    from refspec.cuda_graphs import GraphRunner
+    from refspec.engine import Engine, EngineConfig
+
+    m = moe_models["qwen3_moe"][1]
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    m.init_buffers("cuda")
+    prompts = _prompts(6)
+    try:
+        m.set_moe_dispatch(dispatch)
+        eager = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), eos_token_ids=EOS).generate(
+            prompts, max_new_tokens=16)
+        runner, events = GraphRunner(m, capture=True), []
+        graph = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=runner, observers=[events.append],
+                       eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+        assert runner.stats.replays >= 3
+        assert graph.tokens == eager.tokens
+        counts = [w.experts_touched for ev in events if ev.phase == "verify" for w in ev.work]
+        assert counts and all(0 < c <= 2 * m.args.num_experts for c in counts)
+        assert len(set(counts)) > 1, "replays update the counters (they are not the capture's)"
+    finally:
+        m.set_moe_dispatch("gather")
+        m.to(device="cpu", dtype=torch.float32)
+        m.init_buffers("cpu")
 
 
 # ---- every drafter is lossless on an MoE target -------------------------------------------------
@@ -205,6 +241,28 @@ def test_greedy_speculative_equals_plain(moe_models, name, kind):
 
 
 # ---- billing from the router's choices ----------------------------------------------------------
+def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
+    """Every verify forward (eager, and through the eager-static graph runner) records the
+    distinct experts it routed to, and the ledger's phase record sums them; a dense phase
+    records null."""
+    from refspec.cuda_graphs import GraphRunner
+    from refspec.energy.ledger import phase_record
+    from refspec.engine import Engine, EngineConfig
+
+    m = moe_models["mixtral"][1]
+    for verify_fn in (None, GraphRunner(m, capture=False)):
+        events = []
+        Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=verify_fn, observers=[events.append],
+               eos_token_ids=EOS).generate(_prompts(6), max_new_tokens=12)
+        verify = [ev for ev in events if ev.phase == "verify"]
+        assert verify
+        for ev in verify:
+            (shape,) = ev.work
+            assert m.args.moe_layers() <= shape.experts_touched <= m.args.moe_layers() * m.args.num_experts
+            assert phase_record(ev, "r")["experts_touched"] == shape.experts_touched
+        assert all(phase_record(ev, "r")["experts_touched"] is None for ev in events if not ev.work)
+
+
 def test_billed_bytes_are_attention_shared_and_the_routed_experts(moe_models, monkeypatch):
     """With the routing fixed (token t of the forward -> experts t mod X and t+1 mod X, in
     every MoE layer), the recorded forward bills exactly the shared weights, the attention

@@ -104,19 +104,30 @@ def test_first_divergence_and_request_comparison():
 
 
 @pytest.mark.parametrize("dtype,bits", [(torch.float32, 23), (torch.bfloat16, 7), (torch.float16, 10)])
-def test_the_bound_is_four_ulps_of_the_top_logit_in_the_dtype(dtype, bits):
+def test_the_bound_is_the_dtypes_rounding_or_the_fp32_accumulation_floor(dtype, bits):
     assert ulp(20.0, dtype) == 2.0 ** (4 - bits) and ulp(-0.7, dtype) == 2.0 ** (-1 - bits)
     top = 20.0
-    u = ulp(top, dtype)
-    for gap_ulps, near in ((0, True), (3, True), (4, True), (5, False), (40, False)):
-        logits = torch.tensor([0.0, top, top - gap_ulps * u, -5.0], dtype=torch.float64)
+    bound = max(audit.NEAR_TIE_ULPS * ulp(top, dtype), audit.FP32_FLOOR_ULPS * ulp(top, torch.float32))
+    assert audit.near_tie_bound(top, dtype) == bound
+    assert bound == (audit.FP32_FLOOR_ULPS * 2.0 ** (4 - 23) if bits == 23 else audit.NEAR_TIE_ULPS * 2.0 ** (4 - bits))
+    for fraction, near in ((0.0, True), (0.75, True), (1.0, True), (1.25, False), (10.0, False)):
+        logits = torch.tensor([0.0, top, top - fraction * bound, -5.0], dtype=torch.float64)
         m = margin_of(logits, 1, 2, dtype)
-        assert m.near_tie is near, f"{gap_ulps} ulps in {dtype}"
-        assert m.top2_margin == pytest.approx(gap_ulps * u) and m.bound == pytest.approx(4 * u)
-    m = margin_of(torch.tensor([top, top - u, 0.0]), 0, 2, dtype)
-    assert not m.near_tie and m.top2_margin == pytest.approx(u), "a small top-2 margin but the token is far down"
+        assert m.near_tie is near, f"a gap of {fraction} bounds in {dtype}"
+        assert m.top2_margin == pytest.approx(fraction * bound) and m.bound == bound
+    m = margin_of(torch.tensor([top, top - bound / 2, 0.0], dtype=torch.float64), 0, 2, dtype)
+    assert not m.near_tie and m.top2_margin == pytest.approx(bound / 2), "small top-2 margin, token far down"
     with pytest.raises(ValueError, match="int8"):
         ulp(1.0, "int8")
+
+
+def test_shape_noise_of_a_tiny_model_stays_under_the_bound():
+    from refspec.eval.audit_noise import measure
+
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randint(3, 90, (4, 24), generator=torch.Generator().manual_seed(1))
+        for shape, s in measure(_tiny(dtype), rows).items():
+            assert s["positions"] > 0 and s["max_ulp"] < s["bound_ulp_min"], (dtype, shape, s)
 
 
 # ---- the audit on a tiny random model --------------------------------------------------------

@@ -113,7 +113,7 @@ def loss_lines(target: ModelArgs, profile: HardwareProfile, *, ks: Sequence[int]
         regions = loss_regions(args, profile, k=k, context=context, acceptance=a, drafter=drafter,
                                dtype_bytes=dtype_bytes, max_batch=max_batch)
         if not regions:
-            return f"never up to batch {max_batch}"
+            return f"no batch up to {max_batch}"
         out = []
         for lo, hi in regions:
             t = k + 1

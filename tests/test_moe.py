@@ -334,3 +334,37 @@ def test_predicted_verify_reads_grow_with_the_tokens_verified():
     per_expert = 2 * expert_parameters(moe) * moe.num_layers
     assert grown_moe - (weights(moe, 1) - embed(1)) == pytest.approx(
         per_expert * (expected_experts(128, 8, 8) - 8))
+
+
+# ---- python -m refspec.eval on a random-weight MoE ----------------------------------------------
+def test_eval_runs_a_random_moe_and_records_experts_per_step(moe_models, tmp_path, monkeypatch):
+    """A random-weight qwen3_moe toy written by write_random_model_dir runs through the eval CLI;
+    its records carry experts touched per verify step, more for k = 2 (3 tokens per row) than
+    for the baseline (1), and null draft experts for the free n-gram drafter."""
+    import json
+
+    from test_eval_cli import _make_tokenizer
+
+    from refspec.eval import cli
+    from refspec.models.random_models import write_random_model_dir
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    _make_tokenizer(tok)
+    (tok / "config.json").write_text(json.dumps({"vocab_size": 96}))
+    model = tmp_path / "moe"
+    args = write_random_model_dir("qwen3-30b-a3b", str(model), tokenizer_from=str(tok), num_layers=2, hidden_size=64)
+    assert args.family == "qwen3_moe" and args.num_experts == 128 and args.vocab_size == 96
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{3 + (j * (i + 2)) % 20}" for j in range(12)),
+                                           "kind": "code"}) + "\n" for i in range(4)))
+    out = tmp_path / "run"
+    rc = cli.main(["--model", str(model), "--corpus", str(prompts), "--max-new-tokens", "6", "--no-progress",
+                   "--no-warmup", "--drafter", "ngram", "--k", "2", "--drafter-option", "trim=false", "--batch", "2",
+                   "--requests", "4", "--dtype", "fp32", "--meter", "roofline:cpu", "--out", str(out)])
+    assert rc == 0
+    recs = {r["drafter"]: r for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())}
+    base, spec = recs["none"]["experts_touched_per_step"], recs["ngram"]["experts_touched_per_step"]
+    assert 2 <= base <= 2 * 2 * 8 and base < spec <= 2 * 2 * 3 * 8  # 2 layers x (B (K+1) tokens x 8) at most
+    assert recs["ngram"]["draft_experts_touched_per_step"] is None

@@ -58,9 +58,16 @@ _FUSED = [  # (HF name, refspec split names of one expert, split along dim 0 of 
                                                    "layers.{i}.mlp.experts.{j}.up.weight")),
     ("model.layers.{i}.mlp.experts.down_proj", ("layers.{i}.mlp.experts.{j}.down.weight",)),
 ]
+_SHARED_EXPERT = [
+    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "layers.{i}.mlp.shared_expert.gate.weight"),
+    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.up.weight"),
+    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "layers.{i}.mlp.shared_expert.down.weight"),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.weight"),
+]
 _FUSED_ENDS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 KEY_MAP: dict[str, list[tuple[str, str]]] = {
     "qwen3_moe": _COMMON + _PLAIN_MLP_NORM + _QWEN3_MOE,
+    "qwen2_moe": _COMMON + _PLAIN_MLP_NORM + _QWEN3_MOE + _SHARED_EXPERT,
     "mixtral": _COMMON + _PLAIN_MLP_NORM + _MIXTRAL + [
         ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight")],  # transformers 5's name
     "llama": _COMMON + _PLAIN_MLP_NORM,
@@ -91,7 +98,7 @@ def _template_regex(template: str) -> re.Pattern:
 def _split_fused(family: str, hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """A transformers 5 fused expert tensor ``[X, rows, cols]`` as refspec's per-expert names
     (gate_up rows split in half, gate first), or None when ``hf_name`` is not one."""
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in ("qwen3_moe", "mixtral", "qwen2_moe"):
         return None
     for prefix in _PREFIXES:
         if hf_name.startswith(prefix):

@@ -1,10 +1,12 @@
-"""Mixture-of-experts MLP of the qwen3_moe and mixtral families: router, experts, dispatch.
+"""Mixture-of-experts MLP of the qwen3_moe, mixtral and qwen2_moe families: router, experts, dispatch.
 
 Routing (both families, as ``transformers`` computes it): router logits ``x W_r^T``, a softmax
 over all X experts in fp32, the top k_e probabilities; qwen3_moe divides them by their sum
 when ``norm_topk_prob`` is set, mixtral always does (which equals a softmax over the k_e
 selected logits). A token's output is the weighted sum of its k_e experts' gated MLPs
-(``down(silu(gate x) * up x)``). Neither family has shared experts.
+(``down(silu(gate x) * up x)``). qwen3_moe and mixtral have no shared expert; qwen2_moe adds
+one gated MLP every token runs, scaled by ``sigmoid(x w_g)`` (``shared_expert``,
+``shared_expert_gate``).
 
 Experts are stored fused, ``gate_up [X, 2I, E]`` (gate rows first) and ``down [X, E, I]``; the
 state dict keeps Hugging Face's per-expert split names (``experts.{j}.gate/up/down.weight``),
@@ -115,7 +117,8 @@ def dispatch_dense(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
 class MoE(nn.Module):
     """A routed mixture-of-experts MLP (module names: ``router``, ``experts_gate_up``,
-    ``experts_down``; state dict: ``router.weight`` and ``experts.{j}.gate/up/down.weight``).
+    ``experts_down``; state dict: ``router.weight`` and ``experts.{j}.gate/up/down.weight``;
+    qwen2_moe also ``shared_expert.gate/up/down.weight`` and ``shared_expert_gate.weight``).
 
     Attributes:
         dispatch: ``"gather"``, ``"grouped"`` or ``"dense"`` (see the module docstring); graph
@@ -131,6 +134,11 @@ class MoE(nn.Module):
         self.router = nn.Linear(e, x, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(x, 2 * i, e))
         self.experts_down = nn.Parameter(torch.empty(x, e, i))
+        self.shared = args.shared_expert_intermediate_size
+        if self.shared:  # qwen2_moe: one always-on expert, fused gate/up like the routed ones
+            self.shared_gate_up = nn.Parameter(torch.empty(2 * self.shared, e))
+            self.shared_down = nn.Parameter(torch.empty(e, self.shared))
+            self.shared_expert_gate = nn.Linear(e, 1, bias=False)
         self.dispatch = "gather"
         self.register_buffer("touched", torch.zeros((), dtype=torch.int64), persistent=False)
 
@@ -151,6 +159,9 @@ class MoE(nn.Module):
         else:
             out, touched = (dispatch_grouped if mode == "grouped" else dispatch_dense)(*args)
             self.touched.copy_(touched)
+        if self.shared:
+            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # [N, 1]
+            out = out + gate * _expert_mlp(x, self.shared_gate_up, self.shared_down)
         return out
 
     # ---- per-expert names in the state dict (Hugging Face's layout) -----------------------------
@@ -159,6 +170,10 @@ class MoE(nn.Module):
             keys = [[f"{prefix}experts.{j}.{p}.weight" for p in parts] for j in range(self.num_experts)]
             if all(k in state_dict for row in keys for k in row):
                 state_dict[prefix + fused] = torch.stack([torch.cat([state_dict.pop(k) for k in row]) for row in keys])
+        for fused, parts in (("shared_gate_up", ("gate", "up")), ("shared_down", ("down",))):
+            keys = [f"{prefix}shared_expert.{p}.weight" for p in parts]
+            if self.shared and all(k in state_dict for k in keys):
+                state_dict[prefix + fused] = torch.cat([state_dict.pop(k) for k in keys])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
@@ -167,4 +182,8 @@ class MoE(nn.Module):
         for j in range(self.num_experts):
             out[f"{prefix}experts.{j}.gate.weight"], out[f"{prefix}experts.{j}.up.weight"] = gate_up[j].chunk(2)
             out[f"{prefix}experts.{j}.down.weight"] = down[j]
+        if self.shared:
+            gate, up = out.pop(prefix + "shared_gate_up").chunk(2)
+            out[f"{prefix}shared_expert.gate.weight"], out[f"{prefix}shared_expert.up.weight"] = gate, up
+            out[f"{prefix}shared_expert.down.weight"] = out.pop(prefix + "shared_down")
         return out

@@ -3,7 +3,7 @@
 ``ModelArgs`` is the one architecture record every layer of refspec uses: the models build
 themselves from it, the roofline model counts FLOPs and bytes from it, and the asset pipeline
 writes it back as ``config.json``. It covers the llama, qwen2, qwen3 and gemma3 families and
-the mixture-of-experts families qwen3_moe and mixtral (see :mod:`refspec.models.moe`).
+the mixture-of-experts families qwen3_moe, mixtral and qwen2_moe (see :mod:`refspec.models.moe`).
 
 Shape glossary used across refspec: B batch, S query length, T cache length, K draft length,
 L layers, H / Hkv query / key-value heads, D head dim, E model dim, V vocab; for mixture-of-experts models X experts per layer, k_e experts routed per token.
@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 class ConfigError(ValueError):
@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 
 def _moe_fields(cfg: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
-    """Expert settings of a qwen3_moe or mixtral config (transformers 5 writes qwen3_moe's
+    """Expert settings of a qwen3_moe, mixtral or qwen2_moe config (transformers 5 writes
     ``num_experts`` as ``num_local_experts``; both are read)."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if not experts or "num_experts_per_tok" not in cfg:
@@ -36,8 +36,12 @@ def _moe_fields(cfg: dict[str, Any], family: str, layers: int) -> dict[str, Any]
         return out
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only = set(cfg.get("mlp_only_layers") or ())
-    out.update(qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)),
-               moe_intermediate_size=int(cfg.get("moe_intermediate_size", cfg["intermediate_size"])),
+    if family == "qwen2_moe":  # q/k/v biases, no q/k norms, a gated shared expert
+        out.update(attention_bias=bool(cfg.get("qkv_bias", True)),
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0))
+    else:
+        out.update(qk_norm=True, attention_bias=bool(cfg.get("attention_bias", False)))
+    out.update(moe_intermediate_size=int(cfg.get("moe_intermediate_size", cfg["intermediate_size"])),
                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
     return out
@@ -110,6 +114,7 @@ class ModelArgs:
     moe_intermediate_size: int = 0  # MLP width of one expert
     norm_topk_prob: bool = False  # renormalise the k_e routing weights to sum to 1 (mixtral always)
     dense_layers: tuple[int, ...] = ()  # MoE families: layers with a dense MLP (intermediate_size) instead
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: an always-on expert of this width, sigmoid-gated
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -156,8 +161,9 @@ class ModelArgs:
         norms = e * (4 if self.sandwich_norms else 2) + (2 * d if self.qk_norm else 0)
         moe = self.moe_layers()
         experts = self.num_experts if active is False else self.num_experts_per_tok
+        shared = 3 * e * self.shared_expert_intermediate_size + (e if self.shared_expert_intermediate_size else 0)
         mlp = (3 * e * self.intermediate_size * (self.num_layers - moe)
-               + moe * (self.num_experts * e + experts * 3 * e * self.moe_intermediate_size))
+               + moe * (self.num_experts * e + shared + experts * 3 * e * self.moe_intermediate_size))
         total = self.num_layers * (attn + norms) + mlp + e
         if include_embedding:
             total += self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
@@ -179,10 +185,11 @@ class ModelArgs:
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", "gemma3_text")}
         mt = cfg.get("model_type", "")
         family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(mt)
+                  "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+                  "qwen2_moe": "qwen2_moe"}.get(mt)
         if family is None:
             raise ConfigError(f"model_type {mt!r} is not supported; refspec loads llama, qwen2, qwen3, gemma3_text, "
-                              f"qwen3_moe and mixtral")
+                              f"qwen3_moe, mixtral and qwen2_moe")
         try:
             hidden = cfg["hidden_size"]
             heads = cfg["num_attention_heads"]
@@ -242,7 +249,7 @@ class ModelArgs:
             self.family, self.family)
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "mixtral": "MixtralForCausalLM"}[self.family]
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[self.family]
         cfg: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -278,6 +285,9 @@ class ModelArgs:
                            norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
                            mlp_only_layers=list(self.dense_layers), attention_bias=self.attention_bias,
                            use_sliding_window=False)
+                if self.family == "qwen2_moe":
+                    cfg.update(qkv_bias=cfg.pop("attention_bias"),
+                               shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         else:
             cfg.update(
                 hidden_activation="gelu_pytorch_tanh",

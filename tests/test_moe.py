@@ -24,6 +24,10 @@ MOE_HF = {
     "qwen3_moe_unnormed": dict(_BASE, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=32,
                                num_hidden_layers=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
                                rms_norm_eps=1e-6, rope_theta=1e6),
+    # a gated shared expert beside the routed ones, q/k/v biases
+    "qwen2_moe": dict(_BASE, model_type="qwen2_moe", intermediate_size=96, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,
+                      norm_topk_prob=False, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1e6),
     "mixtral": dict(_BASE, model_type="mixtral", intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6),
 }
@@ -41,6 +45,8 @@ def _hf_model(name: str, seed: int = 0):
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.1)
             if n.endswith("gate.weight"):  # the routers
                 p.normal_(0.0, 1.0)
     return model.eval()
@@ -87,7 +93,9 @@ def test_config_fields_follow_each_family(moe_models):
     assert q.dense_layers == (1,) and q.qk_norm and [q.is_moe_layer(i) for i in range(3)] == [True, False, True]
     m = moe_models["mixtral"][1].args
     assert (m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.qk_norm) == (4, 32, True, False)
-    for args in (q, m):
+    w = moe_models["qwen2_moe"][1].args
+    assert (w.shared_expert_intermediate_size, w.attention_bias, w.qk_norm, w.norm_topk_prob) == (48, True, False, False)
+    for args in (q, m, w):
         assert ModelArgs.from_hf_config(args.to_hf_config()) == args
 
 
@@ -95,6 +103,10 @@ def test_parameter_counts_equal_the_transformers_model(moe_models):
     for name, (hf, ours, _) in moe_models.items():
         assert ours.args.num_parameters() == sum(p.numel() for p in hf.parameters()), name
         assert sum(p.numel() for p in ours.parameters()) == ours.args.num_parameters(), name
+        a = ours.args  # the cost model's split covers every parameter once
+        per_layer = sum(sum(layer_parameters(a, i)) for i in range(a.num_layers))
+        embed = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2) + a.hidden_size
+        assert per_layer + a.moe_layers() * a.num_experts * expert_parameters(a) + embed == a.num_parameters(), name
 
 
 @pytest.mark.parametrize("bad, msg", [({"num_experts_per_tok": 9}, "num_experts_per_tok"),
@@ -263,13 +275,15 @@ def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
         assert all(phase_record(ev, "r")["experts_touched"] is None for ev in events if not ev.work)
 
 
-def test_billed_bytes_are_attention_shared_and_the_routed_experts(moe_models, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_billed_bytes_are_attention_shared_and_the_routed_experts(moe_models, monkeypatch, name):
     """With the routing fixed (token t of the forward -> experts t mod X and t+1 mod X, in
     every MoE layer), the recorded forward bills exactly the shared weights, the attention
     traffic and the distinct routed experts."""
-    m = moe_models["qwen3_moe"][1]
+    m = moe_models[name][1]
     a = m.args
     x = a.num_experts
+    moe_layers = a.moe_layers()
 
     def fixed_route(h, router, top_k, renormalise):
         t = torch.arange(h.shape[0])
@@ -284,15 +298,15 @@ def test_billed_bytes_are_attention_shared_and_the_routed_experts(moe_models, mo
               num_keys=16)
         (shape,) = rec.work
         distinct = min(x, n + 1)  # experts {0..n} mod X
-        assert shape.experts_touched == 2 * distinct  # two MoE layers
+        assert shape.experts_touched == moe_layers * distinct
         cost = forward_cost(shape)
         shared = sum(layer_parameters(a, i)[0] + layer_parameters(a, i)[1] for i in range(a.num_layers))
         e = a.hidden_size
         head_and_embed = a.vocab_size * e + e + n * e  # LM head, final norm, gathered embedding rows
-        expert = 2 * distinct * expert_parameters(a)
+        expert = moe_layers * distinct * expert_parameters(a)
         assert cost.weight_bytes == 4 * (shared + head_and_embed + expert)
         assert cost.linear_flops == 2 * n * (sum(layer_parameters(a, i)[0] for i in range(a.num_layers))
-                                             + 2 * a.num_experts_per_tok * expert_parameters(a))
+                                             + moe_layers * a.num_experts_per_tok * expert_parameters(a))
         kv = 2 * a.num_kv_heads * a.head_dim * 4
         assert cost.kv_read_bytes == a.num_layers * rows * 16 * kv
 

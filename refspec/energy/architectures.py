@@ -78,14 +78,16 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 def dense_equivalent(args: ModelArgs) -> ModelArgs:
     """A dense model with an MoE model's active parameters: the same attention, embeddings and
-    layers, one MLP of width k_e x (expert width) per layer (the router's X x E is dropped).
+    layers, one MLP of width k_e x (expert width) + any shared expert's width per layer (the
+    router's X x E and the shared expert's gate are dropped).
     A dense model comes back unchanged."""
     if not args.is_moe:
         return args
-    family = {"qwen3_moe": "qwen3", "mixtral": "llama"}[args.family]
-    width = args.num_experts_per_tok * args.moe_intermediate_size
+    family = {"qwen3_moe": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2"}[args.family]
+    width = args.num_experts_per_tok * args.moe_intermediate_size + args.shared_expert_intermediate_size
     return dataclasses.replace(args, family=family, intermediate_size=width, num_experts=0, num_experts_per_tok=0,
-                               moe_intermediate_size=0, norm_topk_prob=False, dense_layers=())
+                               moe_intermediate_size=0, norm_topk_prob=False, dense_layers=(),
+                               shared_expert_intermediate_size=0)
 
 
 def arch(name: str) -> ModelArgs:

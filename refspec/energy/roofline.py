@@ -112,11 +112,12 @@ def layer_parameters(args: ModelArgs, layer: int = 0) -> tuple[int, int]:
 
     Returns:
         ``(matrix_params, other_params)``: projection + MLP matrix elements (an MoE layer: its
-        router ``X x E`` instead of the MLP), and biases + norm weights (the same split
+        router ``X x E`` and any shared expert with its gate instead of the MLP), and biases + norm weights (the same split
         ``ModelArgs.num_parameters`` sums).
     """
     e, d, h, kv = args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads
-    mlp = args.num_experts * e if args.is_moe_layer(layer) else 3 * e * args.intermediate_size
+    shared = 3 * e * args.shared_expert_intermediate_size + (e if args.shared_expert_intermediate_size else 0)
+    mlp = args.num_experts * e + shared if args.is_moe_layer(layer) else 3 * e * args.intermediate_size
     matrices = e * d * (2 * h + 2 * kv) + mlp
     other = e * (4 if args.sandwich_norms else 2) + (2 * d if args.qk_norm else 0)
     if args.attention_bias:

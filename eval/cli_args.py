@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from refspec.eval.cli_checks import check_drafter_options, check_run_flags, csv, parse_drafter_options
-from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args  # noqa: F401
+from refspec.eval.flags import (EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args,  # noqa: F401
+                                finite, integer)
 
 if TYPE_CHECKING:
     import torch
@@ -34,19 +35,34 @@ DEFAULT_CORPUS = "conversation"
 DEFAULT_DRAFTER = "ngram"
 """The default drafter: prompt lookup needs no trained head (EAGLE / block heads must be trained first)."""
 DEFAULT_BATCH = 8
-DEFAULT_NUM_PROMPTS = 16
+DEFAULT_NUM_PROMPTS = None
+"""No cap: a run draws as many distinct prompts as it serves requests."""
+SCHEDULES = ("continuous", "static")
+SUMMARY_FIELDS = ("schedule", "requests", "requests_unique", "request_rate", "mean_active_rows",
+                  "window_mean_active_rows", "window_s", "window_tokens", "window_energy_j", "window_first_step",
+                  "window_last_step", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s",
+                  "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "energy_per_token_j", "energy_per_token_j_run")
+"""The serving fields of every record, listed (with their descriptions) in ``--help``."""
 DEFAULT_MAX_NEW_TOKENS = 64
 CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
 """What ``--corpus all`` means: one corpus of each kind of text the paper compares."""
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
-def _epilog() -> str:
+def _summary_fields_text() -> str:
+    from refspec.eval.records import RECORD_FIELDS
+
+    return "Summary fields (records.jsonl, summary.json):\n" + "".join(
+        f"  {name}: {RECORD_FIELDS[name]}\n" for name in SUMMARY_FIELDS) + "\n"
+
+
+def _epilog(full: bool = False) -> str:
     from refspec.eval.corpora import licence_text
 
     return (f"--corpus all means: {', '.join(CORE_CORPORA)} (name other built-ins explicitly).\n"
             "Energy: on a GPU with NVML the energy is MEASURED (Zeus, total-energy counter); elsewhere it is "
-            "MODELLED by the roofline profile of the hardware, and every output says which.\n\n" + licence_text())
+            "MODELLED by the roofline profile of the hardware, and every output says which.\n\n"
+            + (_summary_fields_text() if full else "") + licence_text())
 
 
 def _drafter_help(full: bool) -> str:
@@ -81,8 +97,19 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
                    help="a drafter option, e.g. head=/path/to/head or max_n=4 (repeatable)")
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
-                   help="prompts from each corpus's eval split; fewer than --batch repeat cyclically to fill it")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per row")
+                   help="at most this many distinct prompts from each corpus (default: as many as --requests; "
+                        "requests beyond them repeat prompts cyclically)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="continuous",
+                   help="continuous: --batch slots kept busy, a finished request's slot refilled with the next "
+                        "request of the stream; static: lockstep batches of --batch requests that drain (for "
+                        "unit comparisons)")
+    g.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests served per configuration (default: 4 x batch), each a distinct corpus prompt "
+                        "while the corpus has enough")
+    g.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="open loop: requests arrive as a seeded Poisson process of R per second (engine clock); "
+                        "default: closed loop at concurrency --batch (continuous schedule only)")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per request")
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
@@ -131,12 +158,12 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
                          description="Run one drafter configuration and the no-drafter baseline at the same batch "
                                      "on each corpus; print one table. Other commands: sweep, report "
                                      "(python -m refspec.eval sweep --help).",
-                         epilog=_epilog(), formatter_class=fmt)
+                         epilog=_epilog(full_help), formatter_class=fmt)
     _add_common(run, sweep=False, full=full_help)
     sw = sub.add_parser("sweep", help="a grid of configurations, resumable, Slurm-ready",
                         description="Run every (corpus, batch, drafter, k) configuration; one record per "
                                     "configuration in DIR/records.jsonl; a rerun skips finished ones.",
-                        epilog=_epilog(), formatter_class=fmt)
+                        epilog=_epilog(full_help), formatter_class=fmt)
     _add_common(sw, sweep=True, full=full_help)
     s = sw.add_argument_group("cluster")
     s.add_argument("--print-sbatch", action="store_true",
@@ -151,7 +178,11 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
                          epilog=_epilog(), formatter_class=fmt)
     rep.add_argument("dir", type=Path, help="a run or sweep directory")
     rep.add_argument("--latency-target", type=float, default=None, metavar="SECONDS",
-                     help="p99 TPOT target (default: the sweep's)")
+                     help="p99 TPOT target (default: the sweep's): per corpus, the configuration with the lowest "
+                          "steady-state J/token meeting every target is chosen; the others show by how much they miss")
+    rep.add_argument("--ttft-target", type=float, default=None, metavar="SECONDS",
+                     help="p99 TTFT target (arrival to first token, queueing included), with or without "
+                          "--latency-target")
     rep.add_argument("--debug", action="store_true", help="show tracebacks")
     for name, (_, text) in TOOLS.items():  # listed in --help; main() dispatches them before parsing
         sub.add_parser(name, help=f"{text} (python -m refspec.eval {name} --help)", add_help=False)
@@ -280,8 +311,20 @@ def _check_meter_device(meter: str, device: "torch.device") -> None:
                          "--meter roofline (modelled energy) or --meter time")
 
 
+def check_serving_flags(args: argparse.Namespace) -> None:
+    """``--schedule``, ``--requests`` and ``--request-rate`` (torch-free)."""
+    if args.requests is not None:
+        integer("--requests", args.requests, low=1, high=10_000_000, fix="the number of requests a run serves")
+    if args.request_rate is not None:
+        finite("--request-rate", args.request_rate, low=0, low_open=True, fix="requests per second, e.g. 2.5")
+        if args.schedule == "static":
+            raise UsageError("--request-rate is open-loop arrivals into freed slots; --schedule static runs "
+                             "lockstep batches with no arrivals: drop one of them")
+
+
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
+    check_serving_flags(args)
     batches, ks = check_run_flags(args, sweep=sweep)
     corpora = _check_corpora(csv("--corpus", args.corpus))  # before torch: the corpus catalogue is light
     from refspec.drafters import registry
@@ -301,7 +344,8 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     base = RunConfig(model=args.model, drafter="none", k=0, batch=batches[0], corpus=corpora[0],
                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                      device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
-                     top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat)
+                     top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat,
+                     schedule=args.schedule, requests=args.requests, request_rate=args.request_rate)
     grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
                      default_k=default_k)

@@ -102,7 +102,8 @@ def check_path_for_dir(flag: str, path: Path) -> None:
 
 def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int], list[int] | None]:
     """Every flag of ``run``/``sweep`` that needs no torch; returns the batches and the K list (None: defaults)."""
-    integer("--num-prompts", args.num_prompts, low=1)
+    if args.num_prompts is not None:  # None: as many distinct prompts as requests
+        integer("--num-prompts", args.num_prompts, low=1)
     integer("--max-new-tokens", args.max_new_tokens, low=1, high=1_000_000)
     check_sampling(args)
     if args.latency_target is not None:
@@ -163,6 +164,8 @@ def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sw
 def check_report_flags(args: argparse.Namespace) -> None:
     if args.latency_target is not None:
         finite("--latency-target", args.latency_target, low=0, low_open=True, fix="a p99 TPOT in seconds, e.g. 0.05")
+    if getattr(args, "ttft_target", None) is not None:
+        finite("--ttft-target", args.ttft_target, low=0, low_open=True, fix="a p99 TTFT in seconds, e.g. 1.0")
     if not args.dir.is_dir():
         raise UsageError(f"report {args.dir}: not a directory; give a run or sweep --out directory")
 

@@ -13,17 +13,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from refspec.energy.accounting import Accounting, energy_saving, speedup
 from refspec.energy.ledger import ensure_line_end
+from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
 
 if TYPE_CHECKING:
     from refspec.eval.run import RunConfig, Session
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
+READABLE_RECORD_VERSIONS = (2, 3)
+"""Record versions the report reads: 2 lacks the serving fields (static lockstep batches only)."""
 
 RECORD_FIELDS: dict[str, str] = {
     # identity
@@ -39,9 +43,19 @@ RECORD_FIELDS: dict[str, str] = {
     "seed": "seed of the sampling / injection generators", "cuda_graphs": "verify ran through CUDA graphs",
     "threads": "torch intra-op threads",
     # what ran
-    "prompts_unique": "distinct prompts N", "rows": "rows decoded, ceil(N / B) * B (prompts repeat cyclically)",
-    "batches": "batches run, ceil(N / B)", "max_new_tokens": "budget per row",
+    "schedule": "continuous (B slots kept busy: a finished request's slot is refilled with the next request of "
+                "the stream) | static (lockstep batches of B requests that drain)",
+    "requests": "requests served N (default 4 x batch), one prompt each",
+    "requests_unique": "distinct prompts among the requests: fewer than requests only when the corpus has fewer "
+                       "(prose corpora are cut at several offsets first)",
+    "request_rate": "open-loop Poisson arrivals per second on the engine clock (seeded by seed); null = closed "
+                    "loop at concurrency batch",
+    "prompts_unique": "distinct prompts (= requests_unique)", "rows": "requests decoded (= requests)",
+    "batches": "ledger runs: 1 for continuous, ceil(N / B) lockstep batches for static",
+    "max_new_tokens": "budget per request (the first token from prefill included)",
     "run_ids": "ledger run ids, one per batch", "ledger": "ledger file name (in the output directory)",
+    "request_outputs": "per request, in id order: {id, prompt (token ids fed to the engine), tokens (emitted, a "
+                       "final EOS included)}; the same id is the same prompt in a configuration and its baseline",
     # the accounting of the batches pooled (refspec.energy.accounting.pool_runs), copied
     "emitted": "output tokens", "drafted": "draft tokens proposed", "accepted": "draft tokens accepted",
     "row_steps": "active row-steps with a verify", "steps": "decode steps, summed over batches",
@@ -49,17 +63,45 @@ RECORD_FIELDS: dict[str, str] = {
     "total_time_s": "metered time (s)", "prefill_time_s": "prefill time (s)", "phase_time_s": "time by phase (s)",
     "tokens_per_s": "emitted tokens / metered time",
     "tau": "acceptance length: (accepted + row-steps) / row-steps, bonus token included",
-    "acceptance_rate": "accepted / drafted", "rows_with_tpot": "rows that emitted at least two tokens",
-    "tpot_p50_s": "p50 over rows of time per output token per user (s)", "tpot_p99_s": "p99 of the same (s)",
+    "acceptance_rate": "accepted / drafted", "rows_with_tpot": "requests that emitted at least two tokens",
+    "tpot_p50_s": "p50 over requests of TPOT = (last - first token time) / (tokens - 1) on the engine clock (s)",
+    "tpot_p99_s": "p99 of the same (s)",
+    "ttft_p50_s": "p50 over requests of TTFT = first token time - arrival (queueing included; closed loop: "
+                  "arrival = admission) (s)", "ttft_p99_s": "p99 of the same (s)",
+    "itl_p50_s": "p50 of inter-token latency: gaps between successive emissions a streaming client sees (per "
+                 "step, not per token), over every request (s)", "itl_p99_s": "p99 of the same (s)",
+    "e2e_p50_s": "p50 over requests of end-to-end latency = last token time - arrival (s)",
+    "e2e_p99_s": "p99 of the same (s)",
+    "experts_touched_per_step": "mixture-of-experts target: distinct experts its verify forward routed to per "
+                                "decode step, summed over MoE layers, mean over steps (ledger experts_touched); "
+                                "null for a dense target",
+    "draft_experts_touched_per_step": "the same for the draft phase's MoE forwards (a draft model of an MoE "
+                                      "target); null when the drafter ran none",
+    "mean_active_rows": "rows generating, time-weighted over every decode step of the run (drain lowers it)",
+    "window_first_step": "first decode step of the steady-state window: the first with every slot busy "
+                         "(null: empty window, or several static batches pooled, see window_bounds)",
+    "window_last_step": "last decode step inside the window: the one before the first step with an empty slot "
+                        "once the stream could no longer refill it (else the run's last step)",
+    "window_bounds": "[first, last] decode step of each ledger run's window (null where empty)",
+    "window_steps": "decode steps in the window", "window_s": "time of every phase in the window, refill "
+                                                               "prefills included (s)",
+    "window_tokens": "tokens emitted in the window (refill prefills' first tokens included)",
+    "window_energy_j": "energy of every phase in the window (J)",
+    "window_mean_active_rows": "rows generating, time-weighted over the window's decode steps",
+    "window_tokens_per_s": "window_tokens / window_s",
+    "window_note": "why the window is empty (null when it is not); its figures are then null",
     "total_energy_j": "energy of every phase (J); null without energy",
-    "energy_per_token_j": "J per output token: all phases, prefill included, / emitted (only accepted count)",
+    "energy_per_token_j": "J per output token over the steady-state window: window energy / window tokens (null "
+                          "when the window is empty); savings vs the baseline compare this",
+    "energy_per_token_j_run": "J per output token over the whole run: all phases, prefill included, / emitted "
+                              "(only accepted tokens count; ramp-up and drain included)",
     "phase_energy_j": "energy by phase (J)", "phase_share": "energy share by phase",
     "phase_energy_per_token_j": "energy by phase per output token (J)",
     "line_items_j": "prefill, draft kept/rejected, verify useful/rejected, commit, other (J)",
     "line_items_sum_j": "the line items added up (J)", "closure_error_j": "line items sum - total energy (J)",
     "rejected_energy_j": "J spent on refuted drafts", "closes": "line items sum to the total",
     "idle_w": "idle power for net-of-idle figures (W)", "net_energy_j": "energy net of idle (J)",
-    "net_energy_per_token_j": "J/token net of idle power (null without idle power)",
+    "net_energy_per_token_j": "J/token net of idle power over the whole run (null without idle power)",
     "energy_source": "ledger source string(s): measured:<counter> | modelled:roofline(<profile>) | none:time-only",
     "energy_measured": "true only when every figure came from an energy counter",
     "energy_source_text": "the source in words", "time_source": "measured (wall clock) | modelled (roofline)",
@@ -72,7 +114,8 @@ RECORD_FIELDS: dict[str, str] = {
     "greedy_rows_matching": "rows whose output equals the baseline's",
     "acceptance_injected": "acceptance drawn from a recorded distribution: outputs are not the model's",
     "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
-    "output_digest": "sha256 over every row's tokens", "row_digests": "sha256 prefix of each row's tokens",
+    **_AUDIT_FIELD_TEXT,  # the per-request greedy audit (refspec.eval.audit)
+    "output_digest": "sha256 over every request's tokens", "row_digests": "sha256 prefix of each request's tokens",
     "versions": "refspec, Python and library versions",
     "cpu_gemm_plan": "the CPU GEMM form per dtype and row bucket the run's products took (calibrated on the machine)", "wall_s": "wall time of the configuration (s)",
     "created_unix_s": "when it finished (s since the epoch)",
@@ -104,11 +147,34 @@ _COPIED = ("emitted", "drafted", "accepted", "row_steps", "steps", "verified", "
            "closes", "idle_w", "net_energy_j", "net_j_per_token")
 
 
+def _known(x: Any) -> Any:
+    """None for NaN (records use JSON null for 'not available'; JSON has no NaN)."""
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def _serving_fields(acc: Accounting) -> dict[str, Any]:
+    """The steady-state window, active rows and per-request latencies of ``acc`` (null where unknown)."""
+    w = acc.window
+    assert w is not None
+    ratio = w.tokens / w.time_s if not w.empty and w.time_s > 0 else None
+    return {
+        "mean_active_rows": _known(acc.mean_active_rows), "window_first_step": w.first_step,
+        "window_last_step": w.last_step, "window_bounds": [b and [b[0], b[1] - 1] for b in w.bounds],
+        "window_steps": w.steps, "window_s": _known(w.time_s), "window_tokens": _known(w.tokens),
+        "window_energy_j": _known(w.energy_j), "window_mean_active_rows": _known(w.mean_active_rows),
+        "window_tokens_per_s": ratio, "window_note": w.note,
+        **{f"{m}_p{q}_s": getattr(acc, f"{m}_p{q}_s") for m in ("ttft", "itl", "e2e") for q in (50, 99)},
+        "energy_per_token_j": _known(acc.window_j_per_token) if acc.serving else acc.j_per_token,
+        "energy_per_token_j_run": acc.j_per_token,
+    }
+
+
 def accounting_fields(acc: Accounting) -> dict[str, Any]:
     """The record fields of a (pooled) accounting: its figures renamed, its sources in words."""
     out = {_RENAMED.get(name, name): getattr(acc, name) for name in _COPIED}
     out.update(energy_source=", ".join(acc.sources), energy_measured=acc.measured,
                energy_source_text="; ".join(describe_source(s) for s in acc.sources))
+    out.update(_serving_fields(acc))
     return out
 
 
@@ -170,11 +236,16 @@ def _digest(rows: Sequence[Sequence[int]]) -> tuple[str, list[str]]:
     return hashlib.sha256("".join(per_row).encode()).hexdigest(), per_row
 
 
-def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | None) -> None:
-    """Fill ``record``'s baseline figures, saving, speed-up and greedy match (in place)."""
+def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | None, *,
+                          margin_fn: Any = None) -> None:
+    """Fill ``record``'s baseline figures, saving, speed-up and greedy match (in place).
+
+    ``margin_fn`` (:func:`refspec.eval.audit.margin_fn` of the target) classifies each request
+    whose greedy output differs from the baseline's; without it they are counted only.
+    """
     if record.get("drafter") == "none":  # the baseline itself: nothing to compare with
         record.update(baseline=None, energy_saving_vs_baseline=None, speedup_vs_baseline=None,
-                      greedy_match_baseline=None, greedy_rows_matching=None)
+                      greedy_match_baseline=None, greedy_rows_matching=None, **audit_fields(record, None))
         return
     if baseline is None:
         record.setdefault("baseline", None)
@@ -195,7 +266,21 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     else:
         record["greedy_match_baseline"] = None
         record["greedy_rows_matching"] = None
+    record.update(audit_fields(record, baseline if comparable else None, margin_fn))  # per request (eval/audit.py)
 
 
-__all__ = ["RECORD_FIELDS", "RECORD_VERSION", "accounting_fields", "acceptance_from_tau", "compare_with_baseline",
+
+def experts_fields(records: Sequence[Mapping[str, Any]], run_ids: Sequence[str]) -> dict[str, Any]:
+    """``experts_touched_per_step`` (verify) and ``draft_experts_touched_per_step`` from the
+    ledger's phase records of ``run_ids`` (mean over the phase's records, null without any)."""
+    runs = set(run_ids)
+    out: dict[str, Any] = {}
+    for key, phase in (("experts_touched_per_step", "verify"), ("draft_experts_touched_per_step", "draft")):
+        vals = [r["experts_touched"] for r in records if r.get("kind") == "phase" and r.get("run_id") in runs
+                and r.get("phase") == phase and r.get("experts_touched") is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+__all__ = ["RECORD_FIELDS", "experts_fields", "RECORD_VERSION", "READABLE_RECORD_VERSIONS", "accounting_fields", "acceptance_from_tau", "compare_with_baseline",
            "describe_source", "ensure_line_end", "roofline_prediction"]

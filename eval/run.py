@@ -7,11 +7,14 @@ tokenizer, the energy meter, the verify callable (eager or CUDA graphs), built d
 encoded prompts. :func:`run_configuration` runs one configuration and returns its record, a
 flat JSON-ready dict (the ``records.jsonl`` / ``summary.json`` schema, :data:`RECORD_FIELDS`).
 
-Batching: with batch B and N prompts a configuration runs ``ceil(N / B)`` batches of exactly B
-rows; prompts repeat cyclically to fill the rows (``prompts_unique`` N, ``rows``
-``ceil(N / B) * B``), because batch size is the independent variable of the paper.
+Serving: a configuration serves a stream of ``requests`` requests
+(:mod:`refspec.eval.requests`: distinct corpus prompts, closed-loop or seeded Poisson
+arrivals) through :meth:`refspec.engine.Engine.serve`. ``continuous`` (the default) keeps B
+slots busy, refilling each freed slot from the stream, in one ledger run; ``static`` serves
+lockstep batches of B requests that drain, one ledger run each. The same stream (same ids, same
+prompts) is served by a configuration and its baseline, so outputs compare request by request.
 
-Every batch is one run of one :class:`~refspec.energy.ledger.Ledger` (``run_id``
+Every batch (continuous: the whole stream) is one run of one :class:`~refspec.energy.ledger.Ledger` (``run_id``
 ``<config id>.<attempt>.b<i>``, appended to the ledger file with flush); the ledger is the
 engine's observer. The record's figures come only from the ledger records this configuration
 wrote, read back from disk and pooled by :func:`refspec.energy.accounting.pool_runs`; this module
@@ -21,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
 import math
-import platform
 import sys
 import time
 import uuid
@@ -35,8 +36,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from refspec import __version__
 from refspec.energy.accounting import Accounting, pool_runs
+from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16, gemm_plan_text, library_versions  # noqa: F401
+from refspec.eval.records import experts_fields  # MoE targets: experts touched per step
 from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
                                  compare_with_baseline, describe_source, ensure_line_end, roofline_prediction)
 from refspec.eval.runtime import UsageError
@@ -56,8 +58,8 @@ class RunConfig:
         k: drafts per step (0 for ``none``; a tree's node budget with ``tree``).
         batch: rows per batch B.
         corpus: built-in corpus name or prompt file.
-        num_prompts: prompts taken from the corpus's eval split (fewer if it has fewer).
-        max_new_tokens: budget per row.
+        num_prompts: at most this many distinct prompts (None: as many as requests).
+        max_new_tokens: budget per request.
         dtype: ``fp32``, ``bf16`` or ``fp16`` (resolved, never ``auto``).
         device: torch device string (resolved).
         meter: meter kind (``auto``, ``zeus``, ``roofline``, ``roofline:<profile>``, ``time``).
@@ -68,6 +70,9 @@ class RunConfig:
         accept_model: injected acceptance model name or file, or None.
         drafter_options: extra drafter options, sorted ``(key, value)`` pairs.
         chat: render chat prompts with the chat template.
+        schedule: ``continuous`` (slots refilled from the stream) or ``static`` (lockstep batches).
+        requests: requests served (None: :func:`refspec.eval.requests.default_requests`).
+        request_rate: open-loop Poisson arrivals per second, None for closed loop.
     """
 
     model: str
@@ -75,7 +80,7 @@ class RunConfig:
     k: int
     batch: int
     corpus: str
-    num_prompts: int
+    num_prompts: int | None
     max_new_tokens: int
     dtype: str
     device: str
@@ -89,12 +94,23 @@ class RunConfig:
     accept_model: str | None = None
     drafter_options: tuple[tuple[str, str], ...] = ()
     chat: bool = True
+    schedule: str = "continuous"
+    requests: int | None = None
+    request_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1:
             raise UsageError(f"batch must be >= 1, got {self.batch}")
-        if self.num_prompts < 1:
+        if self.num_prompts is not None and self.num_prompts < 1:
             raise UsageError(f"num-prompts must be >= 1, got {self.num_prompts}")
+        if self.schedule not in ("continuous", "static"):
+            raise UsageError(f"schedule must be continuous or static, got {self.schedule!r}")
+        if self.requests is not None and self.requests < 1:
+            raise UsageError(f"requests must be >= 1, got {self.requests}")
+        if self.request_rate is not None and not (0 < self.request_rate < math.inf):
+            raise UsageError(f"request rate must be a positive number, got {self.request_rate}")
+        if self.request_rate is not None and self.schedule == "static":
+            raise UsageError("--request-rate needs --schedule continuous (static batches have no arrivals)")
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.k < 0:
@@ -114,6 +130,13 @@ class RunConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_requests(self) -> int:
+        """Requests served: ``requests``, or the default stream for the batch."""
+        from refspec.eval.requests import default_requests
+
+        return self.requests if self.requests is not None else default_requests(self.batch)
+
     def identity(self) -> dict[str, Any]:
         """The JSON-ready settings that identify the configuration."""
         d = dataclasses.asdict(self)
@@ -127,68 +150,20 @@ class RunConfig:
         corpus = Path(self.corpus).stem if ("/" in self.corpus or self.corpus.endswith(".jsonl")) else self.corpus
         tree = "-tree" if self.tree else ""
         inj = "-injected" if self.accept_model else ""
-        return f"{self.drafter}-k{self.k}{tree}-b{self.batch}-{corpus}{inj}-{digest}"
+        sched = "-static" if self.schedule == "static" else ""
+        return f"{self.drafter}-k{self.k}{tree}-b{self.batch}{sched}-{corpus}{inj}-{digest}"
 
     @property
     def label(self) -> str:
         """Short label for tables and progress bars."""
+        sched = " static" if self.schedule == "static" else ""
         if self.is_baseline:
-            return f"none b{self.batch}"
-        return f"{self.drafter}{' tree' if self.tree else ''} k{self.k} b{self.batch}"
+            return f"none b{self.batch}{sched}"
+        return f"{self.drafter}{' tree' if self.tree else ''} k{self.k} b{self.batch}{sched}"
 
     def baseline(self) -> "RunConfig":
         """The no-drafter configuration at the same batch, corpus, budget and settings."""
         return dataclasses.replace(self, drafter="none", k=0, tree=False, accept_model=None, drafter_options=())
-
-
-# ---- dtype and hardware ---------------------------------------------------------------------
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has native bf16 matrix instructions (``avx512_bf16`` or AMX).
-
-    Args:
-        cpuinfo: contents of ``/proc/cpuinfo`` (read when None; False when unreadable).
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags: set[str] = set()
-    for line in cpuinfo.split("\n"):
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[-1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> str:
-    """``bf16`` on CUDA and on CPUs with native bf16 (avx512_bf16/AMX), else ``fp32``.
-
-    Without native bf16 a CPU emulates it and runs slower than fp32.
-    """
-    if device.type == "cuda":
-        return "bf16"
-    return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
-
-
-def _gemm_plan_text() -> str:
-    """The CPU GEMM forms the run's products took (``reference``: F.linear everywhere)."""
-    from refspec.models.ops import gemm_plan
-
-    return gemm_plan().describe() or "reference"
-
-
-def library_versions() -> dict[str, str]:
-    """refspec, Python and the libraries behind a figure (``not installed`` where absent)."""
-    out = {"refspec": __version__, "python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("numpy", "tokenizers", "transformers", "safetensors", "zeus", "datasets"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    if torch.cuda.is_available():
-        out["cuda"] = str(torch.version.cuda)
-        out["gpu"] = torch.cuda.get_device_name(0)
-    return out
 
 
 # ---- one configuration ----------------------------------------------------------------------
@@ -221,16 +196,24 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     Raises:
         UsageError, NoGPUError, DrafterError, AcceptanceModelError, CorpusError: what building them raises.
     """
-    from refspec.eval.corpora.sources import CorpusError
-
     _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
-    try:
-        prompts = session.prompts(cfg.corpus, cfg.num_prompts)
-    except CorpusError as exc:  # the user's prompt file or corpus name: say which flag named it
-        raise UsageError(f"--corpus {cfg.corpus}: {exc}") from exc
+    prompts = _prompts(session, cfg)
     drafter = session.drafter(cfg)
+    if cfg.schedule == "continuous" and drafter is not None and not callable(getattr(drafter, "reset_rows", None)):
+        raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
+                         f"--schedule static")
     _check_context(session, cfg, prompts, drafter)
     _acceptance_injection(cfg, session.device)
+
+
+def _prompts(session: Session, cfg: RunConfig) -> list[list[int]]:
+    """The distinct prompts of ``cfg``'s request stream."""
+    from refspec.eval.corpora.sources import CorpusError
+
+    try:
+        return session.prompts(cfg.corpus, cfg.num_requests, cfg.num_prompts)
+    except CorpusError as exc:  # the user's prompt file or corpus name: say which flag named it
+        raise UsageError(f"--corpus {cfg.corpus}: {exc}") from exc
 
 
 def _check_context(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[int]], drafter: Any) -> None:
@@ -275,19 +258,19 @@ def _run_labels(cfg: RunConfig, batches: int, injection_label: str | None) -> li
             for i in range(batches)]
 
 
-def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, rows: Sequence[Sequence[int]],
-                    run_ids: Sequence[str], labels: Sequence[dict[str, Any]]) -> list[Any]:
-    """Decode ``rows`` in batches of ``cfg.batch``, each batch a ledger run of its own (the first is open)."""
+def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, chunks: Sequence[Sequence[Any]],
+                   run_ids: Sequence[str], labels: Sequence[dict[str, Any]]) -> list[Any]:
+    """Serve each chunk of requests (continuous: the whole stream; static: lockstep batches), each
+    chunk a ledger run of its own (the first is open); returns the ``ServeResult`` of each."""
     from tqdm.auto import tqdm
 
     budget = cfg.max_new_tokens
-    gens = []
-    with tqdm(total=len(rows) * budget, unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
+    results = []
+    with tqdm(total=sum(map(len, chunks)) * budget, unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
               disable=not session.progress, leave=False) as bar:
         for i, run_id in enumerate(run_ids):
             if i:
                 ledger.begin_run(run_id, labels=labels[i])
-            chunk = rows[i * cfg.batch:(i + 1) * cfg.batch]
             counted = [0]
 
             def on_step(step: int, emitted: int, _counted: list[int] = counted) -> None:
@@ -296,30 +279,63 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
 
             engine.on_step = on_step
             gen = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
-            g = engine.generate(chunk, max_new_tokens=budget, generator=gen)
-            gens.append(g)
-            bar.update(len(chunk) * budget - counted[0])
-            bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {g.tau:.2f}")
-    return gens
+            res = (engine.serve(list(chunks[i]), batch=cfg.batch, generator=gen, refill=cfg.schedule == "continuous")
+                   if hasattr(engine, "serve") else _generate_as_serve(engine, chunks[i], cfg, gen))
+            results.append(res)
+            bar.update(len(chunks[i]) * budget - counted[0])
+            bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {res.tau:.2f}")
+    return results
 
 
-def _record(session: Session, cfg: RunConfig, acc: Accounting, *, prompts_unique: int, rows: int,
-            generations: Sequence[Any], ledger_path: Path, injection: dict[str, Any] | None) -> dict[str, Any]:
+def _generate_as_serve(engine: Any, chunk: Sequence[Any], cfg: RunConfig, gen: Any) -> Any:
+    """TEMPORARY (removed when Engine.serve lands): one static batch through ``generate``."""
+    from refspec.serving import RequestResult, ServeResult
+
+    log.warning("Engine.serve is not available yet: serving %d requests as one static batch", len(chunk))
+    g = engine.generate([list(q.prompt) for q in chunk], max_new_tokens=cfg.max_new_tokens, generator=gen)
+    reqs = [RequestResult(id=q.id, slot=i, prompt_length=len(q.prompt), tokens=g.tokens[i],
+                          finished_by_eos=g.finished_by_eos[i], arrival_s=0.0, admitted_s=0.0,
+                          token_times_s=[0.0] * len(g.tokens[i]), accepted_per_step=[]) for i, q in enumerate(chunk)]
+    return ServeResult(requests=reqs, batch=len(chunk), steps=g.steps, accepted_per_step=g.accepted_per_step,
+                       emitted_per_step=g.emitted_per_step, slot_requests_per_step=[], events=g.events)
+
+
+def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, results: Sequence[Any],
+            ledger_path: Path, injection: dict[str, Any] | None) -> dict[str, Any]:
     """The configuration's record: its identity, what ran, and the pooled accounting's figures."""
-    output_digest, row_digests = _digest([t for g in generations for t in g.tokens])
+    served = {r.id: r for res in results for r in res.requests}
+    outputs = [{"id": q.id, "prompt": list(q.prompt), "tokens": list(served[q.id].tokens)} for q in stream.requests]
+    output_digest, row_digests = _digest([o["tokens"] for o in outputs])
     return {
         "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
         "baseline_config_id": cfg.baseline().config_id,
         "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "tree": cfg.tree, "batch": cfg.batch,
         "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
         "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
-        "prompts_unique": prompts_unique, "rows": rows, "batches": len(acc.run_ids),
-        "max_new_tokens": cfg.max_new_tokens, "run_ids": list(acc.run_ids), "ledger": ledger_path.name,
-        **accounting_fields(acc),
+        "schedule": cfg.schedule, "requests": len(stream.requests), "requests_unique": stream.unique,
+        "request_rate": cfg.request_rate, "prompts_unique": stream.unique, "rows": len(stream.requests),
+        "batches": len(acc.run_ids), "max_new_tokens": cfg.max_new_tokens, "run_ids": list(acc.run_ids),
+        "ledger": ledger_path.name, **accounting_fields(acc),
         "time_source": session.time_source, "threads": torch.get_num_threads(),
         "acceptance_injected": injection is not None, "injection": injection,
-        "output_digest": output_digest, "row_digests": row_digests,
+        "output_digest": output_digest, "row_digests": row_digests, "request_outputs": outputs,
     }
+
+
+def _engine_class() -> Any:
+    from refspec.engine import Engine
+
+    return Engine
+
+
+def _margin_fn(session: Session) -> Any:
+    """The per-request audit's top-2 margin of the target (:mod:`refspec.eval.audit`), None without it."""
+    if importlib.util.find_spec("refspec.eval.audit") is None:
+        return None
+    from refspec.eval import audit
+
+    make = getattr(audit, "margin_fn", None)
+    return None if make is None else make(session.target.model)
 
 
 def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
@@ -337,28 +353,34 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     """
     from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
 
+    from refspec.eval.requests import make_stream
+
     t_start = time.perf_counter()
-    prompts = session.prompts(cfg.corpus, cfg.num_prompts)
-    batches = math.ceil(len(prompts) / cfg.batch)
-    rows = [prompts[i % len(prompts)] for i in range(batches * cfg.batch)]
+    prompts = _prompts(session, cfg)
+    stream = make_stream(prompts, cfg.num_requests, max_new_tokens=cfg.max_new_tokens, rate=cfg.request_rate,
+                         seed=cfg.seed)
+    serve = importlib.util.find_spec("refspec.engine") is not None and hasattr(_engine_class(), "serve")
+    chunks = [stream.requests] if cfg.schedule == "continuous" and serve else stream.chunks(cfg.batch)
     drafter = session.drafter(cfg)
     acceptance_fn, injection, inj_label = _acceptance_injection(cfg, session.device)
     attempt = uuid.uuid4().hex[:6]
-    run_ids = [f"{cfg.config_id}.{attempt}.b{i}" for i in range(batches)]
-    labels = _run_labels(cfg, batches, inj_label)
+    run_ids = [f"{cfg.config_id}.{attempt}.b{i}" for i in range(len(chunks))]
+    labels = _run_labels(cfg, len(chunks), inj_label)
     with Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a", meter_source=session.meter.source,
                 idle_w=getattr(session.meter, "idle_w", None)) as ledger:
         engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
-        session.warm(engine, cfg, rows[: cfg.batch])
-        gens = _decode_batches(session, cfg, engine, ledger, rows, run_ids, labels)
+        session.warm(engine, cfg, prompts)
+        results = _decode_batches(session, cfg, engine, ledger, chunks, run_ids, labels)
     try:
         # the figures come from the ledger as written to disk, never from the engine's own counts
-        acc = pool_runs(read_ledger(ledger_path, offset=ledger.start_offset), ledger.run_ids)
-        record = _record(session, cfg, acc, prompts_unique=len(prompts), rows=len(rows), generations=gens,
-                         ledger_path=ledger_path, injection=injection)
-        record["roofline"] = roofline_prediction(session, cfg, drafter, rows, acc.tau)
-        compare_with_baseline(record, baseline)
-        record.update(versions=library_versions(), cpu_gemm_plan=_gemm_plan_text(),
+        ledger_records = read_ledger(ledger_path, offset=ledger.start_offset)
+        acc = pool_runs(ledger_records, ledger.run_ids)
+        record = _record(session, cfg, acc, stream=stream, results=results, ledger_path=ledger_path,
+                         injection=injection)
+        record.update(experts_fields(ledger_records, ledger.run_ids))
+        record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau)
+        compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
+        record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
                       wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
@@ -366,7 +388,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",
              acc.tokens_per_s or 0.0, "n/a" if acc.j_per_token is None else f"{acc.j_per_token:.4g}",
              record["energy_source_text"])
-    return ConfigResult(record=record, generations=gens)
+    return ConfigResult(record=record, generations=results)
 
 
 __all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration", "resolve_defaults",

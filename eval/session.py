@@ -159,37 +159,45 @@ class Session:
             self._drafters[key] = registry.build(cfg.drafter, ctx)
         return self._drafters[key]
 
-    def prompts(self, corpus: str, num_prompts: int) -> list[list[int]]:
-        """Token ids of the first ``num_prompts`` eval prompts of ``corpus``."""
-        key = (corpus, num_prompts)
+    def prompts(self, corpus: str, wanted: int, cap: int | None = None) -> list[list[int]]:
+        """Token ids of up to ``min(wanted, cap)`` distinct eval prompts of ``corpus``
+        (:func:`refspec.eval.requests.corpus_prompts`)."""
+        key = (corpus, wanted, cap)
         if key not in self._prompts:
-            from refspec.eval.corpora import build_prompts, load_corpus
+            from refspec.eval.requests import corpus_prompts
 
-            ds = load_corpus(corpus, split="eval")
-            if len(ds) == 0:
-                raise UsageError(f"corpus {corpus!r} has no eval prompts")
-            if len(ds) < num_prompts:
-                log.warning("corpus %s has %d eval prompts, fewer than --num-prompts %d; using all of them",
-                            corpus, len(ds), num_prompts)
-            rows = ds.select(range(min(num_prompts, len(ds))))
             tok = self.target.tokenizer
             chat = self.chat and bool(getattr(tok, "has_chat_template", False))
-            self._prompts[key] = build_prompts(rows, tok, chat=chat)
+            try:
+                self._prompts[key] = corpus_prompts(corpus, tok, chat=chat, wanted=wanted, cap=cap)
+            except ValueError as exc:
+                if "no eval prompts" in str(exc):
+                    raise UsageError(str(exc)) from None
+                raise
         return self._prompts[key]
 
     def warm(self, engine: Any, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
-        """One short unrecorded generation at this (drafter, K, batch), once per session."""
-        key = (cfg.drafter, cfg.k, cfg.tree, cfg.batch)
+        """One short unrecorded run at this (drafter, K, batch, schedule), once per session: a
+        static batch, or a continuous stream one request longer than the batch (so a refill runs)."""
+        key = (cfg.drafter, cfg.k, cfg.tree, cfg.batch, cfg.schedule)
         if not self.warmup or key in self._warm:
             return
         self._warm.add(key)
         from refspec.engine import Engine
+        from refspec.serving import Request
 
         quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=(),
                        verify_fn=engine.verify_fn)
         t0 = time.perf_counter()
-        quiet.generate(list(prompts), max_new_tokens=min(4, cfg.max_new_tokens),
-                       generator=torch.Generator(device=self.device).manual_seed(0))
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        budget = min(4, cfg.max_new_tokens)
+        if cfg.schedule == "continuous" and hasattr(quiet, "serve"):
+            n = cfg.batch + 1
+            quiet.serve([Request(id=i, prompt=tuple(prompts[i % len(prompts)]), max_new_tokens=budget)
+                         for i in range(n)], batch=cfg.batch, generator=gen)
+        else:
+            quiet.generate([list(prompts[i % len(prompts)]) for i in range(cfg.batch)], max_new_tokens=budget,
+                           generator=gen)
         log.debug("warm-up of %s took %.2f s", cfg.label, time.perf_counter() - t0)
 
 

@@ -35,6 +35,13 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("latency-inf", [*RUN, "--latency-target", "inf"], "--latency-target", False),
     ("num-prompts-zero", [*RUN, "--num-prompts", "0"], "--num-prompts", False),
     ("max-new-tokens-zero", [*RUN, "--max-new-tokens", "0"], "--max-new-tokens", False),
+    ("requests-zero", [*RUN, "--requests", "0"], "--requests", False),
+    ("requests-negative", ["sweep", *RUN, "--requests", "-3"], "--requests", False),
+    ("request-rate-negative", [*RUN, "--request-rate", "-2"], "--request-rate", False),
+    ("request-rate-zero", [*RUN, "--request-rate", "0"], "--request-rate", False),
+    ("request-rate-nan", [*RUN, "--request-rate", "nan"], "--request-rate", False),
+    ("request-rate-with-static", [*RUN, "--request-rate", "2", "--schedule", "static"], "--request-rate", False),
+    ("schedule-unknown", [*RUN, "--schedule", "dynamic"], "--schedule", False),
     ("batch-zero", [*RUN, "--batch", "0"], "--batch", False),
     ("k-negative", [*RUN, "--k", "-1"], "--k", False),
     ("k-zero-with-drafter", [*RUN, "--drafter", "ngram", "--k", "0"], "--k 0", False),
@@ -71,6 +78,11 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("sweep-task-outside", ["sweep", *RUN, "--task-index", "99"], "--task-index", False),
     ("report-latency-nan", ["report", "{report}", "--latency-target", "nan"], "--latency-target", False),
     ("report-latency-negative", ["report", "{report}", "--latency-target", "-0.5"], "--latency-target", False),
+    ("report-ttft-negative", ["report", "{report}", "--ttft-target", "-1"], "--ttft-target", False),
+    ("report-ttft-nan", ["report", "{report}", "--ttft-target", "nan"], "--ttft-target", False),
+    ("report-ttft-zero", ["report", "{report}", "--ttft-target", "0", "--latency-target", "0.05"], "--ttft-target",
+     False),
+    ("report-ttft-old-records", ["report", "{report_old}", "--ttft-target", "1"], "--ttft-target", False),
     ("report-not-a-dir", ["report", "{new}"], "report", False),
     ("report-unknown-version", ["report", "{report_v99}"], "record_version", False),
     ("report-missing-fields", ["report", "{report_short}"], "lacks", False),
@@ -165,6 +177,10 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "report": str(_report_dir(root, "report", record)),
         "report_v99": str(_report_dir(root, "report_v99", {**record, "record_version": 99})),
         "report_short": str(_report_dir(root, "report_short", record)),
+        "report_old": str(_report_dir(root, "report_old", {  # a complete static record from before serving windows
+            **record, "drafter": "none", "k": 0, "batch": 1, "corpus": "x", "model": "m", "tau": None,
+            "energy_per_token_j": 0.1, "tpot_p99_s": 0.01, "baseline_config_id": record["config_id"],
+            "energy_source": "modelled:roofline(cpu)"})),
     }
 
 

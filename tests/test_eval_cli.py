@@ -83,9 +83,9 @@ def _lines(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run_dir(tiny, tmp_path_factory) -> Path:
-    """One default-style run (ngram vs baseline, batch 4, 5 prompts) shared by several tests."""
+    """One default-style run (ngram vs baseline, continuous, batch 4, 8 requests over 5 prompts) shared by several tests."""
     out = tmp_path_factory.mktemp("run")
-    rc = cli.main([*_base(tiny), "--batch", "4", "--num-prompts", "5", "--latency-target", "10",
+    rc = cli.main([*_base(tiny), "--batch", "4", "--num-prompts", "5", "--requests", "8", "--latency-target", "10",
                    "--export-acceptance", str(out / "acceptance.json"), "--out", str(out)])
     assert rc == 0, "the run command failed on the tiny model"
     return out
@@ -107,7 +107,8 @@ def test_summary_has_one_object_per_configuration_with_the_required_fields(run_d
         assert not missing, f"{r['config_id']} lacks {missing}"
         assert set(r) <= set(RECORD_FIELDS), f"undocumented record fields {sorted(set(r) - set(RECORD_FIELDS))}"
     spec = summary[1]
-    assert spec["prompts_unique"] == 5 and spec["rows"] == 8 and spec["batches"] == 2, "5 prompts fill 2 batches of 4"
+    assert spec["prompts_unique"] == 5 and spec["rows"] == 8 and spec["batches"] == 1, "8 requests, one continuous run"
+    assert spec["schedule"] == "continuous" and spec["requests"] == 8 and spec["requests_unique"] == 5
     assert spec["energy_source"].startswith("modelled:roofline(") and spec["energy_measured"] is False
     assert "modelled" in spec["energy_source_text"] and "not measured" in spec["energy_source_text"]
     assert spec["greedy_match_baseline"] is True, "fp32 greedy speculation must reproduce the baseline"
@@ -132,16 +133,18 @@ def test_record_figures_are_the_pooled_accounting_of_its_ledger_runs(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = read_ledger(run_dir / "ledger.jsonl")
     spec = summary[1]
-    assert len(spec["run_ids"]) == 2, "two batches, two ledger runs, pooled"
+    assert len(spec["run_ids"]) == 1, "a continuous stream is one ledger run"
     acc = pool_runs(ledger, spec["run_ids"])
-    pairs = {"energy_per_token_j": acc.j_per_token, "tau": acc.tau, "tpot_p50_s": acc.tpot_p50_s,
+    pairs = {"energy_per_token_j": acc.window_j_per_token, "energy_per_token_j_run": acc.j_per_token,
+             "tau": acc.tau, "tpot_p50_s": acc.tpot_p50_s, "ttft_p99_s": acc.ttft_p99_s,
+             "mean_active_rows": acc.mean_active_rows, "window_tokens": acc.window.tokens,
              "tpot_p99_s": acc.tpot_p99_s, "tokens_per_s": acc.tokens_per_s, "phase_share": acc.phase_share,
              "line_items_j": acc.line_items_j, "closes": acc.closes, "emitted": acc.emitted}
     for field, value in pairs.items():
         assert spec[field] == value, field
-    # and directly from the raw phase records of both runs
+    # and directly from the raw phase records of the run
     phases = [r for r in ledger if r.get("kind") == "phase" and r["run_id"] in spec["run_ids"]]
-    assert spec["energy_per_token_j"] == pytest.approx(sum(r["energy_j"] for r in phases)
+    assert spec["energy_per_token_j_run"] == pytest.approx(sum(r["energy_j"] for r in phases)
                                                        / sum(r["emitted"] for r in phases), rel=1e-12)
 
 

@@ -98,4 +98,32 @@ def build_prompts(dataset: Iterable[Mapping[str, Any]], tokenizer: PromptTokeniz
     return out
 
 
-__all__ = ["PromptTokenizer", "build_prompts"]
+def continuation_windows(full: Sequence[int], prose_tokens: int = 128) -> list[list[int]]:
+    """Every continuation prompt of one prose text, for request streams longer than the corpus.
+
+    The first is :func:`build_prompts`' own (the first ``n = min(prose_tokens, len // 2)``
+    tokens, at least 1); the others are windows of the same ``n`` tokens ending at later cut
+    points ``n / 4`` apart (at least 1), each leaving at least ``n / 2`` tokens of the text
+    after it, so the target still continues inside the same text.
+    """
+    n = min(prose_tokens, max(1, len(full) // 2))
+    cuts = range(n, len(full) - max(1, n // 2) + 1, max(1, n // 4))
+    return [list(full[c - n:c]) for c in cuts] or [list(full[:n])]
+
+
+def prose_windows(dataset: Iterable[Mapping[str, Any]], tokenizer: PromptTokenizer, *,
+                  prose_tokens: int = 128) -> list[list[list[int]]]:
+    """:func:`continuation_windows` of every prose row (``[]`` for chat and code rows), in order."""
+    out: list[list[list[int]]] = []
+    for row in dataset:
+        corpus = row.get("corpus", "")
+        kind = row.get("kind") or (CORPORA[corpus].kind if corpus in CORPORA else "chat")
+        if kind != "prose":
+            out.append([])
+            continue
+        full = _as_ids(tokenizer.encode(row.get("text") or row["prompt"]), "encode")
+        out.append(continuation_windows(full, prose_tokens) if full else [])
+    return out
+
+
+__all__ = ["PromptTokenizer", "build_prompts", "continuation_windows", "prose_windows"]

@@ -1,0 +1,202 @@
+"""Serving conditions through ``python -m refspec.eval``: the request stream, the schedules, open-loop
+arrivals and the summary fields, on the tiny random llama of test_eval_cli (in-process)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refspec.energy.accounting import pool_runs
+from refspec.energy.ledger import read_ledger
+from refspec.eval import cli
+from refspec.eval.cli_args import SUMMARY_FIELDS
+from refspec.eval.corpora import build_prompts, continuation_windows
+from refspec.eval.records import RECORD_FIELDS
+from refspec.eval.requests import corpus_prompts, default_requests, make_stream, poisson_arrivals
+import test_eval_cli
+from test_eval_cli import QUIET
+
+tiny, one_thread = test_eval_cli.tiny, test_eval_cli.one_thread  # the tiny model and one thread, as there
+BUDGET = 6
+
+
+def _run(tiny, out: Path, *extra: str) -> list[dict]:
+    """One run (ngram against the baseline) with a modelled clock, so figures repeat exactly."""
+    argv = ["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", str(BUDGET),
+            "--meter", "roofline:h200", *QUIET, "--out", str(out), *extra]
+    assert cli.main(argv) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def continuous(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("continuous")
+    return out, _run(tiny, out, "--batch", "2", "--requests", "7")
+
+
+@pytest.fixture(scope="module")
+def static(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("static")
+    return out, _run(tiny, out, "--batch", "2", "--requests", "7", "--schedule", "static")
+
+
+# ---- the request stream ---------------------------------------------------------------------------
+def test_poisson_arrivals_are_reproducible_from_the_seed_and_have_the_rate():
+    a = poisson_arrivals(20_000, 4.0, seed=11)
+    assert a == poisson_arrivals(20_000, 4.0, seed=11), "the same seed gives the same arrivals"
+    assert a != poisson_arrivals(20_000, 4.0, seed=12)
+    gaps = np.diff(a)
+    assert a[0] == 0.0 and (gaps > 0).all()
+    # mean gap 1/rate; the sample mean of 19,999 exponential gaps has sd 0.25/sqrt(19999) = 0.0018:
+    # 6 sd (false failure ~2e-9)
+    assert abs(gaps.mean() - 0.25) < 6 * 0.25 / math.sqrt(len(gaps))
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0, seed=0)
+
+
+def test_stream_repeats_prompts_only_beyond_the_distinct_ones():
+    prompts = [[3, 4], [5], [6, 7, 8]]
+    s = make_stream(prompts, 7, max_new_tokens=5)
+    assert [r.id for r in s.requests] == list(range(7)) and s.unique == 3
+    assert [list(r.prompt) for r in s.requests] == [prompts[i % 3] for i in range(7)]
+    assert all(r.arrival_s is None and r.max_new_tokens == 5 for r in s.requests), "closed loop by default"
+    assert make_stream(prompts, 2, max_new_tokens=5).unique == 2
+    s = make_stream(prompts, 4, max_new_tokens=5, rate=2.0, seed=3)
+    assert [r.arrival_s for r in s.requests] == poisson_arrivals(4, 2.0, 3)
+    assert [len(c) for c in make_stream(prompts, 7, max_new_tokens=5).chunks(3)] == [3, 3, 1]
+    assert default_requests(8) == 32
+
+
+def test_continuation_windows_cut_distinct_prompts_inside_the_text():
+    full = list(range(100, 140))  # 40 tokens: n = 20, cut points 20, 25, 30 (each leaves >= 10)
+    windows = continuation_windows(full, prose_tokens=128)
+    assert windows[0] == full[:20], "the first is build_prompts' own prompt"
+    assert [w[-1] for w in windows] == [full[c - 1] for c in (20, 25, 30)]
+    assert all(len(w) == 20 for w in windows) and len({tuple(w) for w in windows}) == 3
+    assert continuation_windows([7], 128) == [[7]] and continuation_windows([7, 8], 128) == [[7]]
+
+
+def test_prose_corpus_gives_more_distinct_prompts_than_texts(tiny, tmp_path):
+    from refspec.assets.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny["model"])
+    path = tmp_path / "prose.jsonl"
+    texts = [" ".join(f"w{3 + (i * 7 + j * (i + 3)) % 90}" for j in range(40)) for i in range(3)]
+    path.write_text("".join(json.dumps({"prompt": t, "kind": "prose"}) + "\n" for t in texts))
+    firsts = build_prompts([{"prompt": t, "kind": "prose"} for t in texts], tok, chat=False)
+    got = corpus_prompts(str(path), tok, chat=False, wanted=100)
+    assert got[:3] == firsts, "the corpus's own prompts come first"
+    assert len(got) == len({tuple(p) for p in got}) == 3 * 3, "three cuts of each 40-token text, all distinct"
+    assert corpus_prompts(str(path), tok, chat=False, wanted=5) == got[:5]
+    assert corpus_prompts(str(path), tok, chat=False, wanted=9, cap=2) == got[:2]
+
+
+# ---- the CLI --------------------------------------------------------------------------------------
+def test_continuous_default_record_has_consistent_serving_fields(continuous):
+    out, summary = continuous
+    assert [r["drafter"] for r in summary] == ["none", "ngram"]
+    for r in summary:
+        missing = [f for f in SUMMARY_FIELDS if f not in r]
+        assert not missing, f"{r['config_id']} lacks {missing}"
+        assert set(r) <= set(RECORD_FIELDS), f"undocumented fields {sorted(set(r) - set(RECORD_FIELDS))}"
+        assert r["record_version"] == 3 and r["schedule"] == "continuous" and r["batches"] == 1
+        assert r["requests"] == 7 and r["requests_unique"] == 5, "5 prompts in the file: 7 requests repeat 2"
+        assert r["window_first_step"] == 0, "closed loop: every slot is busy from the first step"
+        assert r["window_last_step"] >= r["window_first_step"]
+        assert 0 < r["window_tokens"] <= r["emitted"] and r["window_s"] <= r["total_time_s"]
+        assert 0 < r["mean_active_rows"] <= r["window_mean_active_rows"] == 2
+        assert r["energy_per_token_j"] == pytest.approx(r["window_energy_j"] / r["window_tokens"], rel=1e-12)
+        assert r["energy_per_token_j_run"] == pytest.approx(r["total_energy_j"] / r["emitted"], rel=1e-12)
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] <= r["tpot_p99_s"]
+        outputs = r["request_outputs"]
+        assert [o["id"] for o in outputs] == list(range(7))
+        assert sum(len(o["tokens"]) for o in outputs) == r["emitted"] and all(len(o["tokens"]) <= BUDGET
+                                                                             for o in outputs)
+        assert outputs[5]["prompt"] == outputs[0]["prompt"] != outputs[1]["prompt"]
+    base, spec = summary
+    assert [o["tokens"] for o in spec["request_outputs"]] == [o["tokens"] for o in base["request_outputs"]], \
+        "fp32 greedy speculation under continuous batching reproduces the baseline request by request"
+    assert spec["greedy_match_baseline"] is True
+
+
+def test_record_window_is_the_accounting_of_its_ledger(continuous):
+    out, summary = continuous
+    ledger = read_ledger(out / "ledger.jsonl")
+    for r in summary:
+        acc = pool_runs(ledger, r["run_ids"])
+        w = acc.window
+        assert (w.first_step, w.last_step, w.tokens, w.time_s) == (r["window_first_step"], r["window_last_step"],
+                                                                    r["window_tokens"], r["window_s"])
+        assert acc.window_j_per_token == r["energy_per_token_j"] and acc.j_per_token == r["energy_per_token_j_run"]
+        assert [len(o["tokens"]) for o in r["request_outputs"]] == [q.tokens for q in acc.requests], \
+            "the ledger's emissions per request are the tokens each request got"
+        phases = [p for p in ledger if p.get("kind") == "phase" and p["run_id"] in r["run_ids"]]
+        inside = [p for p in phases if w.bounds[0][0] <= p["step"] < w.bounds[0][1]]
+        assert r["window_tokens"] == sum(p["emitted"] for p in inside)
+
+
+def test_static_schedule_serves_the_same_requests_in_lockstep_batches(continuous, static):
+    _, cont = continuous
+    out, stat = static
+    for c, s in zip(cont, stat):
+        assert s["schedule"] == "static" and s["batches"] == 4 and len(s["run_ids"]) == 4, "7 requests, batches of 2"
+        assert s["window_first_step"] is None and len(s["window_bounds"]) == 4, "pooled batches: bounds per run"
+        assert s["window_bounds"][-1] is None, "the last batch holds one request: never every slot busy"
+        assert s["config_id"] != c["config_id"] and "-static-" in s["config_id"]
+        assert [o["tokens"] for o in s["request_outputs"]] == [o["tokens"] for o in c["request_outputs"]], \
+            "fp32 greedy: static and continuous give every request the same tokens"
+        assert s["mean_active_rows"] <= 2
+
+
+def test_open_loop_is_reproducible_and_empty_slots_emit_nothing(tiny, tmp_path):
+    runs = [_run(tiny, tmp_path / name, "--batch", "2", "--requests", "6", "--request-rate", rate, "--seed", seed,
+                 "--drafter", "none")
+            for name, rate, seed in (("a", "20000", "5"), ("b", "20000", "5"), ("c", "20000", "6"))]
+    a, b, c = (r[0] for r in runs)
+    assert a["request_rate"] == 20000.0
+    keys = ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "window_bounds", "total_time_s", "mean_active_rows")
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, "same seed, same arrivals, same modelled run"
+    assert {k: a[k] for k in keys} != {k: c[k] for k in keys}, "another seed, other arrivals"
+    ledger = read_ledger(tmp_path / "a" / "ledger.jsonl")
+    decode = [p for p in ledger if p.get("kind") == "phase" and p["phase"] != "prefill"]
+    empty = [(p["slot_requests"][i], p["emitted_per_row"][i]) for p in decode if p["emitted_per_row"]
+             for i in range(2) if p["slot_requests"][i] < 0]
+    assert all(n == 0 for _, n in empty), "an empty slot emits no tokens"
+    assert [q.arrival_s for q in pool_runs(ledger, a["run_ids"]).requests] == poisson_arrivals(6, 20000.0, 5)
+
+
+def test_default_stream_is_four_requests_per_slot(tiny, tmp_path):
+    (r,) = _run(tiny, tmp_path / "d", "--batch", "2", "--drafter", "none", "--max-new-tokens", "2")
+    assert r["requests"] == 8 and r["requests_unique"] == 5 and r["prompts_unique"] == 5
+
+
+def test_help_documents_the_summary_fields(capsys):
+    assert cli.main(["run", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--schedule" in text and "--requests" in text and "--request-rate" in text
+    for name in SUMMARY_FIELDS:
+        assert f"  {name}: " in text, f"--help does not document {name}"
+
+
+def test_a_drafter_without_a_per_slot_reset_needs_the_static_schedule(tiny, tmp_path, monkeypatch, capsys):
+    import sys
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "noresetdrafter.py").write_text(
+        "from refspec.drafters.example import BigramDrafter\n\n\n"
+        "class NoReset(BigramDrafter):\n    reset_rows = None  # a drafter written before refills existed\n")
+    monkeypatch.syspath_prepend(str(mods))
+    argv = ["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "4", "--meter",
+            "time", *QUIET, "--batch", "2", "--requests", "4", "--drafter", "noresetdrafter:NoReset"]
+    try:
+        assert cli.main([*argv, "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert "has no reset_rows" in err and "--schedule static" in err
+        assert not (tmp_path / "c" / "records.jsonl").exists(), "refused before anything ran"
+        assert cli.main([*argv, "--schedule", "static", "--out", str(tmp_path / "s")]) == 0
+    finally:
+        sys.modules.pop("noresetdrafter", None)

@@ -1,8 +1,8 @@
 """The report's plots (matplotlib, Agg), each drawn from configuration records as they are.
 
-Every value drawn is a field of a record (:data:`refspec.eval.records.RECORD_FIELDS`), computed
-by :mod:`refspec.energy.accounting`; nothing is averaged or divided here. Files, in the report
-directory:
+Every value drawn is a field of a record (:data:`refspec.eval.records.RECORD_FIELDS`),
+computed by :mod:`refspec.energy.accounting`, or (active rows) the ledger's own per-step count;
+nothing is averaged or divided here. Files, in the report directory:
 
 * ``energy_vs_batch.png``: J per output token against batch per drafter and K, one panel per
   corpus, with the roofline prediction of the same configurations dashed;
@@ -12,7 +12,9 @@ directory:
   p99 TPOT target drawn and the lowest-energy configuration meeting every target marked
   (:func:`refspec.energy.latency.choose`);
 * ``window_vs_run.png``: J per output token over the steady-state window and over the whole
-  run against batch, per corpus (records with serving window fields only).
+  run against batch, per corpus (records with serving window fields only);
+* ``active_rows.png``: active rows per decode step as the ledger recorded them, per corpus and
+  batch, the steady-state window shaded (the one plot that reads the ledger: raw counts).
 
 Every figure says where its energy came from (measured by which counter, or modelled by which
 roofline profile), and every injected-acceptance run is labelled as such.
@@ -270,20 +272,69 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     return path
 
 
+def active_rows_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """``rows_active`` of each decode step as the ledger recorded it, per run id (prefill phases left out)."""
+    from refspec.energy.ledger import read_ledger
+
+    rows: dict[str, dict[int, int]] = defaultdict(dict)
+    for path in ledgers:
+        if not Path(path).is_file():
+            continue
+        for rec in read_ledger(path):
+            rid = rec.get("run_id")
+            if rec.get("kind") == "phase" and rid in run_ids and rec.get("phase") != "prefill" and rec["step"] >= 0:
+                rows[rid][int(rec["step"])] = max(rows[rid].get(int(rec["step"]), 0), int(rec.get("rows_active", 0)))
+    return {rid: sorted(steps.items()) for rid, steps in rows.items()}
+
+
+def plot_active_rows(records: Sequence[Mapping[str, Any]], ledgers: Sequence[Path], path: Path) -> Path | None:
+    """Active rows over decode steps, one panel per corpus and batch, the steady-state window shaded.
+
+    Drawn from the ledger's ``rows_active`` of each decode step of a configuration's first run
+    and the record's ``window_first_step``/``window_last_step``; a record without them is skipped.
+    """
+    recs = [r for r in records if r.get("run_ids") and r.get("window_first_step") is not None]
+    series = active_rows_by_step(ledgers, {r["run_ids"][0] for r in recs})
+    recs = [r for r in recs if series.get(r["run_ids"][0])]
+    if not recs:
+        return None
+    panels = sorted({(str(r["corpus"]), int(r["batch"])) for r in recs})
+    colors = _colors(recs)
+    plt, fig, axes = _panels(len(panels), height=3.2)
+    for ax, (corpus, batch) in zip(axes, panels):
+        for r in (r for r in recs if (str(r["corpus"]), int(r["batch"])) == (corpus, batch)):
+            steps = series[r["run_ids"][0]]
+            c = colors[series_label(r)]
+            ax.step([s for s, _ in steps], [n for _, n in steps], where="post", color=c, lw=1,
+                    label=f"{series_label(r)}, mean {r.get('mean_active_rows', float('nan')):.1f}")
+            ax.axvspan(r["window_first_step"], r["window_last_step"] + 1, color=c, alpha=0.12)
+        ax.set_ylim(0, batch * 1.08)
+        ax.set_title(f"{corpus}, batch {batch}", fontsize=10)
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("active rows (ledger)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, title="shaded: steady-state window", title_fontsize=6)
+    _suptitle(fig, "Active rows per decode step (first run of each configuration); the steady-state window shaded")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _finite(x: Any) -> bool:
     return x is not None and math.isfinite(float(x))
 
 
 def write_plots(records: Sequence[Mapping[str, Any]], out_dir: Path, target_s: float | None,
-                choices: Mapping[str, Mapping[str, Any]] | None) -> list[Path]:
+                choices: Mapping[str, Any] | None, ledgers: Sequence[Path] = ()) -> list[Path]:
     """Draw every plot into ``out_dir``; returns the files written (a plot without data is skipped)."""
     plots = (plot_energy_vs_batch(records, out_dir / "energy_vs_batch.png"),
              plot_tau_by_corpus(records, out_dir / "tau_by_corpus.png"),
              plot_phase_energy(records, out_dir / "phase_energy.png"),
              plot_latency_energy(records, out_dir / "latency_energy.png", target_s, choices),
-             plot_window_vs_run(records, out_dir / "window_vs_run.png"))
+             plot_window_vs_run(records, out_dir / "window_vs_run.png"),
+             plot_active_rows(records, ledgers, out_dir / "active_rows.png"))
     return [p for p in plots if p is not None]
 
 
 __all__ = ["plot_energy_vs_batch", "plot_tau_by_corpus", "plot_phase_energy", "plot_latency_energy",
-           "plot_window_vs_run", "write_plots"]
+           "plot_window_vs_run", "plot_active_rows", "write_plots"]

@@ -297,7 +297,7 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
     recs = sorted(records, key=sort_key)
     targets = Targets(latency_target_s, ttft_target_s)
     choices = latency_choices(recs, targets)
-    plots = write_plots(recs, out_dir, latency_target_s, choices)
+    plots = write_plots(recs, out_dir, latency_target_s, choices, ledgers)
     md = _intro_md(recs, title) + _results_md(recs) + _closure_md(recs)
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += targets_md(recs, targets, choices, config_label) + _audit_md(recs, corrupt, ledgers)

@@ -273,3 +273,23 @@ def test_a_ttft_target_over_records_without_ttft_is_one_error_and_rewrites_nothi
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--ttft-target" in err and "absent" in err
     assert sorted(p.name for p in d.iterdir()) == ["records.jsonl"]
+
+
+def test_active_rows_come_from_the_ledger_steps_and_the_plot_is_drawn(tmp_path):
+    from refspec.eval.plots import active_rows_by_step, plot_active_rows
+
+    ledger = tmp_path / "ledger.jsonl"
+    rows = [4, 4, 4, 3, 1]
+    lines = [{"kind": "phase", "run_id": "r", "step": -1, "phase": "prefill", "rows_active": 4}]
+    for step, n in enumerate(rows):
+        lines += [{"kind": "phase", "run_id": "r", "step": step, "phase": "verify", "rows_active": n},
+                  {"kind": "phase", "run_id": "r", "step": step, "phase": "prefill", "rows_active": 1},
+                  {"kind": "phase", "run_id": "other", "step": step, "phase": "verify", "rows_active": 2}]
+    from refspec.energy.ledger import LEDGER_VERSION
+
+    common = {"version": LEDGER_VERSION, "batch": 4, "time_s": 0.1, "source": "modelled:roofline(cpu)"}
+    ledger.write_text("".join(json.dumps({**common, **x}) + "\n" for x in lines))
+    assert active_rows_by_step([ledger], {"r"}) == {"r": list(enumerate(rows))}, "refill prefills are not decode"
+    rec = {**SWEEP[1], "run_ids": ["r"], "window_first_step": 0, "window_last_step": 2}
+    assert plot_active_rows([rec], [ledger], tmp_path / "a.png") == tmp_path / "a.png"
+    assert plot_active_rows([{**rec, "window_first_step": None}], [ledger], tmp_path / "b.png") is None

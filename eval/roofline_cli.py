@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from refspec.energy.architectures import ARCHS, arch, dense_equivalent
 from refspec.config import ModelArgs
 from refspec.energy.roofline import (EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, expected_experts,
-                                     get_profile, loss_regions, predict_step)
+                                     get_profile, predict_step)
 from refspec.eval.cli_checks import check_path_for_dir
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 
@@ -50,6 +50,46 @@ def _drafter(text: str) -> DrafterModel:
         return DrafterModel(name=text, args=arch(text))
     except ValueError as exc:
         raise UsageError(f"--drafter {text!r}: {one_line(exc)}") from None
+
+
+def loss_regions(target: ModelArgs, profile: HardwareProfile, *, k: int, context: int, acceptance: float,
+                 drafter: DrafterModel | None = EAGLE_HEAD, dtype_bytes: int = 2,
+                 max_batch: int = 4096) -> list[tuple[int, int]]:
+    """Batch intervals ``[(first, last), ...]`` in 1..``max_batch`` where speculation with draft
+    length ``k`` costs more energy per token than plain decoding (J/token at k above k = 0).
+
+    A dense target loses only at large batch, once verification turns compute-bound. A
+    mixture-of-experts target can also lose at small batch: B x (K+1) verified tokens route to
+    more distinct experts than B decoded ones, so verification reads more weight bytes, until
+    B alone already touches nearly every expert. Found on a grid of batches (powers of two
+    and their midpoints) with each change of sign bisected to the exact batch.
+    """
+    if k <= 0:
+        return []
+
+    def loses(b: int) -> bool:
+        kw = dict(batch=b, context=context, acceptance=acceptance, drafter=drafter, dtype_bytes=dtype_bytes)
+        return predict_step(target, profile, k=k, **kw).j_per_token > predict_step(target, profile, k=0, **kw).j_per_token
+
+    grid = sorted({b for p in range(max_batch.bit_length()) for b in (1 << p, 3 << p >> 1) if 1 <= b <= max_batch}
+                  | {max_batch})
+    marks = [(b, loses(b)) for b in grid]
+    regions: list[tuple[int, int]] = []
+    start = 1 if marks[0][1] else None
+    for (lo, lo_loses), (hi, hi_loses) in zip(marks, marks[1:]):
+        if lo_loses == hi_loses:
+            continue
+        while hi - lo > 1:  # loses(lo) != loses(hi): find the first batch of hi's sign
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if loses(mid) == lo_loses else (lo, mid)
+        if hi_loses:
+            start = hi
+        else:
+            regions.append((start, lo))
+            start = None
+    if start is not None:
+        regions.append((start, max_batch))
+    return regions
 
 
 def _checked(args: argparse.Namespace) -> tuple[list[int], list[int], list[float]]:

@@ -64,7 +64,7 @@ def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> t
 def dispatch_gather(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Each routed expert over its own tokens. Returns ``(out [N, E], distinct experts)``."""
-    n, k = experts.shape
+    k = experts.shape[1]
     flat = experts.flatten()  # [N*k] pair p = token p // k, choice p % k
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # host sync: the loop below
@@ -93,7 +93,7 @@ def dispatch_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
                      down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-sorted pairs through grouped GEMMs (static shapes, no host sync).
     Returns ``(out [N, E], distinct experts as a device scalar)``."""
-    n, k = experts.shape
+    k = experts.shape[1]
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
     ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)  # [X] group ends

@@ -232,7 +232,7 @@ def _brute_loss_batches(target, k, a, batches):
 @pytest.mark.parametrize("name, k, a", [("llama-3.1-8b", 3, 0.6), ("qwen3-30b-a3b", 3, 0.6),
                                         ("qwen3-30b-a3b", 7, 0.8), ("mixtral-8x7b", 7, 0.6)])
 def test_loss_regions_equal_a_batch_by_batch_scan(name, k, a):
-    from refspec.energy.roofline import loss_regions
+    from refspec.eval.roofline_cli import loss_regions
 
     target = arch(name)
     regions = loss_regions(target, H200_SXM, k=k, context=512, acceptance=a, max_batch=300)

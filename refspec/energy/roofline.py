@@ -52,6 +52,7 @@ from refspec.config import ModelArgs
 from refspec.energy.architectures import ARCHS, arch, dense_equivalent  # noqa: F401  (re-exported)
 from refspec.energy.hardware import (GPU_PROFILES, H100_SXM, H200_SXM, HardwareProfile,  # noqa: F401  (re-exported)
                                      cpu_profile, get_profile)
+from refspec.energy.experts import expected_experts, expert_parameters, expert_work  # noqa: F401  (re-exported)
 from refspec.energy.phases import ForwardShape
 
 
@@ -125,22 +126,6 @@ def layer_parameters(args: ModelArgs, layer: int = 0) -> tuple[int, int]:
     return matrices, other
 
 
-def expert_parameters(args: ModelArgs) -> int:
-    """Matrix elements of one routed expert (gate, up, down), 0 for a dense model."""
-    return 3 * args.hidden_size * args.moe_intermediate_size if args.is_moe else 0
-
-
-def expected_experts(num_experts: int, top_k: int, tokens: float) -> float:
-    """Expected distinct experts one MoE layer reads for ``tokens`` tokens, each routed to
-    ``top_k`` of ``num_experts`` experts uniformly at random: X (1 - (1 - k/X)^N).
-
-    (Each expert is missed by one token with probability 1 - k/X, by all N independently.)
-    """
-    if num_experts <= 0 or tokens <= 0:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
-
-
 def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
     """Keys read by ``layer``, summed over rows (sliding layers: as reported, else capped at the window)."""
     if shape.args.is_sliding(layer) and shape.sliding_context_tokens is not None:
@@ -174,7 +159,7 @@ def forward_cost(shape: ForwardShape) -> Cost:
     matrices, other = sum(m for m, _ in per_layer), sum(o for _, o in per_layer)  # over the layers that ran
     kv_per_key = 2 * a.num_kv_heads * a.head_dim * b  # K and V of one key in one layer
     keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
-    expert_flops, expert_bytes = _expert_work(shape, n, layers)
+    expert_flops, expert_bytes = expert_work(shape, n, layers)
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
     multi = b if shape.matrix_bytes is None else shape.matrix_bytes  # products of 2+ rows
@@ -190,21 +175,6 @@ def forward_cost(shape: ForwardShape) -> Cost:
         kv_write_bytes=float(n * layers * kv_per_key),
         activation_bytes=float(b * (n * layers * 2 * e + n * e + lm_tokens * lm_rows)),
     )
-
-
-def _expert_work(shape: ForwardShape, tokens: int, layers: int) -> tuple[float, float]:
-    """(FLOPs, weight bytes) of the routed experts of a forward of ``tokens`` tokens through
-    ``layers`` layers: k_e experts per token per MoE layer; bytes of the distinct experts
-    touched, as the forward recorded them, else their expectation under uniform routing."""
-    a = shape.args
-    moe = a.moe_layers(layers)
-    if not moe:
-        return 0.0, 0.0
-    per_expert = expert_parameters(a)
-    touched = shape.experts_touched
-    if touched is None:
-        touched = moe * expected_experts(a.num_experts, a.num_experts_per_tok, tokens)
-    return 2.0 * tokens * a.num_experts_per_tok * moe * per_expert, float(shape.dtype_bytes * touched * per_expert)
 
 
 def total_cost(work: Sequence[ForwardShape]) -> Cost:
@@ -410,42 +380,3 @@ def compute_bound_batch(target: ModelArgs, profile: HardwareProfile, *, k: int, 
     return hi
 
 
-
-def loss_regions(target: ModelArgs, profile: HardwareProfile, *, k: int, context: int, acceptance: float,
-                 drafter: DrafterModel | None = EAGLE_HEAD, dtype_bytes: int = 2,
-                 max_batch: int = 4096) -> list[tuple[int, int]]:
-    """Batch intervals ``[(first, last), ...]`` in 1..``max_batch`` where speculation with draft
-    length ``k`` costs more energy per token than plain decoding (J/token at k above k = 0).
-
-    A dense target loses only at large batch, once verification turns compute-bound. A
-    mixture-of-experts target can also lose at small batch: B x (K+1) verified tokens route to
-    more distinct experts than B decoded ones, so verification reads more weight bytes, until
-    B alone already touches nearly every expert. Found on a grid of batches (powers of two
-    and their midpoints) with each change of sign bisected to the exact batch.
-    """
-    if k <= 0:
-        return []
-
-    def loses(b: int) -> bool:
-        kw = dict(batch=b, context=context, acceptance=acceptance, drafter=drafter, dtype_bytes=dtype_bytes)
-        return predict_step(target, profile, k=k, **kw).j_per_token > predict_step(target, profile, k=0, **kw).j_per_token
-
-    grid = sorted({b for p in range(max_batch.bit_length()) for b in (1 << p, 3 << p >> 1) if 1 <= b <= max_batch}
-                  | {max_batch})
-    marks = [(b, loses(b)) for b in grid]
-    regions: list[tuple[int, int]] = []
-    start = 1 if marks[0][1] else None
-    for (lo, lo_loses), (hi, hi_loses) in zip(marks, marks[1:]):
-        if lo_loses == hi_loses:
-            continue
-        while hi - lo > 1:  # loses(lo) != loses(hi): find the first batch of hi's sign
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if loses(mid) == lo_loses else (lo, mid)
-        if hi_loses:
-            start = hi
-        else:
-            regions.append((start, lo))
-            start = None
-    if start is not None:
-        regions.append((start, max_batch))
-    return regions

@@ -119,6 +119,10 @@ def audit_md(records: Sequence[Record]) -> list[str]:
                       f"run {d['token']}; top-2 margin {_f(d.get('top2_margin'), '.4g')}, gap "
                       f"{_f(d.get('gap'), '.4g')} > bound {_f(d.get('bound'), '.4g')}"
                       + (f" ({d['reason']})" if d.get("reason") and "bound" not in d["reason"] else ""))
+        for d in r.get("greedy_near_ties") or []:
+            md.append(f"  - near-tie request {d['id']} at token {d['position']}: baseline {d['baseline_token']}, this "
+                      f"run {d['token']}; top-2 margin {_f(d.get('top2_margin'), '.4g')}, gap {_f(d.get('gap'), '.4g')}"
+                      f" <= bound {_f(d.get('bound'), '.4g')}")
         if r.get("greedy_requests_unclassified"):
             md.append(f"  - {r['greedy_requests_unclassified']} differing request(s) unclassified: compared at "
                       "report time without the model; the run itself classifies them")

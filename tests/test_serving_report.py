@@ -216,7 +216,8 @@ def test_report_shows_window_and_run_side_by_side_the_audit_counts_and_lists_def
     defect = {"id": 17, "position": 5, "baseline_token": 40, "token": 3, "top2_margin": 0.25, "gap": 9.5,
               "bound": 0.5, "dtype": "bf16", "reason": "gap 9.5 > bound 0.5"}
     recs = [_audited(SWEEP[2], greedy_requests_matching=61, greedy_requests_near_tie=2, greedy_requests_defect=1,
-                     greedy_requests_unclassified=0, greedy_defects=[defect], greedy_near_ties=[]),
+                     greedy_requests_unclassified=0, greedy_defects=[defect],
+                     greedy_near_ties=[{**defect, "id": 3, "token": 41, "gap": 0.125, "top2_margin": 0.125}]),
             SWEEP[1], _rec("code", "ngram", 4, 8, jw=None, jr=0.09, tpot=0.01, old=True,
                            greedy_match_baseline=False, greedy_rows_matching=6)]
     rep = write_report(tmp_path, recs, latency_target_s=0.02, ttft_target_s=0.8)
@@ -226,6 +227,7 @@ def test_report_shows_window_and_run_side_by_side_the_audit_counts_and_lists_def
     assert "| 0.14 | 0.168 |" in md, "window 0.14 beside run 0.168 for eagle k3 b16"
     assert "61/64 req equal, 2 near-tie, 1 DEFECT" in md
     assert "DEFECT request 17 at token 5: baseline 40, this run 3" in md and "gap 9.5 > bound 0.5" in md
+    assert "near-tie request 3 at token 5: baseline 40, this run 41; top-2 margin 0.125, gap 0.125 <= bound 0.5" in md
     assert "no: 2/8 rows differ, unclassified" in md and "without per-request outputs" in md
     assert "| absent | 0.09 |" in md and "window fields" in md
     assert "**code**: none b16, 0.16 J/token (window)" in md, "TTFT 0.8 s rules out the cheaper eagle b16"

@@ -279,25 +279,11 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
 
             engine.on_step = on_step
             gen = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
-            res = (engine.serve(list(chunks[i]), batch=cfg.batch, generator=gen, refill=cfg.schedule == "continuous")
-                   if hasattr(engine, "serve") else _generate_as_serve(engine, chunks[i], cfg, gen))
+            res = engine.serve(list(chunks[i]), batch=cfg.batch, generator=gen, refill=cfg.schedule == "continuous")
             results.append(res)
             bar.update(len(chunks[i]) * budget - counted[0])
             bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {res.tau:.2f}")
     return results
-
-
-def _generate_as_serve(engine: Any, chunk: Sequence[Any], cfg: RunConfig, gen: Any) -> Any:
-    """TEMPORARY (removed when Engine.serve lands): one static batch through ``generate``."""
-    from refspec.serving import RequestResult, ServeResult
-
-    log.warning("Engine.serve is not available yet: serving %d requests as one static batch", len(chunk))
-    g = engine.generate([list(q.prompt) for q in chunk], max_new_tokens=cfg.max_new_tokens, generator=gen)
-    reqs = [RequestResult(id=q.id, slot=i, prompt_length=len(q.prompt), tokens=g.tokens[i],
-                          finished_by_eos=g.finished_by_eos[i], arrival_s=0.0, admitted_s=0.0,
-                          token_times_s=[0.0] * len(g.tokens[i]), accepted_per_step=[]) for i, q in enumerate(chunk)]
-    return ServeResult(requests=reqs, batch=len(chunk), steps=g.steps, accepted_per_step=g.accepted_per_step,
-                       emitted_per_step=g.emitted_per_step, slot_requests_per_step=[], events=g.events)
 
 
 def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, results: Sequence[Any],
@@ -320,12 +306,6 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
         "acceptance_injected": injection is not None, "injection": injection,
         "output_digest": output_digest, "row_digests": row_digests, "request_outputs": outputs,
     }
-
-
-def _engine_class() -> Any:
-    from refspec.engine import Engine
-
-    return Engine
 
 
 def _margin_fn(session: Session) -> Any:
@@ -359,8 +339,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     prompts = _prompts(session, cfg)
     stream = make_stream(prompts, cfg.num_requests, max_new_tokens=cfg.max_new_tokens, rate=cfg.request_rate,
                          seed=cfg.seed)
-    serve = importlib.util.find_spec("refspec.engine") is not None and hasattr(_engine_class(), "serve")
-    chunks = [stream.requests] if cfg.schedule == "continuous" and serve else stream.chunks(cfg.batch)
+    chunks = [stream.requests] if cfg.schedule == "continuous" else stream.chunks(cfg.batch)
     drafter = session.drafter(cfg)
     acceptance_fn, injection, inj_label = _acceptance_injection(cfg, session.device)
     attempt = uuid.uuid4().hex[:6]

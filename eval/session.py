@@ -191,7 +191,7 @@ class Session:
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(0)
         budget = min(4, cfg.max_new_tokens)
-        if cfg.schedule == "continuous" and hasattr(quiet, "serve"):
+        if cfg.schedule == "continuous":
             n = cfg.batch + 1
             quiet.serve([Request(id=i, prompt=tuple(prompts[i % len(prompts)]), max_new_tokens=budget)
                          for i in range(n)], batch=cfg.batch, generator=gen)

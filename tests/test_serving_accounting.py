@@ -162,3 +162,24 @@ def test_inconsistent_serving_ledger_is_refused(tmp_path):
                               emitted_per_row=(1, 0))]
     with pytest.raises(AccountingError, match="prefilled twice"):
         account(_ledger(tmp_path, twice, "twice.jsonl"))
+
+
+def test_two_refills_after_one_step_are_two_prefill_groups(tmp_path):
+    # request 2 (budget 1) is refilled after step 0 and finishes at its first token, so request 3
+    # is refilled into the same slot after the same step: two prefill records at step 0
+    records = [
+        header(),
+        rec(-1, "prefill", 0.0, 1.0, 10.0, slots=(0, 1), queued=2, arrivals=(0.0, 0.0), emitted_per_row=(1, 1)),
+        *decode_step(0, 1.0, (0, 1), (1, 1), queued=2),
+        rec(0, "prefill", 3.0, 0.5, 4.0, slots=(2, -1), queued=1, arrivals=(3.0, -1.0), emitted_per_row=(1, 0)),
+        rec(0, "prefill", 3.5, 0.5, 4.0, slots=(3, -1), queued=0, arrivals=(3.5, -1.0), emitted_per_row=(1, 0)),
+        *decode_step(1, 4.0, (3, 1), (1, 1)),
+    ]
+    acc = account(_ledger(tmp_path, records))
+    assert acc.emitted == 2 + 2 + 1 + 1 + 2 and acc.prefill_time_s == 2.0 and acc.steps == 2
+    assert [(r.id, r.emissions_s) for r in acc.requests] == [(0, (1.0, 3.0)), (1, (1.0, 3.0, 6.0)), (2, (3.5,)),
+                                                             (3, (4.0, 6.0))]
+    assert acc.requests[2].tpot_s is None and acc.requests[2].ttft_s == 0.5
+    assert acc.window.bounds == ((0, 2),) and acc.window.tokens == 2 + 1 + 1 + 2
+    with pytest.raises(AccountingError, match="twice"):
+        account(_ledger(tmp_path, records + [records[4]], "dup.jsonl"))

@@ -108,19 +108,24 @@ def group_steps(run_id: str | None, phases: Sequence[Record]) -> list[Step]:
     """The groups of one run's phase records, in order of first appearance.
 
     Raises:
-        AccountingError: a (step, phase) pair appears twice (two generations under one run id).
+        AccountingError: a (step, phase) pair appears twice (two generations under one run id);
+            prefills at one step may repeat when they prefilled different requests.
     """
-    by_key: dict[tuple[int, bool], list[Record]] = defaultdict(list)
-    seen: set[tuple[int, str]] = set()
+    by_key: dict[tuple[int, bool, tuple[int, ...]], list[Record]] = defaultdict(list)
+    seen: set[tuple[int, str, tuple[int, ...]]] = set()
     for r in phases:
-        key = (int(r["step"]), str(r["phase"]))
-        if key in seen:
-            raise AccountingError(f"run {run_id!r} holds step {key[0]} phase {key[1]!r} twice: two generations "
+        step, phase = int(r["step"]), str(r["phase"])
+        # two prefills may share a step (a refill whose requests all finished at their first token
+        # is refilled again): they differ in the requests they prefilled, as the ledger keys them
+        slots = tuple(int(x) for x in r.get("slot_requests") or ()) if phase == "prefill" else ()
+        if (step, phase, slots) in seen:
+            raise AccountingError(f"run {run_id!r} holds step {step} phase {phase!r} twice: two generations "
                                   f"were written under one run id; give each its own run")
-        seen.add(key)
-        # step -1 stays one group (old ledgers); a refill prefill at step >= 0 is a group of its own
-        by_key[(key[0], key[1] == "prefill" and key[0] >= 0)].append(r)
-    return [_step(s, refill or s < 0, recs) for (s, refill), recs in by_key.items()]
+        seen.add((step, phase, slots))
+        # an old ledger's step -1 stays one group; a serving prefill, or a refill, is a group of its own
+        own = phase == "prefill" and (bool(slots) or step >= 0)
+        by_key[(step, own, slots if own else ())].append(r)
+    return [_step(s, own or s < 0, recs) for (s, own, _), recs in by_key.items()]
 
 
 def decode_steps(steps: Sequence[Step]) -> list[Step]:

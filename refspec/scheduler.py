@@ -8,7 +8,7 @@ tokens; :meth:`Scheduler.result` builds the :class:`~refspec.serving.ServeResult
 
 The clock starts at 0 and advances by every phase's ``measurement.time_s``; when every slot is
 empty and the next request has not arrived, :meth:`Scheduler.jump` moves it to that arrival
-(no phase, no energy). A request is admissible when ``arrival_s is None or arrival_s <= clock``;
+(no phase, no energy); the static schedule's one batch starts at its last arrival. A request is admissible when ``arrival_s is None or arrival_s <= clock``;
 a closed-loop request (``arrival_s`` None) counts as arriving at its admission.
 """
 from __future__ import annotations
@@ -60,10 +60,13 @@ class Scheduler:
         return len(self.queue)
 
     def jump(self) -> None:
-        """Every slot empty and nothing admissible: move the clock to the next arrival."""
-        nxt = self.queue[0].arrival_s if self.queue else None
-        if nxt is not None and nxt > self.clock and all(r < 0 for r in self.slot_req):
-            self.clock = float(nxt)
+        """Every slot empty: move the clock to the next arrival if it lies ahead (the static
+        schedule's one batch starts when its last request has arrived)."""
+        if not self.queue or any(r >= 0 for r in self.slot_req):
+            return
+        ahead = [r.arrival_s for r in (self.queue if not self.refill else [self.queue[0]]) if r.arrival_s is not None]
+        if ahead and max(ahead) > self.clock:
+            self.clock = float(max(ahead))
 
     def admit(self) -> list[tuple[int, Request]]:
         """Pop admissible requests, in id order, into free slots (lowest slot first).

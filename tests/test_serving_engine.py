@@ -333,3 +333,25 @@ def test_bad_streams_are_refused(tiny_models):
         eng.serve([dataclasses.replace(reqs[0], max_new_tokens=0)], batch=2)
     with pytest.raises(GenerationError, match="batch"):
         eng.serve(reqs, batch=0)
+
+
+def test_requests_that_finish_at_their_prefill_free_their_slot_at_once(tiny_models, tmp_path):
+    """Budget-1 requests end at their prefill: the next refill runs at once (several prefills
+    after one step, each of other requests, which the ledger accepts) and no step runs empty."""
+    m = tiny_models["qwen2"]
+    reqs = [dataclasses.replace(r, max_new_tokens=1 if r.id != 4 else 3) for r in _requests(7)]
+    with Ledger(tmp_path / "l.jsonl", run_id="ones") as ledger:
+        res = Engine(m, DRAFTERS["ngram"][0](m), config=EngineConfig(k=2), observers=[ledger]).serve(reqs, batch=2)
+    assert [len(r.tokens) for r in res.requests] == [r.max_new_tokens for r in reqs]
+    prefills = [e for e in res.events if e.phase == "prefill"]
+    assert sum(e.step == -1 for e in prefills) >= 2, "refills before any decode step"
+    assert res.steps == 2 and all(e.rows_active >= 1 for e in res.events)
+    assert sum(e.rows_active for e in prefills) == len(reqs)
+
+
+def test_static_open_loop_starts_when_its_last_request_arrives(tiny_models):
+    m = tiny_models["qwen2"]
+    reqs = [dataclasses.replace(r, arrival_s=a) for r, a in zip(_requests(3), [0.0, 0.2, 0.7])]
+    res = Engine(m, meter=FixedMeter(0.01)).serve(reqs, batch=3, refill=False)
+    assert [r.admitted_s for r in res.requests] == [0.7] * 3 and [r.arrival_s for r in res.requests] == [0.0, 0.2, 0.7]
+    assert res.requests[0].ttft_s == pytest.approx(0.71)

@@ -183,6 +183,7 @@ def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: tor
         except (SafetensorError, OSError) as exc:  # truncated, garbage or unreadable: the user's file, not a bug
             raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
                                   f"corrupt: download or convert it again") from None
+        _fuse_experts(state, expected, args)  # after each shard: per-expert copies never pile up
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
@@ -193,6 +194,22 @@ def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: tor
             f"missing {len(missing)} keys {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
             f"unexpected {len(unexpected)} keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     return state
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], expected: set[str], args: ModelArgs) -> None:
+    """Stack every MoE layer whose per-expert matrices are all read into refspec's fused
+    ``experts_gate_up [X, 2I, E]`` / ``experts_down [X, E, I]``, in place, and put the fused
+    names in ``expected`` instead (a layer still incomplete keeps its per-expert names)."""
+    for i in range(args.num_layers):
+        if not args.is_moe_layer(i):
+            continue
+        for fused, parts in (("experts_gate_up", ("gate", "up")), ("experts_down", ("down",))):
+            rows = [[f"layers.{i}.mlp.experts.{j}.{p}.weight" for p in parts] for j in range(args.num_experts)]
+            names = [n for row in rows for n in row]
+            if all(n in state for n in names):
+                state[f"layers.{i}.mlp.{fused}"] = torch.stack([torch.cat([state.pop(n) for n in row]) for row in rows])
+                expected.difference_update(names)
+                expected.add(f"layers.{i}.mlp.{fused}")
 
 
 def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirrors the class it describes

@@ -137,6 +137,27 @@ def test_fused_expert_checkpoints_load_the_same_model(moe_models, tmp_path):
         load_model(tmp_path)
 
 
+def test_a_layer_whose_experts_span_two_shards_loads(moe_models, tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf, ours, d = moe_models["mixtral"]
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    keys = sorted(tensors)  # layer 0's experts 0..1 in one shard, 2..3 in the other
+    cut = keys.index("model.layers.0.block_sparse_moe.experts.2.w1.weight")
+    shards = {"a.safetensors": keys[:cut], "b.safetensors": keys[cut:]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(tmp_path / name))
+    index = {"weight_map": {k: name for name, part in shards.items() for k in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    toks = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(8))
+    assert torch.equal(_logits(load_model(tmp_path), toks), _logits(ours, toks))
+
+
 def test_save_model_writes_per_expert_names_transformers_reads(moe_models, tmp_path):
     import transformers
 

@@ -26,7 +26,9 @@ need cache rows of their own. So the runner owns the cache: :meth:`GraphRunner.n
 (which the engine calls when its ``verify_fn`` has one) returns a :class:`CacheView` of the
 first B rows and T slots of a pool ``[L, R, Hkv, T_pool, D]`` with ``R >= Bp``. Prefill and
 every other eager forward write through the view; graphs write through the pool's first Bp
-rows. One view per runner is live at a time (a new one reuses the pool).
+rows. One view per runner is live at a time (a new one reuses the pool). Continuous batching
+refills slots eagerly through a :class:`~refspec.cache.RowView` of the view (the refilled
+rows' own pool rows), while verify keeps running all B rows through the graph.
 
 **Padding is harmless.** A padded row is a fresh sequence of length S: tokens 0, positions
 and slots ``0..S-1`` (so its pending query sees one key, "length 1"), causal mask over those

@@ -81,7 +81,8 @@ class _AcceptanceExporter:
             models.append(AcceptanceModel.from_generation(
                 gens, k, name=f"{drafter}-{Path(corpus).stem}-{Path(m['model']).name}-k{k}", drafter=drafter,
                 corpus=corpus, source_model=m["model"], prompts=m["prompts"], source=self.command,
-                notes=f"batches {sorted(m['batches'])}; rows repeat prompts cyclically to fill each batch"))
+                notes=f"batches {sorted(m['batches'])}; {m['prompts']} distinct prompts over the requests "
+                      f"(they repeat only beyond them)"))
         save_acceptance_models(self.path, models)
 
 

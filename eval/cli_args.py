@@ -99,10 +99,11 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                    help="at most this many distinct prompts from each corpus (default: as many as --requests; "
                         "requests beyond them repeat prompts cyclically)")
-    g.add_argument("--schedule", choices=SCHEDULES, default="continuous",
-                   help="continuous: --batch slots kept busy, a finished request's slot refilled with the next "
-                        "request of the stream; static: lockstep batches of --batch requests that drain (for "
-                        "unit comparisons)")
+    g.add_argument("--schedule", default="continuous",
+                   help=("comma-separated schedules, " if sweep else "")
+                   + "continuous: --batch slots kept busy, a finished request's slot refilled with the next "
+                     "request of the stream; static: lockstep batches of --batch requests that drain (for "
+                     "unit comparisons)")
     g.add_argument("--requests", type=int, default=None, metavar="N",
                    help="requests served per configuration (default: 4 x batch), each a distinct corpus prompt "
                         "while the corpus has enough")
@@ -311,20 +312,26 @@ def _check_meter_device(meter: str, device: "torch.device") -> None:
                          "--meter roofline (modelled energy) or --meter time")
 
 
-def check_serving_flags(args: argparse.Namespace) -> None:
-    """``--schedule``, ``--requests`` and ``--request-rate`` (torch-free)."""
+def check_serving_flags(args: argparse.Namespace, *, sweep: bool) -> list[str]:
+    """``--schedule``, ``--requests`` and ``--request-rate`` (torch-free); returns the schedules."""
+    schedules = csv("--schedule", args.schedule)
+    bad = [x for x in schedules if x not in SCHEDULES]
+    if bad or (len(schedules) > 1 and not sweep):
+        raise UsageError(f"--schedule {args.schedule!r}: use {' or '.join(SCHEDULES)}"
+                         + ("" if sweep else " (a sweep takes several, comma-separated)"))
     if args.requests is not None:
         integer("--requests", args.requests, low=1, high=10_000_000, fix="the number of requests a run serves")
     if args.request_rate is not None:
         finite("--request-rate", args.request_rate, low=0, low_open=True, fix="requests per second, e.g. 2.5")
-        if args.schedule == "static":
+        if "static" in schedules:
             raise UsageError("--request-rate is open-loop arrivals into freed slots; --schedule static runs "
                              "lockstep batches with no arrivals: drop one of them")
+    return list(dict.fromkeys(schedules))
 
 
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
-    check_serving_flags(args)
+    schedules = check_serving_flags(args, sweep=sweep)
     batches, ks = check_run_flags(args, sweep=sweep)
     corpora = _check_corpora(csv("--corpus", args.corpus))  # before torch: the corpus catalogue is light
     from refspec.drafters import registry
@@ -345,10 +352,10 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                      device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat,
-                     schedule=args.schedule, requests=args.requests, request_rate=args.request_rate)
+                     schedule=schedules[0], requests=args.requests, request_rate=args.request_rate)
     grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
-                     default_k=default_k)
+                     default_k=default_k, schedules=tuple(schedules))
     configs = plan(grid)
     extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=options)
     configs = [c if c.is_baseline else dataclasses.replace(c, **extra) for c in configs]

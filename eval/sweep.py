@@ -1,7 +1,7 @@
 """Sweeps: a grid of configurations, one record per configuration, resumable and Slurm-ready.
 
-A sweep plans every (corpus, batch, drafter, K) configuration; K = 0 is the baseline (no
-drafter), planned once per (corpus, batch) whatever the drafters, and always planned (unless
+A sweep plans every (corpus, batch, schedule, drafter, K) configuration; K = 0 is the baseline (no
+drafter), planned once per (corpus, batch, schedule) whatever the drafters, and always planned (unless
 ``--no-baseline``) because every speculative figure is compared with it. Baselines come first,
 so the comparison fields can be filled as soon as a speculative configuration finishes.
 
@@ -54,6 +54,7 @@ class SweepGrid:
             replaced per configuration).
         baseline: plan the no-drafter baseline at every (corpus, batch).
         default_k: each drafter's default K (used when ``ks`` is None).
+        schedules: ``continuous`` and/or ``static`` (None: the base configuration's).
     """
 
     corpora: tuple[str, ...]
@@ -63,10 +64,11 @@ class SweepGrid:
     base: RunConfig
     baseline: bool = True
     default_k: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    schedules: tuple[str, ...] | None = None
 
 
 def plan(grid: SweepGrid) -> list[RunConfig]:
-    """Every configuration of ``grid`` in run order: per corpus and batch, baseline first.
+    """Every configuration of ``grid`` in run order: per corpus, batch and schedule, baseline first.
 
     Duplicates (e.g. the same drafter listed twice) are planned once.
     """
@@ -79,17 +81,18 @@ def plan(grid: SweepGrid) -> list[RunConfig]:
             out.append(cfg)
 
     drafters = [d for d in grid.drafters if d != "none"]
-    for corpus in grid.corpora:
-        for batch in grid.batches:
-            cell = dataclasses.replace(grid.base, corpus=corpus, batch=batch)
-            if grid.baseline or (grid.ks is not None and 0 in grid.ks):
-                add(cell.baseline())
-            for drafter in drafters:
-                ks = grid.ks if grid.ks is not None else (grid.default_k.get(drafter, 4),)
-                for k in ks:
-                    if k == 0:
-                        continue
-                    add(dataclasses.replace(cell, drafter=drafter, k=k))
+    cells = [dataclasses.replace(grid.base, corpus=corpus, batch=batch, schedule=schedule)
+             for corpus in grid.corpora for batch in grid.batches
+             for schedule in (grid.schedules or (grid.base.schedule,))]
+    for cell in cells:
+        if grid.baseline or (grid.ks is not None and 0 in grid.ks):
+            add(cell.baseline())
+        for drafter in drafters:
+            ks = grid.ks if grid.ks is not None else (grid.default_k.get(drafter, 4),)
+            for k in ks:
+                if k == 0:
+                    continue
+                add(dataclasses.replace(cell, drafter=drafter, k=k))
     return out
 
 

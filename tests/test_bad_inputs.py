@@ -42,6 +42,7 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("request-rate-nan", [*RUN, "--request-rate", "nan"], "--request-rate", False),
     ("request-rate-with-static", [*RUN, "--request-rate", "2", "--schedule", "static"], "--request-rate", False),
     ("schedule-unknown", [*RUN, "--schedule", "dynamic"], "--schedule", False),
+    ("schedule-two-in-run", [*RUN, "--schedule", "static,continuous"], "--schedule", False),
     ("batch-zero", [*RUN, "--batch", "0"], "--batch", False),
     ("k-negative", [*RUN, "--k", "-1"], "--k", False),
     ("k-zero-with-drafter", [*RUN, "--drafter", "ngram", "--k", "0"], "--k 0", False),

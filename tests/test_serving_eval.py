@@ -200,3 +200,17 @@ def test_a_drafter_without_a_per_slot_reset_needs_the_static_schedule(tiny, tmp_
         assert cli.main([*argv, "--schedule", "static", "--out", str(tmp_path / "s")]) == 0
     finally:
         sys.modules.pop("noresetdrafter", None)
+
+
+def test_sweep_over_both_schedules_compares_each_with_its_own_baseline(tiny, tmp_path):
+    argv = ["sweep", "--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "4",
+            "--meter", "roofline:h200", *QUIET, "--batch", "2", "--requests", "4", "--k", "0,2", "--drafter", "ngram",
+            "--schedule", "continuous,static", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["schedule"], r["drafter"]) for r in summary] == [
+        ("continuous", "none"), ("continuous", "ngram"), ("static", "none"), ("static", "ngram")]
+    by_id = {r["config_id"]: r for r in summary}
+    for r in summary[1::2]:
+        assert by_id[r["baseline"]["config_id"]]["schedule"] == r["schedule"]
+        assert r["greedy_match_baseline"] is True

@@ -1,32 +1,34 @@
 #!/usr/bin/env python
-"""GPU check: graph tests, measured ceilings, then an 8B-shaped random-weight benchmark with injected acceptance.
+"""GPU check: measured ceilings, then the paper's grid on random-weight targets with injected acceptance, then graph tests.
 
 Run it through ``scripts/gpu_check.sh``, which installs the project offline first. On a machine
-with one NVIDIA GPU and no network, in well under 8 minutes:
+with one NVIDIA GPU and no network, within ``--budget-s`` (default 400 s, tests included):
 
-1. **tests**: ``pytest -m gpu tests/test_cuda_graphs.py`` (graphs equal eager-static bit for
-   bit for plain, n-gram, draft-model and EAGLE; capture of every bucket; a batch that shrinks
-   mid-run; no host sync in a replay).
-2. **ceilings**: a 2 GiB device-to-device copy and an 8192^3 GEMM in the run's dtype on random
+1. **ceilings**: a 2 GiB device-to-device copy and an 8192^3 GEMM in the run's dtype on random
    data (``gpucheck.ceilings``); the run's roofline uses them, the data sheet's stay beside.
-3. **meter**: measured energy from Zeus, else NVML's total-energy counter through pynvml, else
+2. **meter**: measured energy from Zeus, else NVML's total-energy counter through pynvml, else
    NVML power samples integrated; where none can be read, energy is MODELLED by the roofline
-   and labelled so (``--require-measured-energy`` then exits 3 instead).
-4. **benchmark**: a random-weight target of a real architecture (default Llama-3.1-8B, bf16)
-   decodes random prompts at every (batch, k) of the grid with CUDA graphs for verify and draft
-   steps. k > 0 drafts with the target's first layer (``self:1``: the cost shape of an EAGLE
-   head) and **acceptance is injected** from ``--accept-model``, so tokens are meaningless and
-   every output says so. Each point runs twice with the same seeds (a warm-up that captures
-   every graph, then the measured run), in its own try/except: a failing point is recorded
-   with its error and the run goes on. ``--budget-s`` stops starting points cleanly.
-5. **outputs** under ``--out`` (default ``$OUT``): ``gpu_check.json`` rewritten atomically after
-   every stage and point, at most four ``*.png`` plots; the shell wrapper adds
-   ``gpu_check.log``. A summary is printed.
+   and labelled so (``--require-measured-energy`` then exits 3 instead). Clocks are only read.
+3. **plan**: the seconds of every block from the roofline (``gpucheck.grid``), printed first.
+4. **grid**, block by block in order of importance (``gpucheck.grid.GPU_BLOCKS``): random-weight
+   targets (Llama-3.1-8B, then Qwen3-8B, then a Qwen3-30B-A3B MoE where that target exists) at
+   serving batches x drafters (none; an EAGLE-shaped chain head at k 3 and 7; a block head at
+   block 8 and 16) x corpora (conversation, code), CUDA graphs for the target. **Acceptance is
+   injected** per (drafter, corpus) from distributions recorded on the small real models
+   (``gpucheck.drafting``), so tokens are meaningless and every output says so. Each point: a
+   warm-up that captures its graphs (once per batch and drafter), the measured run, and the
+   phase-isolated loops of its shapes (``gpucheck.phase_loops``); in its own try/except. The
+   graphs-vs-eager block reruns some points without capture.
+5. **tests**: ``pytest -m gpu tests/test_cuda_graphs.py`` in the time left, after the required
+   blocks and before the optional MoE block.
+6. **outputs** under ``--out`` (default ``$OUT``): ``gpu_check.json`` rewritten atomically after
+   every point (with a table per claim of the paper and the crossover, ``gpucheck.claims``), at
+   most four ``*.png`` plots; the shell wrapper adds ``gpu_check.log``. A summary is printed.
 
-``--dry-run`` runs the same code on a CPU, except CUDA: a toy model of the same family
+``--dry-run`` runs the same code on a CPU, except CUDA: toy models of the same families
 (hidden 256, 2 layers, vocab 2048), fp32, short prompts, eager-static runners instead of graphs
 (same bucketing and padding), small ceilings, energy modelled by the roofline meter with this
-CPU's profile (labelled so), and the GPU tests collected and skipped with their reason.
+CPU's profile (labelled so); its plan is the GPU grid's on an H200.
 """
 from __future__ import annotations
 
@@ -37,22 +39,25 @@ import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpucheck.bench import Bench, ModelledEnergyOnly, build_bench
+from gpucheck.claims import claim_tables
+from gpucheck.drafting import BLOCK_SIZE, acceptance_model, recorded_taus
 from gpucheck.gpu_tests import run_gpu_tests, tests_failed
+from gpucheck.grid import CORPORA, GPU_BLOCKS, Block, format_plan, plan_block, select_blocks
 from gpucheck.outputs import eager_table, energy_label, make_plots, phase_table, summary_table
-from gpucheck.phase_loops import isolated_loops, split
-from gpucheck.point import run_point
 from gpucheck.results import Results, out_problems
+from gpucheck.runner import Budget, run_block
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("gpu_check")
 EXIT_MODELLED_ONLY = 3
+FIXED_PLAN_S = {"install (sh)": 30.0, "start, idle, ceilings": 15.0, "target builds": 10.0, "gpu tests": 60.0}
+"""Planned seconds outside the grid; the tests run after the required blocks, before the optional ones."""
 
 
 def _ints(text: str) -> list[int]:
@@ -64,26 +69,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="rehearse on a CPU: toy model, no CUDA, modelled energy")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")),
                    help="output folder (default: $OUT)")
-    p.add_argument("--arch", default="llama-3.1-8b", help="architecture of refspec.energy.architectures.ARCHS for the target")
-    p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64])
-    p.add_argument("--ks", type=_ints, default=[0, 3, 7, 15])
-    p.add_argument("--accept-model", default="vllm-eagle3-llama3.1-8b",
-                   help="acceptance model to inject: a built-in name, geometric:A, or a JSON file")
+    p.add_argument("--blocks", default=None,
+                   help="comma-separated blocks of the grid to run (default: all; gpucheck.grid lists them)")
+    p.add_argument("--batches", type=_ints, default=None, help="replace every block's batches")
+    p.add_argument("--drafters", default=None, help="replace every block's drafters, e.g. none:0,eagle:3,block:8")
+    p.add_argument("--corpora", default=None, help="replace every block's corpora, e.g. conversation,code")
+    p.add_argument("--accept-file", type=Path, default=None,
+                   help="refspec.acceptance JSON with a model per (drafter, corpus) to inject (default: "
+                        "scripts/gpucheck/acceptance_smollm2.json, recorded on SmolLM2-135M)")
+    p.add_argument("--schedule", choices=["continuous", "static"], default="continuous",
+                   help="continuous: each point serves a closed-loop stream on B slots (Engine.serve) and reads its "
+                        "steady-state window; static: one lockstep batch (also where serve is unavailable)")
     p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 512; dry run 64)")
     p.add_argument("--new-tokens", type=int, default=None, help="budget per row (default 256; dry run 32)")
     p.add_argument("--kv-bucket", type=int, default=None, help="engine kv_bucket (default 128; dry run 32)")
-    p.add_argument("--budget-s", type=float, default=330.0,
-                   help="start no (batch, k) point once the run has spent this many seconds, or when the last "
-                        "point's duration would overrun it")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="seconds of the whole check (tests included): no point starts once its planned seconds "
+                        "(scaled by how the run's points compared with their plan so far) would overrun it")
     p.add_argument("--require-measured-energy", action="store_true",
                    help=f"exit {EXIT_MODELLED_ONLY} before the benchmark when no energy counter can be read "
                         "(only the roofline model is available)")
     p.add_argument("--phase-loop-s", type=float, default=None,
                    help="seconds each phase-isolated loop (prefill, draft, verify) runs at every point for the "
                         "measured per-phase split (default 2; dry run 0.04; 0 skips them)")
-    p.add_argument("--eager-batches", type=_ints, default=None,
-                   help="batches whose points also run without graph capture, for graphs against eager "
-                        "(default 1,32; dry run 2; empty: none)")
     p.add_argument("--tests-timeout-s", type=float, default=150.0)
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
@@ -93,11 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (dry run default 1)")
     args = p.parse_args(argv)
     dry = args.dry_run
-    args.prompt_len = args.prompt_len if args.prompt_len is not None else 64 if dry else 512
-    args.new_tokens = args.new_tokens if args.new_tokens is not None else 32 if dry else 256
+    args.prompt_len = args.prompt_len if args.prompt_len is not None else 32 if dry else 512
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else 24 if dry else 128
     args.kv_bucket = args.kv_bucket if args.kv_bucket is not None else 32 if dry else 128
     args.dtype = args.dtype or ("fp32" if dry else "bf16")
-    args.eager_batches = args.eager_batches if args.eager_batches is not None else [2] if dry else [1, 32]
     args.phase_loop_s = args.phase_loop_s if args.phase_loop_s is not None else 0.04 if dry else 2.0
     return args
 
@@ -109,93 +116,35 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
             "date": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu", "python": sys.version.split()[0],
             "refspec_from": str(Path(refspec.__file__).parent), "argv": sys.argv[1:],
-            "grid": {"batches": args.batches, "ks": args.ks}, "prompt_len": args.prompt_len,
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "kv_bucket": args.kv_bucket, "budget_s": args.budget_s}
-
-
-def _phase_energy(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
-    """Phase-isolated loops of one point and their split; an error is recorded, not raised."""
-    try:
-        loops = isolated_loops(bench, args, p["batch"], p["k"], args.phase_loop_s, bench.prefill_loops)
-        out = {"split": split(loops, p["run_window"]), "loops": loops}
-        s = out["split"]
-        log.info("  phases (%s): loops %s, fit %s, additivity residual %+.1f%%", s["energy_source"],
-                 {q: round(x, 3) for q, x in s["loops_share"].items()},
-                 {q: round(x, 3) for q, x in s["fit_share"].items()}, 100 * s["additivity_residual"])
-        return out
-    except Exception as exc:
-        log.exception("phase loops of batch %d, k %d failed", p["batch"], p["k"])
-        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-
-
-def _eager(bench: Bench, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
-    """The same point without graph capture: step time and J/token, and the graphs' gain."""
-    keys = ("runner_mode", "step_time_s", "j_per_token", "j_per_token_net", "tpot_s", "energy_source", "tau_observed")
-    try:
-        e = run_point(bench, args, p["batch"], p["k"], eager=True)
-    except Exception as exc:
-        log.exception("eager run of batch %d, k %d failed", p["batch"], p["k"])
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    out = {key: e[key] for key in keys}
-    out["graph_speedup"] = e["step_time_s"]["mean"] / p["step_time_s"]["mean"]
-    out["graph_energy_ratio"] = (p["j_per_token"] / e["j_per_token"]) if e["j_per_token"] else None
-    log.info("  %s: step %.3f ms, %s J/token; %s is %.2fx as fast", e["runner_mode"], e["step_time_s"]["mean"] * 1e3,
-             e["j_per_token"], p["runner_mode"], out["graph_speedup"])
-    return out
-
-
-def _run_grid(bench: Bench, args: argparse.Namespace, results: Results, t_start: float) -> None:
-    """Every (batch, k) in its own try/except; the results are saved after each."""
-    points, skipped = results.data.setdefault("points", []), results.data.setdefault("skipped_points", [])
-    last_s = 0.0
-    for batch in args.batches:
-        for k in args.ks:
-            spent = time.perf_counter() - t_start
-            if spent + last_s > args.budget_s:
-                skipped.append({"batch": batch, "k": k, "why": f"budget {args.budget_s:.0f} s: {spent:.0f} s spent, "
-                                                              f"the last point took {last_s:.0f} s"})
-                continue
-            log.info("batch %d, k %d", batch, k)
-            t0 = time.perf_counter()
-            try:
-                p = run_point(bench, args, batch, k)
-                log.info("  step %.3f ms (roofline %.3f ms), %s J/token (%s), tau %.2f", p["step_time_s"]["mean"] * 1e3,
-                         p["predicted_step_time_s"] * 1e3, p["j_per_token"], p["energy_source"], p["tau_observed"])
-            except Exception as exc:  # one failing point must not lose the others
-                log.exception("batch %d, k %d failed", batch, k)
-                p = {"batch": batch, "k": k, "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()[-3000:]}
-            if "error" not in p and args.phase_loop_s > 0:
-                p["phase_energy"] = _phase_energy(bench, args, p)
-            if "error" not in p and batch in args.eager_batches:
-                p["eager"] = _eager(bench, args, p)
-            last_s = p["seconds"] = time.perf_counter() - t0
-            points.append(p)
-            if bench.device.type == "cuda":
-                torch.cuda.empty_cache()
-            results.save()
 
 
 def _print_summary(results: Results, bench: Bench | None) -> None:
     d = results.data
-    print(f"\n== refspec gpu_check{' (DRY RUN: toy model on CPU, no CUDA, modelled energy)' if d['dry_run'] else ''}")
+    print(f"\n== refspec gpu_check{' (DRY RUN: toy models on CPU, no CUDA, modelled energy)' if d['dry_run'] else ''}")
     t = d.get("tests", {})
-    if "passed" in t:
-        print(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped ({t['command']})")
+    print(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped ({t['command']})" if "passed" in t
+          else f"tests: {t.get('skipped', 'not run')}")
     if bench is not None:
         c = d["ceilings"]
-        print(f"target: {bench.arch_label} random weights, {bench.dtype}, runners: {bench.target_runner.mode}")
         print(f"energy: {bench.meter_note}; idle {bench.idle_w} W")
         print(f"ceilings (this run): copy {c['copy']['best'] / 1e12:.3g} TB/s, gemm {c['gemm']['best'] / 1e12:.3g} "
               f"TFLOP/s; data sheet {bench.datasheet.name}: {bench.datasheet.bandwidth_Bps / 1e12:.3g} TB/s, "
               f"{bench.datasheet.peak_flops / 1e12:.3g} TFLOP/s")
-        print(d["acceptance"]["label"])
-        print(summary_table(d.get("points", [])))
-        if any("phase_energy" in p for p in d.get("points", [])):
-            print(phase_table(d["points"]))
-        if any("eager" in p for p in d.get("points", [])):
-            print(eager_table(d["points"]))
-    clocks = [p["sm_clock_mhz"] for p in d.get("points", []) if p.get("sm_clock_mhz")]
+    print(d["acceptance"]["label"])
+    for name, info in d.get("blocks", {}).items():
+        print(f"block {name}: " + (info.get("skipped") or info.get("error") or
+                                   f"{info['seconds']:.0f} s (planned {info['planned_s']:.0f} s)"))
+    points = d.get("points", [])
+    print(summary_table(points))
+    if any("phase_energy" in p for p in points):
+        print(phase_table(points))
+    if any("eager" in p for p in points):
+        print(eager_table(points))
+    for name, table in d.get("claims", {}).items():
+        print(f"\n-- claim {name}\n{table}")
+    clocks = [p["sm_clock_mhz"] for p in points if p.get("sm_clock_mhz")]
     if clocks:
         print(f"SM clock under load (read passively, never set): {min(c['min'] for c in clocks):.0f}-"
               f"{max(c['max'] for c in clocks):.0f} MHz")
@@ -225,6 +174,80 @@ def _start(args: argparse.Namespace) -> Results | int:
     return results
 
 
+def _acceptance(args: argparse.Namespace, blocks: list[Block]) -> dict[str, Any]:
+    """The injected distributions (one per drafter and corpus of the run) and their label."""
+    from refspec.eval.injection import injection_label
+
+    models = {}
+    for b in blocks:
+        for spec in b.drafters:
+            for corpus in b.corpora if spec.k else ():
+                m = acceptance_model(spec, corpus, args.accept_file)
+                models[f"{spec.label} {corpus}"] = {"label": injection_label(m), "mean_tau": m.mean_tau,
+                                                    "model": m.to_json()}
+    sources = sorted({m["model"]["provenance"]["source_model"] for m in models.values()})
+    return {"injected": True, "models": models, "source_model": ", ".join(sources),
+            "label": f"ACCEPTANCE INJECTED per (drafter, corpus) from distributions recorded on {', '.join(sources)}: "
+                     "tokens are not the model's output and acceptance is not measured",
+            "note": "every k > 0 point draws accepted counts from its (drafter, corpus) model restricted to its k"}
+
+
+def _plan(args: argparse.Namespace, bench: Bench, blocks: list[Block]) -> list[dict[str, Any]]:
+    """Each block's planned seconds: the run's roofline on a GPU; a dry run plans the GPU grid on
+    an H200 with the ceilings measured there (4.3 TB/s, 780 TFLOP/s)."""
+    from refspec.energy.roofline import get_profile
+
+    profile = bench.profile
+    if args.dry_run:
+        profile = dataclasses.replace(get_profile("h200"), name="h200@4.3TB/s,780TFLOP/s", peak_flops=780e12,
+                                      bandwidth_Bps=4.3e12)
+    taus = recorded_taus(args.accept_file, CORPORA)
+    gpu_blocks = {b.name: b for b in GPU_BLOCKS}
+    plans = []
+    for b in blocks:
+        sized = gpu_blocks.get(b.name, b) if args.dry_run else b
+        prompt, new, loop_s = (512, 128, 2.0) if args.dry_run else (args.prompt_len, args.new_tokens, args.phase_loop_s)
+        gpu = plan_block(sized, profile, taus, prompt_len=prompt, new_tokens=new, loop_s=loop_s, dry=args.dry_run)
+        plans.append(gpu if not args.dry_run else {**plan_block(b, profile, taus, prompt_len=args.prompt_len,
+                                                                new_tokens=args.new_tokens, loop_s=args.phase_loop_s,
+                                                                dry=True), "gpu_plan": gpu})
+    return plans
+
+
+def _sizes(blocks: list[Block]) -> dict[str, dict[str, int]]:
+    """Per architecture: the largest batch, k and eager batch over its blocks."""
+    out: dict[str, dict[str, int]] = {}
+    for b in blocks:
+        s = out.setdefault(b.arch, {"max_batch": 1, "max_k": 1, "eager_batch": 0})
+        s["max_batch"] = max(s["max_batch"], *b.batches)
+        s["max_k"] = max(s["max_k"], *(d.k for d in b.drafters))
+        if b.eager:
+            s["eager_batch"] = max(s["eager_batch"], *b.batches)
+    return out
+
+
+def _free_target(bench: Bench) -> None:
+    """Drop the target and its caches (the tests' subprocess needs the GPU's memory)."""
+    bench.arch, bench.target, bench.target_runner, bench.eager_runner = None, None, None, None
+    bench.heads, bench.loops, bench.warmed = {}, {}, set()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _run_tests(args: argparse.Namespace, d: dict[str, Any], budget: Budget) -> None:
+    """The GPU-marked tests last, in the time left (the grid's answers come first)."""
+    left = min(args.tests_timeout_s, args.budget_s - budget.spent)
+    if args.skip_tests:
+        d["tests"] = {"skipped": "--skip-tests"}
+    elif left < 20:
+        d["tests"] = {"skipped": f"budget: {left:.0f} s left"}
+    else:
+        log.info("running the GPU-marked tests (timeout %.0f s)", left)
+        d["tests"] = run_gpu_tests(ROOT, left)
+        log.info("tests: %d passed, %d failed, %d skipped in %.0f s", d["tests"]["passed"], d["tests"]["failed"],
+                 d["tests"]["skipped"], d["tests"]["seconds"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
@@ -235,20 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     results = _start(args)
     if isinstance(results, int):
         return results
-    from refspec.eval.injection import injection_label, injection_record, resolve_acceptance_model
-
     d = results.data
-    injected = resolve_acceptance_model(args.accept_model, k=max([k for k in args.ks if k] or [1]))
-    d["acceptance"] = {**injection_record(injected), "label": injection_label(injected),
-                       "note": "every k > 0 point draws accepted counts from this model restricted to its k"}
-    if args.skip_tests:
-        d["tests"] = {"skipped": "--skip-tests"}
-    else:
-        log.info("running the GPU-marked tests")
-        d["tests"] = run_gpu_tests(ROOT, args.tests_timeout_s)
-        log.info("tests: %d passed, %d failed, %d skipped in %.0f s", d["tests"]["passed"], d["tests"]["failed"],
-                 d["tests"]["skipped"], d["tests"]["seconds"])
-    results.save()
+    try:
+        blocks = select_blocks(args)
+        d["acceptance"] = _acceptance(args, blocks)
+    except Exception as exc:  # a bad --blocks / --drafters / acceptance file: one line, no grid
+        d.update(error=str(exc), seconds=time.perf_counter() - t_start)
+        results.save()
+        print(f"gpu_check: {exc}", file=sys.stderr)
+        return 2
     try:
         bench = build_bench(args)
     except ModelledEnergyOnly as exc:
@@ -256,23 +274,48 @@ def main(argv: list[str] | None = None) -> int:
         results.save()
         print(f"gpu_check: {exc}", file=sys.stderr)
         return EXIT_MODELLED_ONLY
-    d.update(target=bench.arch_label, dtype=str(bench.dtype), energy=bench.meter_note,
-             energy_source=bench.meter.source, energy_measured=bench.energy_measured, idle_w=bench.idle_w,
-             ceilings=bench.ceilings, roofline_profile=dataclasses.asdict(bench.profile),
-             datasheet_profile=dataclasses.asdict(bench.datasheet), runner_mode=bench.target_runner.mode,
-             drafter="draft-model self:1 (the target's first layer + LM head per draft token)")
+    d.update(energy=bench.meter_note, energy_source=bench.meter.source, energy_measured=bench.energy_measured,
+             idle_w=bench.idle_w, ceilings=bench.ceilings, roofline_profile=dataclasses.asdict(bench.profile),
+             datasheet_profile=dataclasses.asdict(bench.datasheet), dtype=str(bench.dtype),
+             drafters={"eagle": "EAGLE-1-shaped chain head, random weights (gpucheck.drafting)",
+                       "block": f"block head, block size {BLOCK_SIZE}, random weights (gpucheck.drafting)"})
+    plans = _plan(args, bench, blocks)
+    d["plan"] = plans
+    log.info("plan (seconds from the roofline):\n%s", format_plan([p.get("gpu_plan", p) for p in plans],
+                                                                   FIXED_PLAN_S))
     results.save()
-    _run_grid(bench, args, results, t_start)
-    d["runner_stats"] = {"target": dataclasses.asdict(bench.target_runner.stats),
-                         "draft": dataclasses.asdict(bench.draft_runner.stats)}
-    title = f"{bench.arch_label} random weights, {bench.device.type}{' DRY RUN' if args.dry_run else ''}"
-    d["plots"] = make_plots(d["points"], args.out, title)
-    d["energy_label"] = energy_label([p for p in d["points"] if "error" not in p] or [{"energy_source": bench.meter.source}])
-    d.update(seconds=time.perf_counter() - t_start, complete=True, out_problems=out_problems(args.out))
+    budget, sizes = Budget(args.budget_s, t_start), _sizes(blocks)
+    for optional in (False, True):  # the optional blocks (an MoE target) after the tests
+        if optional:
+            _free_target(bench)
+            _run_tests(args, d, budget)
+            results.save()
+        for block, plan in zip(blocks, plans):
+            if (block.needs is not None) != optional:
+                continue
+            if not block.available():
+                d.setdefault("blocks", {})[block.name] = {"skipped": f"{block.needs or block.arch} is not available"}
+                continue
+            run_block(bench, args, block, plan, results, budget, sizes[block.arch])
+    _free_target(bench)
+    _finish(args, d, bench, t_start)
     results.save()
     getattr(bench.meter, "close", lambda: None)()
     _print_summary(results, bench)
     return 1 if tests_failed(d["tests"]) or any("error" in p for p in d["points"]) else 0
+
+
+def _finish(args: argparse.Namespace, d: dict[str, Any], bench: Bench, t_start: float) -> None:
+    """Claim tables, plots and the closing fields, from the points alone."""
+    points = d.setdefault("points", [])
+    d["claims"], d["crossover"] = claim_tables(points, d["acceptance"], bench.profile,
+                                               args.prompt_len + args.new_tokens // 2)
+    title = f"random-weight targets, {bench.device.type}{' DRY RUN' if args.dry_run else ''}"
+    d["plots"] = make_plots(points, d["crossover"], args.out, title)
+    ok = [p for p in points if "error" not in p]
+    d["energy_label"] = energy_label(ok or [{"energy_source": bench.meter.source}])
+    d["dvfs_module_loaded"] = "refspec.energy.dvfs" in sys.modules  # the check never sets clocks
+    d.update(seconds=time.perf_counter() - t_start, complete=True, out_problems=out_problems(args.out))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # GPU check on a machine with one NVIDIA GPU and no network: install the project offline, then
-# graph tests, measured ceilings and an 8B-shaped random-weight benchmark with injected acceptance
-# (scripts/gpu_check.py says what each stage does). Results go to $OUT (default ./gpu_check_out):
+# measured ceilings, the paper's grid on random-weight targets with injected acceptance (block by
+# block, most important first) and the GPU tests (scripts/gpu_check.py says what each stage does;
+# docs/gpu.md how to read the results). Results go to $OUT (default ./gpu_check_out):
 # gpu_check.json (rewritten after every point), gpu_check.log (everything printed), <= 4 plots.
 #
 # Usage: bash scripts/gpu_check.sh [gpu_check.py flags]
-#   on the GPU:      bash scripts/gpu_check.sh        (about 6 minutes: --budget-s 330 by default)
+#   on the GPU:      bash scripts/gpu_check.sh        (about 7.5 minutes: --budget-s 420 plus the install;
+#                    device tool timeout_s 540)
+#   shorter rerun:   bash scripts/gpu_check.sh --blocks core --budget-s 200
 #   rehearsal (CPU): bash scripts/gpu_check.sh --dry-run --skip-tests
-#   --require-measured-energy exits 3 before the benchmark where no counter can be read; without
+#   --require-measured-energy exits 3 before the grid where no counter can be read; without
 #   it such a run goes on with modelled energy, labelled MODELLED in every table and plot.
 #
 # The install needs nothing beyond the machine's python3 (torch, transformers, safetensors,

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-from gpucheck import ceilings, outputs, results  # noqa: E402
+from gpucheck import ceilings, claims, grid, outputs, results  # noqa: E402
 
 DEVICE_COMMAND = ["bash", "scripts/gpu_check.sh"]  # what the device tool runs, in the repository root
-TINY = ["--batches", "1,2", "--ks", "0,3", "--prompt-len", "16", "--new-tokens", "8", "--kv-bucket", "16"]
+SIZES = ["--prompt-len", "16", "--new-tokens", "8", "--kv-bucket", "16"]
+TINY = ["--blocks", "core", "--batches", "1,2", "--drafters", "none:0,eagle:3", "--corpora", "conversation", *SIZES]
 LENT_IMAGE_LACKS = ("zeus", "gguf", "datasets")
 
 BLOCKER = textwrap.dedent('''
@@ -87,25 +89,32 @@ def rehearsal(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=str(blocker), PYTHON=sys.executable, OUT=str(out), REFSPEC_VENV=str(tmp / "venv"),
                OMP_NUM_THREADS="1", PIP_NO_INDEX="1")
-    proc = subprocess.run([*DEVICE_COMMAND, "--dry-run", "--skip-tests", *TINY], cwd=copy, env=env,
+    proc = subprocess.run([*DEVICE_COMMAND, "--dry-run", "--skip-tests", *SIZES], cwd=copy, env=env,
                           capture_output=True, text=True, timeout=240)
     return {"proc": proc, "copy": copy, "out": out, "env": env, "venv_python": tmp / "venv" / "bin" / "python"}
 
 
-def test_rehearsal_installs_itself_and_writes_every_point(rehearsal):
+def test_rehearsal_installs_itself_and_runs_every_block_of_the_grid(rehearsal):
     proc, out = rehearsal["proc"], rehearsal["out"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["complete"] and report["dry_run"]
     assert Path(report["refspec_from"]) == rehearsal["copy"] / "refspec"  # the copy's own install, nothing leaked
-    assert [(p["batch"], p["k"]) for p in report["points"]] == [(1, 0), (1, 3), (2, 0), (2, 3)]
-    assert all("error" not in p for p in report["points"])
+    want = [(b.name, batch, spec.label, corpus if spec.k else None) for b in grid.DRY_BLOCKS if b.available()
+            and not b.eager for batch, spec, corpus in b.points()]
+    assert [(p["block"], p["batch"], p["drafter_label"], p["corpus"]) for p in report["points"]] == want
+    assert all("error" not in p for p in report["points"]) and report["skipped_points"] == []
+    assert {p["arch"] for p in report["points"]} >= {"llama-3.1-8b", "qwen3-8b"}  # two attention families
     assert report["ceilings"]["gemm"]["best"] > 0 and report["ceilings"]["copy"]["best"] > 0
     assert report["roofline_profile"]["peak_flops"] == report["ceilings"]["gemm"]["best"]
-    assert [("eager" in p, "split" in p["phase_energy"]) for p in report["points"]] == [
-        (False, True), (False, True), (True, True), (True, True)]  # dry run: eager at batch 2, phases everywhere
-    prefill = [p["phase_energy"]["split"]["prefill_j_per_call"] for p in report["points"]]
-    assert prefill[0] == prefill[1] and prefill[2] == prefill[3]  # one prefill loop per batch, whatever k
+    core = [p for p in report["points"] if p["block"] == "core"]
+    assert all("split" in p["phase_energy"] for p in core)
+    assert {p["batch"] for p in report["points"] if "eager" in p} == {1}  # the dry eager block: batch 1
+    for batch in {p["batch"] for p in core}:  # one prefill loop per batch, whatever the drafter or corpus
+        assert len({p["phase_energy"]["split"]["prefill_j_per_call"] for p in core if p["batch"] == batch}) == 1
+    assert len(report["claims"]) == 7 and report["plots"] and len(report["plots"]) <= 4
+    assert report["dvfs_module_loaded"] is False  # the check never imports the clock-setting module
+    assert all(p["gpu_plan"]["planned_s"] > 0 for p in report["plan"])
 
 
 def test_rehearsal_labels_its_energy_modelled(rehearsal):
@@ -114,6 +123,9 @@ def test_rehearsal_labels_its_energy_modelled(rehearsal):
     assert all(p["energy_source"].startswith("modelled:") for p in report["points"])
     assert report["energy_label"].startswith("MODELLED")
     assert "MODELLED" in rehearsal["proc"].stdout
+    assert all(p["acceptance_injected"] == bool(p["k"]) for p in report["points"])
+    assert report["acceptance"]["injected"] and "ACCEPTANCE INJECTED" in report["acceptance"]["label"]
+    assert all("acceptance INJECTED" in table for table in report["claims"].values())
 
 
 def test_rehearsal_output_fits_what_comes_back(rehearsal):
@@ -121,7 +133,7 @@ def test_rehearsal_output_fits_what_comes_back(rehearsal):
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert "gpu_check.log" in files and "gpu_check.json" in files and len(files) <= results.MAX_FILES, files
     log = (out / "gpu_check.log").read_text()
-    assert f"refspec from {rehearsal['copy'] / 'refspec'}" in log and "batch 2, k 3" in log
+    assert f"refspec from {rehearsal['copy'] / 'refspec'}" in log and "[core] llama-3.1-8b batch 4, block 8, code" in log
     assert json.loads((out / "gpu_check.json").read_text())["out_problems"] == []
 
 
@@ -148,16 +160,18 @@ def test_require_measured_energy_exits_when_only_a_model_is_available(tmp_path):
 
 
 def test_a_failing_point_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
-    real = gpu_check.run_point
+    from gpucheck import point
+
+    real = point.run_point
     saved_before = []
 
-    def flaky(bench, args, batch, k):
+    def flaky(bench, args, batch, spec, corpus, **kw):
         saved_before.append(len(json.loads((tmp_path / "gpu_check.json").read_text()).get("points", [])))
-        if (batch, k) == (1, 3):
+        if (batch, spec.k) == (1, 3):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(bench, args, batch, k)
+        return real(bench, args, batch, spec, corpus, **kw)
 
-    monkeypatch.setattr(gpu_check, "run_point", flaky)
+    monkeypatch.setattr(point, "run_point", flaky)
     code, report = _main(tmp_path)
     assert code == 1
     assert saved_before == [0, 1, 2, 3]  # the file was rewritten after every point
@@ -169,7 +183,8 @@ def test_a_failing_point_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
 def test_budget_stops_cleanly_between_points(tmp_path):
     code, report = _main(tmp_path, "--budget-s", "0")
     assert code == 0 and report["complete"] and report["points"] == []
-    assert [(p["batch"], p["k"]) for p in report["skipped_points"]] == [(1, 0), (1, 3), (2, 0), (2, 3)]
+    assert [(p["batch"], p["drafter"]) for p in report["skipped_points"]] == [
+        (1, "none"), (1, "eagle k3"), (2, "none"), (2, "eagle k3")]
 
 
 def test_energy_label_never_calls_a_model_measured():
@@ -224,26 +239,184 @@ def test_phase_split_with_exact_loops_and_run():
 
 
 def test_dry_run_points_carry_a_labelled_phase_split_and_eager_run(tmp_path):
-    code, report = _main(tmp_path, "--ks", "3", "--batches", "1", "--eager-batches", "1")
-    eager = report["points"][0]["eager"]
+    code, report = _main(tmp_path, "--blocks", "core,graphs-vs-eager", "--drafters", "block:4", "--batches", "1")
+    assert code == 0 and len(report["points"]) == 1  # the eager block reuses the core point
+    p = report["points"][0]
+    eager = p["eager"]
     assert eager["runner_mode"] == "eager-static" and eager["graph_speedup"] > 0
     assert eager["energy_source"].startswith("modelled:")
-    split = report["points"][0]["phase_energy"]["split"]
-    assert code == 0 and split["phases"] == ["draft", "verify"]
+    split = p["phase_energy"]["split"]
+    assert split["phases"] == ["draft", "verify"] and p["drafter"] == "block"
     assert sum(split["loops_share"].values()) == pytest.approx(1.0) and split["energy_source"].startswith("modelled:")
-    assert set(report["points"][0]["phase_energy"]["loops"]) == {"prefill", "draft", "verify"}
+    assert set(p["phase_energy"]["loops"]) == {"prefill", "draft", "verify"}
+    assert p["phase_energy"]["loops"]["draft"]["calls"] >= 4  # the recorded draft phase, repeated
+
+
+def _bench(tmp_path, *flags):
+    from gpucheck.bench import build_bench, load_target
+
+    args = gpu_check.parse_args(["--dry-run", *TINY, "--out", str(tmp_path), *flags])
+    bench = build_bench(args)
+    load_target(bench, args, "llama-3.1-8b", max_batch=2, max_k=3)
+    return args, bench
 
 
 def test_sm_clock_is_read_passively_during_the_measured_run(tmp_path):
-    from gpucheck.bench import build_bench
     from gpucheck.point import run_point
 
-    args = gpu_check.parse_args(["--dry-run", *TINY, "--new-tokens", "40", "--eager-batches", "", "--out", str(tmp_path)])
-    bench = build_bench(args)
+    args, bench = _bench(tmp_path, "--new-tokens", "40")
     assert bench.sm_clock is None  # a CPU has none
     reads = iter(range(1000, 2000))
     bench.sm_clock = lambda: float(next(reads))
-    p = run_point(bench, args, 1, 0)
+    p = run_point(bench, args, 1, grid.NONE, "conversation")
     n = p["sm_clock_mhz"]["reads"]
     assert n == len([s for s in range(1, p["steps"] + 1) if s % 16 == 1]) >= 2
     assert (p["sm_clock_mhz"]["min"], p["sm_clock_mhz"]["max"]) == (1000.0, 1000.0 + n - 1)
+
+
+# ---- the lent machine's clocks and power limits are never changed ------------------------------
+class ReadOnlyNVML(types.ModuleType):
+    """A ``pynvml`` whose reads answer and whose every setter, reset or clear fails the test."""
+
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.calls: list[str] = []
+        self.mj = 0
+
+    def __getattr__(self, name: str):
+        if name.startswith("nvml") and any(w in name for w in ("Set", "Reset", "Clear", "Apply")):
+            raise AssertionError(f"the GPU check called {name}: lent GPUs' settings must never change")
+        raise AttributeError(name)
+
+    def _log(self, name: str, value=None):
+        self.calls.append(name)
+        return value
+
+    def nvmlInit(self):
+        return self._log("nvmlInit")
+
+    def nvmlShutdown(self):
+        return self._log("nvmlShutdown")
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self._log("nvmlDeviceGetHandleByIndex", f"h{i}")
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self.mj += 1500
+        return self._log("nvmlDeviceGetTotalEnergyConsumption", self.mj)
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return self._log("nvmlDeviceGetClockInfo", 1980)
+
+
+def test_the_gpu_path_only_reads_nvml(tmp_path, monkeypatch):
+    from gpucheck import bench as bench_mod
+    from gpucheck.phase_loops import isolated_loops
+    from gpucheck.point import run_point
+    from refspec.energy import nvml_meter
+
+    nv = ReadOnlyNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setitem(sys.modules, "zeus", None)  # the lent image has no zeus: pynvml's counter is read
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    real_idle = nvml_meter.CounterMeter.measure_idle_w
+    monkeypatch.setattr(nvml_meter.CounterMeter, "measure_idle_w", lambda self, seconds=5.0: real_idle(self, 0.01))
+    meter, note, idle_w = bench_mod._measured_meter(False)  # what build_bench does on a GPU
+    assert meter.source == "measured:nvml-total-energy(gpu0)" and note.startswith("MEASURED") and idle_w > 0
+    args, bench = _bench(tmp_path)
+    bench.meter, bench.sm_clock = meter, nvml_meter.sm_clock_reader(0)
+    p = run_point(bench, args, 2, grid.EAGLE3, "code")
+    isolated_loops(bench, args, 2, grid.EAGLE3, p.pop("_recorder"), 0.02)
+    assert p["energy_source"] == "measured:nvml-total-energy(gpu0)" and p["sm_clock_mhz"]["max"] == 1980
+    assert nv.calls and all(c in ("nvmlInit", "nvmlShutdown") or c.startswith("nvmlDeviceGet") for c in nv.calls)
+
+
+def test_no_file_of_the_check_can_set_a_clock_or_power_limit():
+    files = [ROOT / "scripts" / "gpu_check.sh", ROOT / "scripts" / "gpu_check.py",
+             *sorted((ROOT / "scripts" / "gpucheck").glob("*.py"))]
+    setters = ("-lgc", "-rgc", "-pl ", "--lock-gpu-clocks", "--power-limit", "-pm ", "-c ", "nvmlDeviceSet",
+               "nvmlDeviceReset", "set_gpu_locked_clocks", "set_power_management_limit", "from refspec.energy.dvfs",
+               "import refspec.energy.dvfs", "energy import dvfs",
+               "lock_sm_clocks", "dvfs_sweep")
+    for f in files:
+        text = f.read_text()
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        found = [w for w in setters if w in code and not (w in ("-c ", "-pl ") and "nvidia-smi" not in code)]
+        assert not found, f"{f.name} mentions {found}"
+
+
+# ---- the grid, its plan, its claims -------------------------------------------------------------
+def test_drafter_specs_and_bad_grid_flags(tmp_path):
+    assert grid.parse_drafters("none:0, eagle:3,block:16") == (grid.NONE, grid.EAGLE3, grid.BLOCK16)
+    for bad in ("eagle:0", "none:2", "medusa:3", "block:x"):
+        with pytest.raises(ValueError, match="--drafters"):
+            grid.parse_drafters(bad)
+    assert gpu_check.main(["--dry-run", "--skip-tests", "--out", str(tmp_path), "--drafters", "eagle:0"]) == 2
+    assert gpu_check.main(["--dry-run", "--skip-tests", "--out", str(tmp_path), "--blocks", "nope"]) == 2
+
+
+def test_the_gpu_plan_fits_the_default_budget_most_important_block_first():
+    import dataclasses
+
+    from gpucheck.drafting import recorded_taus
+    from refspec.energy.roofline import get_profile
+
+    h200 = dataclasses.replace(get_profile("h200"), peak_flops=780e12, bandwidth_Bps=4.3e12)
+    taus = recorded_taus(None, grid.CORPORA)
+    assert set(taus) == {(d, c) for d in ("eagle", "block") for c in grid.CORPORA}
+    plans = [grid.plan_block(b, h200, taus, prompt_len=512, new_tokens=128, loop_s=2.0, dry=False)
+             for b in grid.GPU_BLOCKS]
+    assert plans[0]["block"] == "core" and plans[0]["planned_s"] == max(p["planned_s"] for p in plans)
+    fixed = sum(s for name, s in gpu_check.FIXED_PLAN_S.items() if name != "install (sh)")
+    required = [p for p, b in zip(plans, grid.GPU_BLOCKS) if b.needs is None]  # the optional MoE block may be cut
+    assert fixed + sum(p["planned_s"] for p in required) <= gpu_check.parse_args([]).budget_s
+    first = plans[0]["points"]
+    assert first[0]["planned_s"] > first[5]["planned_s"]  # the second corpus reuses the captured graphs
+
+
+def _pt(batch, label, j, corpus="conversation", tau=2.0):
+    name, _, k = label.partition(" k") if "eagle" in label else label.partition(" ")
+    k = int(k or 0)
+    return {"arch": "a", "batch": batch, "k": k, "drafter": name or label, "drafter_label": label,
+            "corpus": corpus if k else None, "j_per_token": j, "tau_observed": tau, "runner_mode": "graphs"}
+
+
+def test_saving_crossover_and_claim_verdicts_from_exact_points():
+    pts = [_pt(1, "none", 1.0), _pt(4, "none", 0.5), _pt(16, "none", 0.2),
+           _pt(1, "block 8", 0.8), _pt(4, "block 8", 0.45), _pt(16, "block 8", 0.22)]
+    assert [claims.saving(p, pts) for p in pts[3:]] == pytest.approx([0.2, 0.1, -0.1])
+    assert claims._crossing([1, 4, 16], [0.2, 0.1, -0.1]) == pytest.approx(8.0)  # halfway in log batch
+    assert claims._crossing([1, 4], [0.2, 0.1]) is None and claims._crossing([1, 4], [-0.1, -0.2]) == 1.0
+    assert "holds for 1 of 1 series" in claims.claim2(pts) and "holds for 1 of 1 series" in claims.claim3(pts)
+    gains = pts[:3] + [_pt(b, "block 8", j * 0.5) for b, j in ((1, 1.0), (4, 0.5), (16, 0.2))]
+    assert "holds for 0 of 1 series" in claims.claim3(gains)  # still a saving at batch 16
+
+
+def test_plot_legends_name_their_source_and_never_call_a_model_measured(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    labels = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: labels.extend(
+        t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()))
+
+    def point(batch, label, j, source):
+        p = _pt(batch, label, j)
+        p.update(energy_source=source, predicted_j_per_token=j / 2, predicted_step_time_s=0.01,
+                 step_time_s={"mean": 0.02}, phase_energy={"split": {"loops_share": {"draft": 0.3, "verify": 0.7}}})
+        return p
+
+    for source, word in (("modelled:roofline(h200-sxm)", "MODELLED (roofline(h200-sxm))"),
+                         ("measured:nvml-total-energy(gpu0)", "measured (nvml-total-energy(gpu0))")):
+        labels.clear()
+        pts = [point(b, lab, j, source) for b, lab, j in ((1, "none", 1.0), (4, "none", 0.5), (1, "eagle k3", 0.8),
+                                                          (4, "eagle k3", 0.6))]
+        assert len(outputs.make_plots(pts, [], tmp_path, "t")) == 4
+        energy = [t for t in labels if "modelled (roofline" not in t and "(wall)" not in t]
+        assert energy and all(word in t for t in energy), energy
+        if source.startswith("modelled"):
+            assert not any("measured" in t and "wall" not in t for t in labels)

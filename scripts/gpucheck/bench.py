@@ -21,28 +21,31 @@ class ModelledEnergyOnly(RuntimeError):
 
 @dataclasses.dataclass
 class Bench:
-    """Everything the (batch, k) points share.
+    """Everything the points share: the meter and rooflines for the whole run, the current target.
 
     ``profile`` is the run's roofline (measured ceilings), ``datasheet`` the device's data sheet
-    (or, in a dry run, this CPU's calibrated profile).
+    (or, in a dry run, this CPU's calibrated profile). :func:`load_target` swaps the target
+    between blocks; the per-target caches (drafter heads, phase loops, warmed points) go with it.
     """
 
     device: torch.device
     dtype: torch.dtype
-    arch_label: str
-    target: Any
-    target_runner: Any
-    draft_runner: Any
     meter: Any
     meter_note: str
     profile: Any
     datasheet: Any
     ceilings: dict[str, Any]
     idle_w: float | None
-    max_len: int
-    eager_runners: tuple[Any, Any] | None = None  # (target, draft) without capture, for graphs vs eager
     sm_clock: Any = None  # () -> SM clock in MHz, read passively; None where NVML cannot (a CPU)
-    prefill_loops: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> its prefill loop
+    arch: str | None = None
+    arch_label: str = ""
+    target: Any = None
+    target_runner: Any = None
+    eager_runner: Any = None  # the same bucketing and padding without capture, for graphs vs eager
+    max_len: int = 0
+    heads: dict[str, Any] = dataclasses.field(default_factory=dict)  # drafter name -> its random head
+    loops: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # phase-loop shape -> its loop
+    warmed: set = dataclasses.field(default_factory=set)  # (batch, drafter label, runner mode) warmed up
 
     @property
     def energy_measured(self) -> bool:
@@ -83,10 +86,7 @@ def _modelled_meter(dry: bool, profile: Any, reason: str) -> tuple[Any, str, flo
 
 
 def build_bench(args: argparse.Namespace) -> Bench:
-    """Build the target and runners, measure the ceilings, then pick the meter."""
-    from refspec.cuda_graphs import GraphRunner
-    from refspec.models.random_models import random_model, shrunk_config
-
+    """Measure the ceilings, then pick the meter; no target yet (:func:`load_target`)."""
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -101,28 +101,38 @@ def build_bench(args: argparse.Namespace) -> Bench:
              ceilings["gemm"]["best"], time.perf_counter() - t0)
     profile = profile_with_ceilings(datasheet, ceilings)
     meter, note, idle_w = _modelled_meter(dry, profile, measured) if isinstance(measured, str) else measured
-
-    arch: Any = shrunk_config(args.arch) if dry else args.arch
-    label = f"{args.arch} (toy: hidden 256, 2 layers, vocab 2048)" if dry else args.arch
-    t0 = time.perf_counter()
-    target = random_model(arch, device=device, dtype=dtype, seed=args.seed)
-    log.info("built random %s in %.1f s", label, time.perf_counter() - t0)
-    max_k = max(args.ks)
-    target_runner = GraphRunner(target, capture=not dry, max_tokens_per_row=max_k + 1)
-    draft_runner = GraphRunner(target.truncated(1), capture=not dry, max_tokens_per_row=2)
-    max_len = -(-(args.prompt_len + args.new_tokens + max_k + 1) // args.kv_bucket) * args.kv_bucket
-    for r in (target_runner, draft_runner):
-        r.reserve(max(args.batches), max_len)
-    eager = None
-    if args.eager_batches:  # same bucketing and padding, no capture: what the graphs save, alone
-        eager = (GraphRunner(target, capture=False, max_tokens_per_row=max_k + 1),
-                 GraphRunner(target.truncated(1), capture=False, max_tokens_per_row=2))
-        for r in eager:
-            r.reserve(max(args.eager_batches), max_len)
     from refspec.energy.nvml_meter import sm_clock_reader
 
     clock = None if dry else sm_clock_reader(0)
-    return Bench(device=device, dtype=dtype, arch_label=label, target=target, target_runner=target_runner,
-                 draft_runner=draft_runner, meter=meter, meter_note=note, profile=profile, datasheet=datasheet,
-                 ceilings=ceilings, idle_w=idle_w, max_len=max_len, eager_runners=eager,
-                 sm_clock=clock)
+    return Bench(device=device, dtype=dtype, meter=meter, meter_note=note, profile=profile, datasheet=datasheet,
+                 ceilings=ceilings, idle_w=idle_w, sm_clock=clock)
+
+
+def load_target(bench: Bench, args: argparse.Namespace, arch: str, *, max_batch: int, max_k: int,
+                eager_batch: int = 0) -> None:
+    """Replace ``bench``'s target by a random-weight ``arch`` with its runners (the old one is freed first)."""
+    from refspec.cuda_graphs import GraphRunner
+    from refspec.models.random_models import random_model, shrunk_config
+
+    if bench.arch == arch:
+        return
+    bench.target = bench.target_runner = bench.eager_runner = None
+    bench.heads, bench.loops, bench.warmed = {}, {}, set()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+    dry = args.dry_run
+    config: Any = shrunk_config(arch) if dry else arch
+    label = f"{arch} (toy: hidden 256, 2 layers, vocab 2048)" if dry else arch
+    t0 = time.perf_counter()
+    target = random_model(config, device=bench.device, dtype=bench.dtype, seed=args.seed)
+    log.info("built random %s in %.1f s", label, time.perf_counter() - t0)
+    longest = (3 * args.new_tokens) // 2 + 1  # a serving stream's longest budget (gpucheck.serving.stream)
+    max_len = -(-(args.prompt_len + longest + max_k + 1) // args.kv_bucket) * args.kv_bucket
+    runner = GraphRunner(target, capture=not dry, max_tokens_per_row=max_k + 1)
+    runner.reserve(max_batch, max_len)
+    eager = None
+    if eager_batch:
+        eager = GraphRunner(target, capture=False, max_tokens_per_row=max_k + 1)
+        eager.reserve(eager_batch, max_len)
+    bench.arch, bench.arch_label, bench.target, bench.target_runner = arch, label, target, runner
+    bench.eager_runner, bench.max_len = eager, max_len

@@ -15,50 +15,98 @@ def energy_label(points: list[dict[str, Any]]) -> str:
     return f"{kind} ({', '.join(s.split(':', 1)[-1] for s in sources)})"
 
 
-def _lines(ax: Any, points: list[dict[str, Any]], y: Getter, y_pred: Getter | None, label: str) -> None:
-    for i, k in enumerate(sorted({p["k"] for p in points})):
-        pts = sorted((p for p in points if p["k"] == k), key=lambda p: p["batch"])
-        xs = [p["batch"] for p in pts]
-        ax.plot(xs, [y(p) for p in pts], "o-", color=f"C{i}", label=f"k={k} {label}")
-        if y_pred is not None:
-            ax.plot(xs, [y_pred(p) for p in pts], "x--", color=f"C{i}", alpha=0.7,
-                    label=f"k={k} modelled (roofline, run ceilings)")
+def _graph_points(points: list[dict[str, Any]], arch: str) -> list[dict[str, Any]]:
+    return [p for p in points if "error" not in p and p["arch"] == arch]
+
+
+def _by_config(points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``drafter corpus`` -> its points by batch (the plain decoder: ``none``)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        out.setdefault(p["drafter_label"] + (f" {p['corpus']}" if p["k"] else ""), []).append(p)
+    return {key: sorted(v, key=lambda p: p["batch"]) for key, v in sorted(out.items())}
+
+
+def _axes(ax: Any, ylabel: str, logy: bool) -> None:
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch")
+    ax.set_xlabel("batch (concurrent rows)")
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
 
 
-def make_plots(points: list[dict[str, Any]], out: Path, title: str) -> list[str]:
-    """At most four PNGs under ``out``; returns their names."""
+def _energy_plot(ax: Any, points: list[dict[str, Any]], energy: str) -> None:
+    for i, (name, pts) in enumerate(_by_config(points).items()):
+        xs = [p["batch"] for p in pts]
+        style = "-" if "code" not in name else ":"
+        ax.plot(xs, [p["j_per_token"] for p in pts], "o" + style, color=f"C{i}", label=f"{name}: {energy}")
+        ax.plot(xs, [p["predicted_j_per_token"] for p in pts], "x--", color=f"C{i}", alpha=0.5,
+                label=f"{name}: modelled (roofline, run ceilings)")
+    _axes(ax, "J / output token", True)
+
+
+def _saving_plot(ax: Any, points: list[dict[str, Any]], crossover: list[dict[str, Any]], energy: str) -> None:
+    from gpucheck.claims import saving
+
+    for i, (name, pts) in enumerate((n, v) for n, v in _by_config(points).items() if not n.startswith("none")):
+        pairs = [(p["batch"], saving(p, points)) for p in pts]
+        pairs = [(b, 100 * s) for b, s in pairs if s is not None]
+        if pairs:
+            ax.plot(*zip(*pairs), "o-" if "code" not in name else "o:", color=f"C{i}", label=f"{name}: {energy}")
+        for c in crossover:
+            if f"{c['drafter']} {c['corpus']}" == name and c["predicted_batch"]:
+                ax.axvline(c["predicted_batch"], color=f"C{i}", ls="--", alpha=0.4, lw=0.8)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_title("dashed verticals: crossover predicted by the roofline (modelled)", fontsize=6)
+    _axes(ax, "energy saving vs plain decoding (%)", False)
+
+
+def _phase_plot(ax: Any, points: list[dict[str, Any]], energy: str) -> None:
+    pts = [p for p in points if p["k"] and "split" in p.get("phase_energy", {})]
+    labels = [f"b{p['batch']} {p['drafter_label']} {p['corpus'][:4]}" for p in pts]
+    draft = [p["phase_energy"]["split"]["loops_share"].get("draft", 0.0) for p in pts]
+    verify = [p["phase_energy"]["split"]["loops_share"]["verify"] for p in pts]
+    ax.bar(range(len(pts)), verify, label=f"verify: {energy}, phase-isolated loops")
+    ax.bar(range(len(pts)), draft, bottom=verify, label=f"draft: {energy}, phase-isolated loops")
+    ax.set_xticks(range(len(pts)), labels, rotation=90, fontsize=5)
+    ax.set_ylabel("share of decode-step energy")
+    ax.legend(fontsize=6)
+
+
+def _step_plot(ax: Any, points: list[dict[str, Any]], energy: str) -> None:
+    for i, (name, pts) in enumerate(_by_config(points).items()):
+        xs = [p["batch"] for p in pts]
+        ax.plot(xs, [p["step_time_s"]["mean"] * 1e3 for p in pts], "o-", color=f"C{i}", label=f"{name}: measured (wall)")
+        ax.plot(xs, [p["predicted_step_time_s"] * 1e3 for p in pts], "x--", color=f"C{i}", alpha=0.5,
+                label=f"{name}: modelled (roofline)")
+    _axes(ax, "decode step time (ms)", True)
+
+
+def make_plots(points: list[dict[str, Any]], crossover: list[dict[str, Any]], out: Path, title: str) -> list[str]:
+    """At most four PNGs under ``out`` for the first target's points; returns their names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [p for p in points if "error" not in p]
-    if not points:
+    ok = [p for p in points if "error" not in p and p.get("j_per_token") is not None]
+    if not ok:
         return []
-    energy = energy_label(points)
-    specs = [
-        ("step_time_vs_roofline.png", lambda p: p["step_time_s"]["mean"] * 1e3,
-         lambda p: p["predicted_step_time_s"] * 1e3, "step time (ms)", "measured (wall time)", True),
-        ("energy_per_token.png", lambda p: p["j_per_token"], lambda p: p["predicted_j_per_token"],
-         "J / output token", energy, True),
-        ("measured_over_predicted.png", lambda p: p["measured_over_predicted"], None,
-         "wall / roofline step time", "measured / modelled", False),
-        ("tpot.png", lambda p: p["tpot_s"] * 1e3, None, "TPOT (ms / token / user)", "measured (wall time)", True),
-    ]
+    arch = ok[0]["arch"]
+    pts = _graph_points(ok, arch)
+    energy = energy_label(pts)
+    specs = [("energy_per_token.png", lambda ax: _energy_plot(ax, pts, energy)),
+             ("saving_vs_batch.png", lambda ax: _saving_plot(ax, pts, crossover, energy)),
+             ("phase_shares.png", lambda ax: _phase_plot(ax, pts, energy)),
+             ("step_time_vs_roofline.png", lambda ax: _step_plot(ax, pts, energy))]
     files = []
-    for name, y, y_pred, ylabel, label, logy in specs:
-        if any(y(p) is None for p in points):
-            continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        _lines(ax, points, y, y_pred, label)
-        ax.set_ylabel(ylabel)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_title(f"{title}\nacceptance INJECTED; energy {energy}", fontsize=8)
+    for name, draw in specs:
+        fig, ax = plt.subplots(figsize=(7.0, 4.8))
+        draw(ax)
+        fig.suptitle(f"{arch} {title}\nacceptance INJECTED (recorded per corpus); energy {energy}", fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -70,15 +118,22 @@ def _num(x: Any, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else format(float("nan"), fmt)
 
 
+def _where(p: dict[str, Any]) -> str:
+    return f"{p.get('arch', '?'):<14} {p['batch']:>5} {p.get('drafter_label', p['k']):<10} {p.get('corpus') or '-':<12}"
+
+
+HEAD = f"{'arch':<14} {'batch':>5} {'drafter':<10} {'corpus':<12}"
+
+
 def summary_table(points: list[dict[str, Any]]) -> str:
     """One line per point; a failed point shows its error."""
-    rows = [f"{'batch':>5} {'k':>3} {'steps':>5} {'step ms':>9} {'roofline':>9} {'sheet':>9} {'ratio':>6} "
+    rows = [f"{HEAD} {'steps':>5} {'step ms':>9} {'roofline':>9} {'sheet':>9} {'ratio':>6} "
             f"{'tau':>5} {'J/tok':>8} {'J/tok net':>9} {'TPOT ms':>8} {'bound':>7}"]
     for p in points:
         if "error" in p:
-            rows.append(f"{p['batch']:>5} {p['k']:>3} FAILED: {p['error'][:100]}")
+            rows.append(f"{_where(p)} FAILED: {p['error'][:100]}")
             continue
-        rows.append(f"{p['batch']:>5} {p['k']:>3} {p['steps']:>5} {p['step_time_s']['mean'] * 1e3:>9.3f} "
+        rows.append(f"{_where(p)} {p['steps']:>5} {p['step_time_s']['mean'] * 1e3:>9.3f} "
                     f"{p['predicted_step_time_s'] * 1e3:>9.3f} {p['datasheet_predicted_step_time_s'] * 1e3:>9.3f} "
                     f"{_num(p['measured_over_predicted'], '>6.2f')} {p['tau_observed']:>5.2f} "
                     f"{_num(p['j_per_token'], '>8.4f')} {_num(p['j_per_token_net'], '>9.4f')} "
@@ -93,14 +148,14 @@ def summary_table(points: list[dict[str, Any]]) -> str:
 def phase_table(points: list[dict[str, Any]]) -> str:
     """Per point: the phase split of the isolated loops (A) and of the fit (B), the additivity
     residual, prefill J per call."""
-    rows = [f"{'batch':>5} {'k':>3} {'draft A':>8} {'verify A':>8} {'draft B':>8} {'verify B':>8} "
+    rows = [f"{HEAD} {'draft A':>8} {'verify A':>8} {'draft B':>8} {'verify B':>8} "
             f"{'additivity':>10} {'fit resid':>9} {'prefill J':>10}"]
     for p in points:
         s = p.get("phase_energy", {}).get("split")
         if s is None:
             continue
         a, b = s["loops_share"], s["fit_share"]
-        rows.append(f"{p['batch']:>5} {p['k']:>3} {a.get('draft', 0.0):>8.3f} {a['verify']:>8.3f} "
+        rows.append(f"{_where(p)} {a.get('draft', 0.0):>8.3f} {a['verify']:>8.3f} "
                     f"{b.get('draft', 0.0):>8.3f} {b['verify']:>8.3f} {s['additivity_residual']:>+10.1%} "
                     f"{s['fit_relative_residual']:>9.3f} {s['prefill_j_per_call']:>10.4g}")
     sources = sorted({p["phase_energy"]["split"]["energy_source"] for p in points
@@ -112,16 +167,16 @@ def phase_table(points: list[dict[str, Any]]) -> str:
 
 def eager_table(points: list[dict[str, Any]]) -> str:
     """Graphs against eager at the points that ran both: step time and J/token each way."""
-    rows = [f"{'batch':>5} {'k':>3} {'runner':>13} {'step ms':>9} {'eager ms':>9} {'speedup':>7} {'J/tok':>8} "
-            f"{'eager J/tok':>11}"]
+    rows = [f"{HEAD} {'runner':>13} {'step ms':>9} {'eager ms':>9} {'speedup':>7} {'J/tok':>8} {'eager J/tok':>11}"]
     for p in points:
         e = p.get("eager")
         if not e or "error" in e:
             continue
-        rows.append(f"{p['batch']:>5} {p['k']:>3} {p['runner_mode']:>13} {p['step_time_s']['mean'] * 1e3:>9.3f} "
+        g = e.get("graphs_static", p)
+        rows.append(f"{_where(p)} {g['runner_mode']:>13} {g['step_time_s']['mean'] * 1e3:>9.3f} "
                     f"{e['step_time_s']['mean'] * 1e3:>9.3f} {e['graph_speedup']:>7.2f} "
-                    f"{_num(p['j_per_token'], '>8.4f')} {_num(e['j_per_token'], '>11.4f')}")
-    rows.append("eager: the same runners' bucketing and padding without capture; energy "
-                + energy_label([p["eager"] for p in points if p.get("eager") and "error" not in p["eager"]]
-                               or [{"energy_source": "none"}]))
+                    f"{_num(g['j_per_token'], '>8.4f')} {_num(e['j_per_token'], '>11.4f')}")
+    rows.append("eager: the same runner's bucketing and padding without capture, both static schedule (drafter "
+                "heads run eagerly both ways); energy " + energy_label([p["eager"] for p in points if p.get("eager") and "error" not in p["eager"]]
+                                                or [{"energy_source": "none"}]))
     return "\n".join(rows)

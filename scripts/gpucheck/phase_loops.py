@@ -2,12 +2,12 @@
 measured run (``refspec.energy.attribution``).
 
 The energy counter updates every 20-100 ms and a draft or verify forward lasts milliseconds, so
-a single phase cannot be read. Each phase's forward (prefill ``[B, P]``; draft ``[B, 1]`` on the
-draft model; verify ``[B, k+1]`` on the target, at the run's mid context and key bucket) is
-repeated through the same runner (graphs on a GPU) for at least ``min_s`` seconds, cut into
-sub-windows. Two estimates follow:
+a single phase cannot be read. Each phase (prefill ``[B, P]`` and verify ``[B, k+1]`` through the
+target's runner, graphs on a GPU, at the run's mid context and key bucket; the draft phase of a
+recorded mid-run step through the drafter itself) is repeated for at least ``min_s`` seconds,
+cut into sub-windows. Two estimates follow:
 
-* (A) J per call of each loop x calls per step of the run: the phase split, and the
+* (A) J per call of each loop x phase calls per step of the run: the phase split, and the
   additivity residual against the measured run's J per step;
 * (B) a non-negative fit of phase powers over every window (the loops' sub-windows and the run
   window with its per-phase times): its share of each phase and its residual.
@@ -69,25 +69,31 @@ def _loop(bench: Bench, name: str, fn: Callable[[], None], min_s: float) -> dict
             "s_per_call": seconds / calls, "energy_source": m.source, "windows": windows}
 
 
-def isolated_loops(bench: Bench, args: argparse.Namespace, batch: int, k: int, min_s: float,
-                   prefill: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Prefill, draft and verify loops of one point (draft only when k > 0).
+def isolated_loops(bench: Bench, args: argparse.Namespace, batch: int, spec: Any, recorder: Any,
+                   min_s: float) -> dict[str, Any]:
+    """Prefill, verify and (k > 0) draft loops of one point, each measured once per shape.
 
-    ``prefill`` caches the prefill loop by batch: it does not depend on k, so it runs once per batch.
+    Loops are cached in ``bench.loops`` by shape: prefill by batch, verify by (batch, k + 1),
+    the draft phase by (batch, drafter, k) (it does not depend on the corpus). The draft loop
+    repeats the recorded mid-run draft phase (:func:`gpucheck.drafting.draft_call`).
     """
     vocab, mid, kvb = bench.target.args.vocab_size, args.prompt_len + args.new_tokens // 2, args.kv_bucket
-    shapes = {"prefill": (bench.target_runner, args.prompt_len, 0), "verify": (bench.target_runner, k + 1, mid)}
-    if k:
-        shapes["draft"] = (bench.draft_runner, 1, mid)
+    runner = bench.target_runner
+    shapes: dict[str, tuple] = {"prefill": ("prefill", batch), "verify": ("verify", batch, spec.k + 1)}
+    if spec.k:
+        shapes["draft"] = ("draft", batch, spec.name, spec.k)
     loops = {}
-    for name, (runner, tokens, start) in shapes.items():
-        if name == "prefill" and prefill is not None and batch in prefill:
-            loops[name] = prefill[batch]
-            continue
-        fn = _forward(runner, batch, tokens, start, kvb, vocab, bench.max_len)
-        loops[name] = _loop(bench, name, fn, min_s)
-    if prefill is not None:
-        prefill[batch] = loops["prefill"]
+    for name, key in shapes.items():
+        if key not in bench.loops:
+            if name == "draft":
+                from gpucheck.drafting import draft_call
+
+                fn = draft_call(recorder, spec.k)
+            else:
+                tokens, start = (args.prompt_len, 0) if name == "prefill" else (spec.k + 1, mid)
+                fn = _forward(runner, batch, tokens, start, kvb, vocab, bench.max_len)
+            bench.loops[key] = _loop(bench, name, fn, min_s)
+        loops[name] = bench.loops[key]
     return loops
 
 
@@ -103,8 +109,9 @@ def split(loops: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
 
     phases = [p for p in ("draft", "verify") if p in loops]
     steps = run["steps"]
-    per_step = {p: Loop(energy_j=loops[p]["j_per_call"] * run["forwards"][p],
-                        time_s=loops[p]["s_per_call"] * run["forwards"][p], iterations=steps) for p in phases}
+    calls = run.get("calls", run["forwards"])  # phase calls in the window (a draft phase may run K forwards)
+    per_step = {p: Loop(energy_j=loops[p]["j_per_call"] * calls[p],
+                        time_s=loops[p]["s_per_call"] * calls[p], iterations=steps) for p in phases}
     add = additivity_check(per_step, Loop(energy_j=run["energy_j"], time_s=run["time_s"], iterations=steps))
     energies, times = [], []
     for p in phases:

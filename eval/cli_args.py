@@ -52,8 +52,11 @@ CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
 def _summary_fields_text() -> str:
     from refspec.eval.records import RECORD_FIELDS
 
+    import textwrap
+
     return "Summary fields (records.jsonl, summary.json):\n" + "".join(
-        f"  {name}: {RECORD_FIELDS[name]}\n" for name in SUMMARY_FIELDS) + "\n"
+        textwrap.fill(f"{name}: {RECORD_FIELDS[name]}", 100, initial_indent="  ", subsequent_indent="      ") + "\n"
+        for name in SUMMARY_FIELDS) + "\n"
 
 
 def _epilog(full: bool = False) -> str:
@@ -72,6 +75,21 @@ def _drafter_help(full: bool) -> str:
 
     names = ", ".join(registry.available()) or "(none registered)"
     return f"none, a registered drafter ({names}), or MODULE:CLASS for a drafter class on the Python path"
+
+
+def _add_serving(g: Any, *, sweep: bool) -> None:
+    """The request stream's flags: schedule, requests, arrival rate."""
+    g.add_argument("--schedule", default="continuous",
+                   help=("comma-separated schedules, " if sweep else "")
+                   + "continuous: --batch slots kept busy, a finished request's slot refilled with the next "
+                     "request of the stream; static: lockstep batches of --batch requests that drain (for "
+                     "unit comparisons)")
+    g.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests served per configuration (default: 4 x batch), each a distinct corpus prompt "
+                        "while the corpus has enough")
+    g.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="open loop: requests arrive as a seeded Poisson process of R per second (engine clock); "
+                        "default: closed loop at concurrency --batch (continuous schedule only)")
 
 
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
@@ -99,17 +117,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                    help="at most this many distinct prompts from each corpus (default: as many as --requests; "
                         "requests beyond them repeat prompts cyclically)")
-    g.add_argument("--schedule", default="continuous",
-                   help=("comma-separated schedules, " if sweep else "")
-                   + "continuous: --batch slots kept busy, a finished request's slot refilled with the next "
-                     "request of the stream; static: lockstep batches of --batch requests that drain (for "
-                     "unit comparisons)")
-    g.add_argument("--requests", type=int, default=None, metavar="N",
-                   help="requests served per configuration (default: 4 x batch), each a distinct corpus prompt "
-                        "while the corpus has enough")
-    g.add_argument("--request-rate", type=float, default=None, metavar="R",
-                   help="open loop: requests arrive as a seeded Poisson process of R per second (engine clock); "
-                        "default: closed loop at concurrency --batch (continuous schedule only)")
+    _add_serving(g, sweep=sweep)
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per request")
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")

@@ -214,3 +214,15 @@ def test_sweep_over_both_schedules_compares_each_with_its_own_baseline(tiny, tmp
     for r in summary[1::2]:
         assert by_id[r["baseline"]["config_id"]]["schedule"] == r["schedule"]
         assert r["greedy_match_baseline"] is True
+
+
+@pytest.mark.real
+def test_real_corpora_give_distinct_prompts_beyond_their_default_subset():
+    from refspec import assets
+    from refspec.assets.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(assets.resolve_model("smollm2-135m"))
+    english = corpus_prompts("english", tok, chat=False, wanted=32)  # 13 eval blocks of the UDHR
+    assert len(english) == len({tuple(p) for p in english}) == 32, "UDHR cut at later offsets: 32 distinct"
+    conversation = corpus_prompts("conversation", tok, chat=True, wanted=120)  # 80 Vicuna questions first
+    assert len({tuple(p) for p in conversation}) == 120, "the rest of the eval split follows the Vicuna questions"

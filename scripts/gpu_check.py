@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import gc
 import logging
 import os
 import sys
@@ -230,6 +231,7 @@ def _free_target(bench: Bench) -> None:
     """Drop the target and its caches (the tests' subprocess needs the GPU's memory)."""
     bench.arch, bench.target, bench.target_runner, bench.eager_runner = None, None, None, None
     bench.heads, bench.loops, bench.warmed = {}, {}, set()
+    gc.collect()
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
 

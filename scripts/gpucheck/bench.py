@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any
@@ -118,6 +119,7 @@ def load_target(bench: Bench, args: argparse.Namespace, arch: str, *, max_batch:
         return
     bench.target = bench.target_runner = bench.eager_runner = None
     bench.heads, bench.loops, bench.warmed = {}, {}, set()
+    gc.collect()  # graphs, caches and heads of the old target may sit in reference cycles
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
     dry = args.dry_run

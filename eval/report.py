@@ -1,7 +1,8 @@
 """Reports of evaluation records: the CLI's text table and ``report.md`` (plots: :mod:`refspec.eval.plots`).
 
 Input: configuration records (:data:`refspec.eval.records.RECORD_FIELDS`) from ``records.jsonl``
-and any Slurm task files (:func:`refspec.eval.sweep.read_records`). Every figure printed is a
+and any Slurm task files (:func:`refspec.eval.sweep.read_records`). The serving parts (window
+beside run, latency targets, the per-request greedy audit) are in :mod:`refspec.eval.report_serving`. Every figure printed is a
 record field computed by :mod:`refspec.energy.accounting`; this module formats, never
 recomputes. ``report.md`` states where the energy came from (measured by which counter, or
 modelled by which roofline profile), labels every injected-acceptance run, and prints each
@@ -19,8 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from refspec.energy.accounting_text import format_closure
 from refspec.energy.latency import Targets
-from refspec.eval.report_serving import (audit_md, greedy_text, j_run, old_records_note, serving_line, target_choices,
-                                         targets_md, window_cell)
+from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
+                                         target_choices, targets_md, window_cell)
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,10 @@ def injection_lines(records: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 def _rows(records: Sequence[Mapping[str, Any]]) -> str:
-    """``rows decoded: 4 at batch 1, 8 at batch 8``."""
+    """``rows decoded: 4 at batch 1, 8 at batch 8`` (``requests served`` for serving records)."""
     by_batch = {int(r["batch"]): r.get("rows") for r in records}
-    return "rows decoded: " + ", ".join(f"{n} at batch {b}" for b, n in sorted(by_batch.items()))
+    what = "requests served" if all(has_window(r) for r in records) else "rows decoded"
+    return f"{what}: " + ", ".join(f"{n} at batch {b}" for b, n in sorted(by_batch.items()))
 
 
 def sort_key(r: Mapping[str, Any]) -> tuple:

@@ -51,7 +51,7 @@ FIELD_TEXT = {
     "greedy_requests_near_tie": "differing requests whose first divergent token is a numerical near-tie "
                                 "(both tokens within the dtype's rounding of the top logit; refspec.eval.audit)",
     "greedy_requests_defect": "differing requests whose first divergence no rounding explains (a defect)",
-    "greedy_requests_unclassified": "differing requests not classified (no model at hand: report-time comparison)",
+    "greedy_requests_unclassified": "differing requests not classified (no model at hand at report time, or no prompt recorded)",
     "greedy_requests_not_comparable": "requests present in only one of the two runs, or with different prompts",
     "greedy_near_ties": "the first near-ties (id, position, tokens, top-2 margin, gap, bound)",
     "greedy_defects": "the first defects (id, position, tokens, top-2 margin, gap, bound, reason)",
@@ -208,20 +208,21 @@ def _entry(d: Divergence, m: Margin | None, reason: str | None = None) -> dict[s
     return out
 
 
-def _classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict], list[dict]]:
-    near, defects = [], []
+def _classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict], list[dict], int]:
+    """``(near-ties, defects, unclassified)``: without a prompt no margin can be computed."""
+    near, defects, unclassified = [], [], 0
     for d in divergent:
         if d.token is None or d.baseline_token is None:
             defects.append(_entry(d, None, "outputs of different lengths with a common prefix"))
             continue
         m = fn(d)
         if m is None:
-            defects.append(_entry(d, None, "no prompt recorded: margin not computable"))
+            unclassified += 1
         elif m.near_tie:
             near.append(_entry(d, m))
         else:
             defects.append(_entry(d, m, f"gap {m.gap:.4g} > bound {m.bound:.4g}"))
-    return near, defects
+    return near, defects, unclassified
 
 
 def audit_fields(record: Mapping[str, Any], baseline: Mapping[str, Any] | None,
@@ -247,14 +248,14 @@ def audit_fields(record: Mapping[str, Any], baseline: Mapping[str, Any] | None,
     counts = {"greedy_requests_compared": cmp.compared, "greedy_requests_matching": cmp.matching,
               "greedy_requests_not_comparable": len(cmp.not_comparable), "greedy_audit_baseline": key}
     if fn is None:
-        done = record.get("greedy_audit_baseline") == key and record.get("greedy_requests_unclassified") == 0
+        done = record.get("greedy_audit_baseline") == key and record.get("greedy_requests_near_tie") is not None
         if done and record.get("greedy_requests_matching") == cmp.matching:
             return {f: record.get(f) for f in FIELDS}
         return {**none, **counts, "greedy_requests_unclassified": len(cmp.divergent)}
-    near, defects = _classify(cmp.divergent, fn)
+    near, defects, unclassified = _classify(cmp.divergent, fn)
     dtype = getattr(fn, "dtype", None) or record.get("dtype")
     return {**counts, "greedy_requests_near_tie": len(near), "greedy_requests_defect": len(defects),
-            "greedy_requests_unclassified": 0, "greedy_near_ties": near[:MAX_LISTED],
+            "greedy_requests_unclassified": unclassified, "greedy_near_ties": near[:MAX_LISTED],
             "greedy_defects": defects[:MAX_LISTED],
             "greedy_near_tie_bound": bound_text(dtype) if dtype in _NAMES else None}
 

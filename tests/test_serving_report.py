@@ -200,7 +200,10 @@ def test_the_run_classifies_and_the_report_keeps_it_against_the_same_baseline_on
     compare_with_baseline(spec, {**baseline, "output_digest": "z"})  # another baseline run: counted, not classified
     assert spec["greedy_requests_near_tie"] is None and spec["greedy_requests_unclassified"] == 1
     assert greedy_text(spec) == "0/1 req equal, 1 unclassified"
-    compare_with_baseline(spec, {**baseline, "greedy": True}, margin_fn=None)
+    no_prompt = {**spec, "request_outputs": [{"id": 0, "tokens": [*base[:p], other]}]}
+    compare_with_baseline(no_prompt, {**baseline, "request_outputs": [{"id": 0, "tokens": base[:p + 1]}]},
+                          margin_fn=audit.margin_fn(model))
+    assert (no_prompt["greedy_requests_unclassified"], no_prompt["greedy_requests_defect"]) == (1, 0), "no margin"
     sampled = {**spec, "greedy": False}
     compare_with_baseline(sampled, baseline)
     assert sampled["greedy_requests_compared"] is None, "sampled outputs are not compared token for token"

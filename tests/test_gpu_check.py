@@ -238,6 +238,25 @@ def test_phase_split_with_exact_loops_and_run():
     assert s["fit_power_w"]["verify"] == pytest.approx(150.0, rel=0.05) and s["fit_relative_residual"] > 0
 
 
+def test_phase_split_prices_serving_refills_per_row_of_the_prefill_loop():
+    from gpucheck import phase_loops
+
+    def loop(j_per_call, s_per_call, **extra):
+        w = {"calls": 4, "time_s": s_per_call * 4, "energy_j": j_per_call * 4}
+        return {"j_per_call": j_per_call, "s_per_call": s_per_call, "windows": [w], "energy_source": "measured:x",
+                **extra}
+
+    loops = {"prefill": loop(5.0, 0.5, rows=4), "draft": loop(0.5, 0.01), "verify": loop(3.0, 0.02)}
+    run = {"energy_j": 50.0, "time_s": 0.75, "steps": 10, "forwards": {"draft": 30, "verify": 10},
+           "calls": {"draft": 30, "verify": 10}, "prefill_rows": 2,
+           "phase_time_s": {"draft": 0.3, "verify": 0.2, "prefill": 0.25}}
+    s = phase_loops.split(loops, run)  # 2 refilled rows = half a 4-row prefill call: 2.5 J beside 45 J
+    assert s["phases"] == ["draft", "verify", "prefill"]
+    assert s["loops_j_per_step"] == pytest.approx({"draft": 1.5, "verify": 3.0, "prefill": 0.25})
+    assert s["additivity_residual"] == pytest.approx(-0.05)
+    assert s["loops_share"]["verify"] == pytest.approx(30 / 47.5)
+
+
 def test_dry_run_points_carry_a_labelled_phase_split_and_eager_run(tmp_path):
     code, report = _main(tmp_path, "--blocks", "core,graphs-vs-eager", "--drafters", "block:4", "--batches", "1")
     assert code == 0 and len(report["points"]) == 1  # the eager block reuses the core point
@@ -246,7 +265,9 @@ def test_dry_run_points_carry_a_labelled_phase_split_and_eager_run(tmp_path):
     assert eager["runner_mode"] == "eager-static" and eager["graph_speedup"] > 0
     assert eager["energy_source"].startswith("modelled:")
     split = p["phase_energy"]["split"]
-    assert split["phases"] == ["draft", "verify"] and p["drafter"] == "block"
+    assert p["schedule"] == "continuous" and p["drafter"] == "block"
+    refills = p["run_window"]["prefill_rows"]  # batch 1 serving 4 requests: refills inside the window
+    assert refills > 0 and split["phases"] == ["draft", "verify", "prefill"]
     assert sum(split["loops_share"].values()) == pytest.approx(1.0) and split["energy_source"].startswith("modelled:")
     assert set(p["phase_energy"]["loops"]) == {"prefill", "draft", "verify"}
     assert p["phase_energy"]["loops"]["draft"]["calls"] >= 4  # the recorded draft phase, repeated

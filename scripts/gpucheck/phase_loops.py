@@ -92,7 +92,7 @@ def isolated_loops(bench: Bench, args: argparse.Namespace, batch: int, spec: Any
             else:
                 tokens, start = (args.prompt_len, 0) if name == "prefill" else (spec.k + 1, mid)
                 fn = _forward(runner, batch, tokens, start, kvb, vocab, bench.max_len)
-            bench.loops[key] = _loop(bench, name, fn, min_s)
+            bench.loops[key] = {**_loop(bench, name, fn, min_s), "rows": batch}
         loops[name] = bench.loops[key]
     return loops
 
@@ -103,13 +103,18 @@ def split(loops: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     Args:
         loops: from :func:`isolated_loops`.
         run: the measured run: ``energy_j``, ``time_s``, ``steps``, and per phase
-            ``forwards`` (calls in the window) and ``phase_time_s``.
+            ``forwards`` (calls in the window) and ``phase_time_s``; under serving also
+            ``prefill_rows`` (rows refilled in the window, priced per row of the prefill loop)
+            and ``phase_time_s["prefill"]``.
     """
     from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 
     phases = [p for p in ("draft", "verify") if p in loops]
     steps = run["steps"]
-    calls = run.get("calls", run["forwards"])  # phase calls in the window (a draft phase may run K forwards)
+    calls = dict(run.get("calls", run["forwards"]))  # phase calls in the window (a draft phase may run K forwards)
+    if run.get("prefill_rows") and "prefill" in loops:  # serving: refills of R rows, priced per row of the loop
+        phases.append("prefill")
+        calls["prefill"] = run["prefill_rows"] / loops["prefill"]["rows"]
     per_step = {p: Loop(energy_j=loops[p]["j_per_call"] * calls[p],
                         time_s=loops[p]["s_per_call"] * calls[p], iterations=steps) for p in phases}
     add = additivity_check(per_step, Loop(energy_j=run["energy_j"], time_s=run["time_s"], iterations=steps))

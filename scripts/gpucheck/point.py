@@ -45,7 +45,7 @@ def _engine_factory(bench: Bench, args: argparse.Namespace, spec: DrafterSpec, m
 def _measured_run(bench: Bench, engine: Callable[[Any], Any], prompts: list[list[int]], new_tokens: int,
                   runner: Any, warm_up: bool) -> tuple[Any, Any, list[float], float, int, list[float], Any]:
     """Warm-up (unless this point's graphs are captured already), then the measured run; the
-    energy window spans steps 2..N (step 1 holds prefill).
+    energy window opens after the first decode step (the prefill and first step stay outside).
 
     Returns the generation, the window's measurement, step times (s), warm-up seconds, graph
     captures during the measured run, the SM clocks read under load (MHz; empty on a CPU), and
@@ -136,8 +136,8 @@ def run_point(bench: Bench, args: argparse.Namespace, batch: int, spec: DrafterS
         bench, factory, prompts, args.new_tokens, runner, warm_up)
     bench.warmed.add(key)
     out = _figures(bench, gen, m, measured, model)
-    out.update({"schedule": "static", "schedule_fallback": fallback,"arch": bench.arch, "batch": batch, "k": spec.k, "drafter": spec.name, "drafter_label": spec.label,
-                "corpus": corpus if spec.k else None, "runner_mode": runner.mode, "warmed_up": warm_up,
+    out.update({"schedule": "static", "schedule_fallback": fallback, "arch": bench.arch, "batch": batch, "k": spec.k,
+                "drafter": spec.name, "drafter_label": spec.label, "corpus": corpus if spec.k else None, "runner_mode": runner.mode, "warmed_up": warm_up,
                 "warmup_s": warmup_s, "captures_during_measurement": captures,
                 "sm_clock_mhz": {"min": min(clocks), "median": statistics.median(clocks), "max": max(clocks),
                                  "reads": len(clocks), "how": "read passively (NVML), never set"} if clocks else None,

@@ -135,8 +135,9 @@ def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: A
         "run_window": {"energy_j": energy, "time_s": seconds, "steps": len(steps),
                        "forwards": {p: sum(len(e.work) for e in in_window if e.phase == p) for p in ("draft", "verify")},
                        "calls": {p: len([e for e in in_window if e.phase == p]) for p in ("draft", "verify")},
-                       "phase_time_s": {p: sum(e.measurement.time_s for e in in_window if e.phase == p)
-                                        for p in ("draft", "verify")}},
+                       "prefill_rows": sum(e.rows_active for e in events if e.phase == "prefill"),
+                       "phase_time_s": {p: sum(e.measurement.time_s for e in events if e.phase == p)
+                                        for p in ("draft", "verify", "prefill")}},
         "per_step_s": {"measured": [round(x, 7) for x in measured], "predicted": [round(x, 7) for x in predicted]},
     }
 

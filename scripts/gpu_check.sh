@@ -8,7 +8,7 @@
 # Usage: bash scripts/gpu_check.sh [gpu_check.py flags]
 #   on the GPU:      bash scripts/gpu_check.sh        (about 7.5 minutes: --budget-s 420 plus the install;
 #                    device tool timeout_s 540)
-#   shorter rerun:   bash scripts/gpu_check.sh --blocks core --budget-s 200
+#   shorter rerun:   bash scripts/gpu_check.sh --blocks core --skip-tests --budget-s 150
 #   rehearsal (CPU): bash scripts/gpu_check.sh --dry-run --skip-tests
 #   --require-measured-energy exits 3 before the grid where no counter can be read; without
 #   it such a run goes on with modelled energy, labelled MODELLED in every table and plot.

@@ -254,13 +254,17 @@ def _drafter(kind, model):
         return NgramDrafter(max_n=3)
     if kind == "draft-model":
         return DraftModelDrafter(model.truncated(1), target_vocab_size=model.args.vocab_size)
+    from refspec.drafters.eagle import TreeConfig
+
     torch.manual_seed(6)  # an untrained head: greedy output must not depend on what it drafts
-    head = new_head(HeadConfig.for_target("eagle", model.args)).float().eval()
-    return EagleDrafter(head, model)
+    head_kind = "eagle3" if kind == "eagle3" else "eagle"
+    head = new_head(HeadConfig.for_target(head_kind, model.args, draft_vocab_size=64)).float().eval()
+    tree = TreeConfig(topk=3, depth=3, budget=6) if kind == "eagle-tree" else None
+    return EagleDrafter(head, model, tree=tree)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("kind", ["ngram", "draft-model", "eagle"])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "eagle", "eagle3", "eagle-tree"])
 def test_greedy_speculative_equals_plain(moe_models, name, kind):
     from refspec.engine import Engine, EngineConfig
 

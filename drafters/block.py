@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from refspec.cache import StaticKVCache
-from refspec.drafters import head_files
+from refspec.drafters import block_dflash, head_files
 from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION, WEIGHTS_FILE, BlockHead,
                                          BlockHeadConfig, default_feature_layers, head_args)
 from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
@@ -232,13 +232,16 @@ def find_head(target_name: str) -> Path:
 
 
 def register_builtin(register) -> None:
-    """Register ``block`` (options: ``head``, a head directory; default: the trained head of the
-    target, see :func:`find_head`)."""
+    """Register ``block`` (options: ``head``, a head directory, refspec's or a published DFlash
+    draft; default: the trained head of the target, see :func:`find_head`)."""
 
     def build(ctx):
         path = ctx.options.get("head")
         folder = Path(path) if path else find_head(ctx.target_name)
-        head = BlockHead.load(folder, target_args=ctx.target.args, dtype=ctx.dtype, device=ctx.device)
+        if block_dflash.is_dflash(folder):  # a published DFlash draft (see refspec.drafters.block_dflash)
+            head = block_dflash.load_dflash(folder, ctx.target, dtype=ctx.dtype, device=ctx.device)
+        else:
+            head = BlockHead.load(folder, target_args=ctx.target.args, dtype=ctx.dtype, device=ctx.device)
         log.info("block head from %s (block size %d, %d layers)", folder, head.block_size, head.num_layers)
         return BlockDrafter(head, ctx.target)
 

@@ -75,6 +75,8 @@ class BlockHeadConfig:
             projected feature of the position just before the block (as EAGLE fuses token and
             feature), so each slot sees the most informative feature without an attention hop;
             False feeds plain embeddings (context only through attention, as DFlash).
+        layer_args: ``ModelArgs`` fields of the head's layers that differ from the target's
+            (a published DFlash draft has Qwen3 layers with heads of its own); None: the target's.
     """
 
     feature_layers: tuple[int, ...]
@@ -82,6 +84,7 @@ class BlockHeadConfig:
     num_layers: int = 1
     intermediate_size: int | None = None
     input_fusion: bool = True
+    layer_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.feature_layers:
@@ -94,10 +97,10 @@ class BlockHeadConfig:
 
 def head_args(target_args: ModelArgs, config: BlockHeadConfig) -> ModelArgs:
     """Architecture of the head's decoder layers: the target's family, norms, heads and rope,
-    with ``config.num_layers`` full-attention layers and the head's MLP width."""
+    with ``config.num_layers`` full-attention layers, the head's MLP width and its ``layer_args``."""
     return dataclasses.replace(
         target_args, num_layers=config.num_layers, layer_types=(), sliding_window=None,
-        intermediate_size=config.intermediate_size or target_args.intermediate_size)
+        intermediate_size=config.intermediate_size or target_args.intermediate_size, **(config.layer_args or {}))
 
 
 class BlockHead(nn.Module):
@@ -373,7 +376,7 @@ class BlockHead(nn.Module):
         h = meta["head"]
         config = BlockHeadConfig(feature_layers=tuple(h["feature_layers"]), block_size=int(h["block_size"]),
                                  num_layers=int(h["num_layers"]), intermediate_size=h.get("intermediate_size"),
-                                 input_fusion=bool(h.get("input_fusion", False)))
+                                 input_fusion=bool(h.get("input_fusion", False)), layer_args=h.get("layer_args"))
         head = cls(trained_for if target_args is None else target_args, config)
         state = load_file(str(w_file))
         missing, unexpected = head.load_state_dict(state, strict=False)

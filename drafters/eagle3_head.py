@@ -42,7 +42,9 @@ class Eagle3Head(EagleHead):
         return self.fc(torch.cat(feats, dim=-1).to(self.fc.weight.dtype))
 
     def _attn_input(self, emb, h):
-        return torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1), h
+        normed = self.hidden_norm(h)
+        residual = normed if self.config.norm_before_residual else h
+        return torch.cat([self.input_norm(emb), normed], dim=-1), residual
 
     def draft_logits(self, out: torch.Tensor, target) -> torch.Tensor:
         return self.lm_head(self.norm(out)).float()

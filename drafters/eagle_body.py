@@ -59,6 +59,8 @@ class HeadConfig:
         rope_scaling: rotary scaling (as in ``config.json``) or None.
         hidden_act: ``silu`` or ``gelu_tanh``.
         fc_bias: whether ``fc`` has a bias (published EAGLE-1 heads do).
+        norm_before_residual: EAGLE-3 only: the residual is the hidden-normed feature rather than
+            the raw one (``norm_before_residual`` in some published EAGLE-3 configs).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class HeadConfig:
     rope_scaling: dict[str, Any] | None = None
     hidden_act: str = "silu"
     fc_bias: bool = False
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -120,6 +120,9 @@ def _config_from_published(cfg: dict[str, Any], kind: str, weights: dict[str, to
     if cfg.get("num_hidden_layers", 1) != 1:
         raise DrafterError(f"the head has {cfg['num_hidden_layers']} decoder layers; refspec loads one-layer heads")
     e, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if int(cfg.get("target_hidden_size") or e) != e:  # EAGLE-3 heads for a target of another width
+        raise DrafterError(f"the head's target_hidden_size {cfg['target_hidden_size']} differs from its hidden size "
+                           f"{e}; refspec loads heads as wide as their target")
     layers = own.get("feature_layers")
     if layers is None and kind == "eagle3":
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -135,7 +138,8 @@ def _config_from_published(cfg: dict[str, Any], kind: str, weights: dict[str, to
         draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg.get("vocab_size", target_args.vocab_size)),
         feature_layers=tuple(int(l) for l in layers), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=cfg.get("rope_scaling"),
-        hidden_act="gelu_tanh" if "gelu" in act else "silu", fc_bias="fc.bias" in weights)
+        hidden_act="gelu_tanh" if "gelu" in act else "silu", fc_bias="fc.bias" in weights,
+        norm_before_residual=kind == "eagle3" and bool(cfg.get("norm_before_residual", False)))
 
 
 def load_head(path: str | Path, target_args, *, device: torch.device | str = "cpu",
@@ -238,6 +242,7 @@ def save_head(head: EagleHead, path: str | Path, *, provenance: dict[str, Any] |
     }
     if hc.kind == "eagle3":
         cfg["draft_vocab_size"] = hc.draft_vocab_size
+        cfg["norm_before_residual"] = hc.norm_before_residual
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [l + 1 for l in hc.feature_layers]}
     tmp = path / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -252,3 +252,32 @@ def test_smollm2_block_head_is_lossless_and_accepts():
         assert spec.tokens == plain.tokens
     # the shipped head comes from a short CPU run (tau ~1.1 on the eval corpora): some drafts must land
     assert spec.tau > 1.0, f"the trained head should be accepted now and then (tau {spec.tau:.2f})"
+
+
+def test_block_verify_is_shaped_like_eagles(tiny_models):
+    """Behind the block drafter the target's verify forward gets what it gets behind EAGLE at the
+    same K: B x (K+1) long tokens, a chain (no tree mask, no slots), num_keys from the cache
+    lengths alone, and only the feature layers the drafter reads; one verify per step."""
+    from refspec.drafters.eagle import EagleDrafter, HeadConfig, new_head
+
+    m, k = tiny_models["llama"], 4
+    prompts = _prompts(6, seed=4)
+    torch.manual_seed(0)
+    drafters = {"block": BlockDrafter(_head(m), m),
+                "eagle": EagleDrafter(new_head(HeadConfig.for_target("eagle", m.args)).eval(), m)}
+    for name, drafter in drafters.items():
+        calls = []
+
+        def spy(tokens, positions, cache, **kw):
+            want = min(cache.max_len, -(-(int(cache.lengths.max()) + k + 1) // 64) * 64)  # engine's kv_bucket 64
+            calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, sorted(set(kw) - {"num_keys"}),
+                          tuple(kw["hidden_layers"])))
+            return m(tokens, positions, cache, **kw)
+
+        out = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS, verify_fn=spy).generate(
+            prompts, max_new_tokens=12)
+        assert len(calls) == out.steps, name
+        for shape, dtype, keys, want, extra, layers in calls:
+            assert shape == (6, k + 1) and dtype == torch.long, (name, shape, dtype)
+            assert keys == want and extra == ["hidden_layers"], (name, keys, want, extra)
+            assert layers == drafter.hidden_layers, name

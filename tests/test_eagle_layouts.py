@@ -94,3 +94,48 @@ def test_a_checkpoint_with_unknown_keys_or_wrong_shapes_is_refused(target, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(_llama_config(e=32)))
     with pytest.raises(DrafterError, match="hidden size 32"):
         load_head(tmp_path, target.args)
+
+
+def test_yuhuili_eagle3_config_without_layer_ids_uses_the_default_layers(target, tmp_path):
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: architectures LlamaForCausalLMEagle3, draft_vocab_size,
+    target_hidden_size, no eagle_config, a copy of the target's embedding in the weights."""
+    from safetensors.torch import save_file
+
+    from refspec.drafters.eagle import eagle3_layers
+
+    w = dict(_published_eagle3(), **{"embed_tokens.weight": torch.zeros(96, 64)})
+    cfg = _llama_config(draft_vocab_size=48, target_hidden_size=64, architectures=["LlamaForCausalLMEagle3"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(tmp_path / "model.safetensors"))
+    head, _ = load_head(tmp_path, target.args)
+    assert head.config.feature_layers == eagle3_layers(target.num_layers) and not head.config.norm_before_residual
+    plain = Engine(target).generate(_prompts(2), max_new_tokens=10)
+    spec = Engine(target, EagleDrafter(head, target), config=EngineConfig(k=3)).generate(_prompts(2), max_new_tokens=10)
+    assert spec.tokens == plain.tokens
+    cfg["target_hidden_size"] = 128  # a head fusing a wider target's layers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterError, match="target_hidden_size 128"):
+        load_head(tmp_path, target.args)
+
+
+def test_specforge_eagle3_norm_before_residual_is_read_and_kept(target, tmp_path):
+    """SpecForge's output: eagle_config layer ids and norm_before_residual; the residual is then
+    the hidden-normed feature, and saving keeps the flag."""
+    from safetensors.torch import save_file
+
+    from refspec.drafters.eagle import save_head
+
+    cfg = _llama_config(draft_vocab_size=48, norm_before_residual=True,
+                        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(_published_eagle3(), str(tmp_path / "model.safetensors"))
+    head, _ = load_head(tmp_path, target.args)
+    assert head.config.norm_before_residual
+    emb, h = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    _, residual = head._attn_input(emb, h)
+    assert torch.allclose(residual, head.hidden_norm(h))
+    again, _ = load_head(save_head(head, tmp_path / "ours"), target.args)
+    assert again.config.norm_before_residual
+    spec = Engine(target, EagleDrafter(head, target, tree=TREE), config=EngineConfig(k=4)).generate(
+        _prompts(2), max_new_tokens=10)
+    assert spec.tokens == Engine(target).generate(_prompts(2), max_new_tokens=10).tokens

@@ -201,3 +201,28 @@ def test_cli_trains_a_smollm2_head_from_train_splits_and_resumes(tmp_path):
     assert prov["steps"] == 2 and prov["target"] == "smollm2-135m" and "--drafter eagle" in prov["command"]
     assert train.main(argv[:-7] + ["--steps", "3", "--batch-size", "1", "--seq-len", "32", "--quiet", "--resume"]) == 0
     assert json.loads((out / "config.json").read_text())["refspec"]["provenance"]["steps"] == 3
+
+
+def test_eagle_warm_start_refines_a_saved_head(tiny_models, tmp_path):
+    """``--option init=DIR`` starts from the head in DIR (its weights, trainable) and a short run
+    moves it; a head of the other kind is refused."""
+    from refspec.drafters.eagle import load_head, save_head
+    from refspec.drafters.training.loop import load_trainers
+    from refspec.drafting import DrafterError
+
+    m = tiny_models["llama"]
+    trainers = load_trainers()
+    ds = T.collect_features(m, _sequences(8, seed=2), trainers["eagle"].feature_layers(m), progress=False)
+    first = T.train(trainers["eagle"], m, ds, _cfg(3), tmp_path / "a", progress=False)
+    start, _ = load_head(first.export_path, m.args)
+    module = trainers["eagle"].build(m, ds, {"init": str(first.export_path)})
+    for (name, a), b in zip(start.state_dict().items(), module.head.state_dict().values()):
+        assert torch.equal(a, b), f"{name} was not taken from the saved head"
+    assert all(p.requires_grad for p in module.head.parameters())
+    T.train(trainers["eagle"], m, ds, _cfg(4), tmp_path / "b", options={"init": str(first.export_path)},
+            progress=False)
+    moved, _ = load_head(tmp_path / "b", m.args)
+    assert not torch.equal(moved.fc.weight, start.fc.weight)
+    e3 = save_head(trainers["eagle3"].build(m, ds, {}).head, tmp_path / "e3")
+    with pytest.raises(DrafterError, match="holds an eagle3 head"):
+        trainers["eagle"].build(m, ds, {"init": str(e3)})

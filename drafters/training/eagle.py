@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refspec.drafters.eagle_head import (Eagle1Head, Eagle3Head, EagleHead, HeadConfig, eagle3_layers, new_head,
-                                         save_head)
+from refspec.drafters.eagle_head import (Eagle1Head, Eagle3Head, EagleHead, HeadConfig, eagle3_layers, load_head,
+                                         new_head, save_head)
 from refspec.drafting import DrafterError
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class EagleTrainer:
     Options: ``ttt_steps`` (default 1 for eagle, 3 for eagle3), ``noise`` (default 0.1 for
     eagle, 0 for eagle3), ``ce_weight`` (0.1 / 1.0), ``ce_fraction`` (0.25 / 1.0; see
     :class:`EagleTrainingModule`), ``draft_vocab_size`` (eagle3 only; default 8192, 0 keeps
-    the whole vocabulary).
+    the whole vocabulary), ``init`` (a head directory to start from, e.g. a shipped head, so a
+    short run refines it on new data; default: a fresh head).
     """
 
     name: str
@@ -107,7 +108,7 @@ class EagleTrainer:
         eagle1 = self.name == "eagle"
         base = {"ttt_steps": 1 if eagle1 else 3, "noise": 0.1 if eagle1 else 0.0,
                 "ce_weight": 0.1 if eagle1 else 1.0, "ce_fraction": 0.25 if eagle1 else 1.0,
-                "draft_vocab_size": 0 if eagle1 else 8192}
+                "draft_vocab_size": 0 if eagle1 else 8192, "init": ""}
         unknown = set(options) - set(base)
         if unknown:
             raise DrafterError(f"unknown {self.name} training options {sorted(unknown)}; known: {sorted(base)}")
@@ -120,6 +121,9 @@ class EagleTrainer:
         vd = self.option(options, "draft_vocab_size")
         if self.name == "eagle" and vd:
             raise DrafterError("an eagle head drafts over the whole vocabulary; draft_vocab_size is for eagle3")
+        init = self.option(options, "init")
+        if init:
+            return self._module(self._warm_start(init, target).to(target.device), options)
         hc = HeadConfig.for_target(self.name, target.args, draft_vocab_size=vd or None)
         head = new_head(hc)
         if isinstance(head, Eagle3Head):
@@ -134,8 +138,17 @@ class EagleTrainer:
                 ids = head.to_target_ids(torch.arange(hc.draft_vocab_size))
                 head.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[ids])
                 head.norm.weight.copy_(target.norm.weight.detach().float().cpu())
-        head = head.float().to(target.device)
-        return EagleTrainingModule(head, ttt_steps=self.option(options, "ttt_steps"),
+        return self._module(head.to(target.device), options)
+
+    def _warm_start(self, folder: str, target) -> EagleHead:
+        """The head saved in ``folder`` (its kind must be this trainer's), trainable, in float32."""
+        head, _ = load_head(folder, target.args)
+        if head.config.kind != self.name:
+            raise DrafterError(f"option init={folder} holds an {head.config.kind} head, not {self.name}")
+        return head.requires_grad_(True).train()
+
+    def _module(self, head: EagleHead, options: dict[str, Any]) -> nn.Module:
+        return EagleTrainingModule(head.float(), ttt_steps=self.option(options, "ttt_steps"),
                                    noise=self.option(options, "noise"), ce_weight=self.option(options, "ce_weight"),
                                    ce_fraction=self.option(options, "ce_fraction"))
 

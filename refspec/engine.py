@@ -261,6 +261,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def _serve(self, sched: Scheduler, t_slots: int, generator: torch.Generator | None) -> ServeResult:
+        """Fill the slots, then step (1 draft, 2 verify, 3 accept, 4 commit, 5 refill) until no
+        row generates and nothing is left to admit; every phase is metered and reported."""
         cfg, drafter, dev, b = self.config, self.drafter, self.target.device, sched.batch
         run = new_batch(self, b, t_slots, max(r.max_new_tokens for r in sched.queue))
         state, cache = run.state, run.cache

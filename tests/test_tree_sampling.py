@@ -312,7 +312,7 @@ def _warp_drafter(name, m):
 def test_every_sampling_path_warps_p_and_q_with_the_engines_config(tiny_models, monkeypatch, name):
     """The target's p (engine) and the drafter's q come from the one ``probs_from_logits`` called
     with the engine's sampling config; chain q rows keep at most top_k tokens."""
-    import refspec.engine as engine_module
+    import refspec.step as engine_module  # the engine's verify step warps the target's p
 
     m = tiny_models["llama"]
     torch.manual_seed(0)

@@ -148,20 +148,21 @@ def summary_table(points: list[dict[str, Any]]) -> str:
 def phase_table(points: list[dict[str, Any]]) -> str:
     """Per point: the phase split of the isolated loops (A) and of the fit (B), the additivity
     residual, prefill J per call."""
-    rows = [f"{HEAD} {'draft A':>8} {'verify A':>8} {'draft B':>8} {'verify B':>8} "
+    rows = [f"{HEAD} {'draft A':>8} {'verify A':>8} {'refill A':>8} {'draft B':>8} {'verify B':>8} "
             f"{'additivity':>10} {'fit resid':>9} {'prefill J':>10}"]
     for p in points:
         s = p.get("phase_energy", {}).get("split")
         if s is None:
             continue
         a, b = s["loops_share"], s["fit_share"]
-        rows.append(f"{_where(p)} {a.get('draft', 0.0):>8.3f} {a['verify']:>8.3f} "
+        rows.append(f"{_where(p)} {a.get('draft', 0.0):>8.3f} {a['verify']:>8.3f} {a.get('prefill', 0.0):>8.3f} "
                     f"{b.get('draft', 0.0):>8.3f} {b['verify']:>8.3f} {s['additivity_residual']:>+10.1%} "
                     f"{s['fit_relative_residual']:>9.3f} {s['prefill_j_per_call']:>10.4g}")
     sources = sorted({p["phase_energy"]["split"]["energy_source"] for p in points
                       if "split" in p.get("phase_energy", {})})
     rows.append("phase energy: " + (energy_label([{"energy_source": s} for s in sources]) if sources else "none")
-                + "; A = phase-isolated loops x calls per step, B = non-negative fit over their windows and the run")
+                + "; A = phase-isolated loops x calls per step (refill: serving's refill prefills, per row of the "
+                "prefill loop), B = non-negative fit over their windows and the run")
     return "\n".join(rows)
 
 

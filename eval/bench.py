@@ -32,9 +32,10 @@ from typing import Any, Sequence
 import torch
 
 from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec_figures, _refspec_run,
-                                       measure_bandwidth, weight_bytes)
+                                       compile_figures, compiled_step, measure_bandwidth, weight_bytes)
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
+from refspec.models.calibration import machine_key
 from refspec.models.ops import gemm_plan
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,14 @@ CODE_PROMPTS = [
 
 
 def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Sequence[str] = ("fp32", "bf16"),
-                 prompt_len: int = 32, new_tokens: int = 48, repeats: int = 3) -> dict[str, Any]:
+                 prompt_len: int = 32, new_tokens: int = 48, repeats: int = 3, compile: bool = False) -> dict[str, Any]:
     """refspec vs transformers decode speed and the bandwidth floor, in one run (each figure is
-    the best of ``repeats`` interleaved runs)."""
+    the best of ``repeats`` interleaved runs); with ``compile``, refspec's compiled step too
+    (``compiled_*`` figures, compiled in the untimed warm-up run)."""
     set_threads()
     device = torch.device("cpu")
-    results: dict[str, Any] = {"model": model_name, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                               "threads": torch.get_num_threads(), "repeats": repeats, "rows": []}
+    results: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "prompt_len": prompt_len, "new_tokens": new_tokens,
+                               "threads": torch.get_num_threads(), "repeats": repeats, "compile": compile, "rows": []}
     g = torch.Generator().manual_seed(0)
     bw = measure_bandwidth()  # one floor for every dtype: weight bytes over the streaming-read bandwidth
     results["bandwidth_GBps"] = bw / 1e9
@@ -84,9 +86,12 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
             prompts = [torch.randint(100, vocab - 100, (prompt_len - (i % 4),), generator=g).tolist()
                        for i in range(b)]
             # transformers' step time: compare like with like by subtracting a 1-token run (prefill)
-            best = _interleaved({"refspec": _refspec_run(target.model, prompts, new_tokens),
-                                 "hf": _hf_run(hf, prompts, new_tokens, pad_id=0),
-                                 "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0)}, repeats)
+            fns = {"refspec": _refspec_run(target.model, prompts, new_tokens),
+                   "hf": _hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0)}
+            step = compiled_step(target.model) if compile else None
+            if step is not None:
+                fns["compiled"] = _refspec_run(target.model, prompts, new_tokens, verify_fn=step)
+            best = _interleaved(fns, repeats)
             ours = _refspec_figures(*best["refspec"])
             hf_wall, hf_prefill = best["hf"][0], best["hf_prefill"][0]
             hf_step_ms = 1000 * (hf_wall - hf_prefill) / (new_tokens - 1)
@@ -97,11 +102,24 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
                    "gemm_plan": gemm_plan().describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
+            if step is not None:
+                row.update(_compiled_row(best, row, step, floor_ms))
             results["rows"].append(row)
             log.info("%s batch %d: refspec %.1f tok/s (step %.1f ms), transformers %.1f tok/s, floor %.1f ms",
                      dname, b, row["refspec_tokens_per_s"], row["refspec_step_ms"], row["hf_tokens_per_s"], floor_ms)
         del hf
     return results
+
+
+def _compiled_row(best: dict[str, tuple[float, Any]], row: dict[str, Any], step, floor_ms: float) -> dict[str, Any]:
+    """The compiled step's figures beside the eager ones of the same run."""
+    comp = _refspec_figures(*best["compiled"])
+    out = {"compiled_tokens_per_s": comp["tokens_per_s"], "compiled_step_ms": comp["step_ms"],
+           "compiled_speedup_vs_hf": comp["tokens_per_s"] / row["hf_tokens_per_s"],
+           "compiled_speedup_vs_eager": comp["tokens_per_s"] / row["refspec_tokens_per_s"],
+           "compiled_step_over_floor": comp["step_ms"] / floor_ms,
+           "compiled_matches_eager": best["compiled"][1].tokens == best["refspec"][1].tokens}
+    return out | compile_figures(step)
 
 
 def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
@@ -126,9 +144,10 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 
 def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, k: int, batches: Sequence[int],
                dtype_name: str, new_tokens: int, draft_model: str | None = None, repeats: int = 2,
-               drafter_options: dict[str, str] | None = None) -> dict[str, Any]:
+               drafter_options: dict[str, str] | None = None, compile: bool = False) -> dict[str, Any]:
     """refspec plain vs refspec + drafter vs transformers' equivalent, same prompts, one run
-    (each chunk of prompts timed as the best of ``repeats`` interleaved runs)."""
+    (each chunk of prompts timed as the best of ``repeats`` interleaved runs); with ``compile``,
+    plain and speculative refspec through one compiled verify step too (``*_compiled``)."""
     from refspec.drafters import registry
     from refspec.engine import Engine, EngineConfig
 
@@ -145,12 +164,16 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
     drafter = registry.build(drafter_name, ctx)
     hf = _load_hf(target.path, dtype)
     hf_extra, hf_method = _hf_equivalent(drafter_name, opts, model_name, k, dtype)
-    out: dict[str, Any] = {"model": model_name, "drafter": drafter_name, "drafter_options": opts, "k": k,
+    out: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "drafter": drafter_name, "drafter_options": opts, "k": k,
                            "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
                            "weight_copies": target.model.weight_copy_kind,
-                           "gemm_plan": gemm_plan().describe() or "reference", "rows": []}
-    engines = (Engine(target.model), Engine(target.model, drafter, config=EngineConfig(k=k)))
+                           "gemm_plan": gemm_plan().describe() or "reference", "compile": compile, "rows": []}
+    engines = {"plain": Engine(target.model), "spec": Engine(target.model, drafter, config=EngineConfig(k=k))}
+    step = compiled_step(target.model) if compile else None
+    if step is not None:
+        engines |= {"plain_compiled": Engine(target.model, verify_fn=step),
+                    "spec_compiled": Engine(target.model, drafter, config=EngineConfig(k=k), verify_fn=step)}
     hf_once: tuple[float, list[list[int]]] | None = None
     for b in sorted(batches):  # batch 1 first: its transformers run is reused for the others
         with_hf = hf_method is not None and b == 1  # transformers' speculative generate: batch 1 only
@@ -160,6 +183,12 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                "spec_tokens_per_s": sum(map(len, tokens["spec"])) / t["spec"],
                "tau": statistics.fmean(taus), "spec_matches_plain": tokens["spec"] == tokens["plain"]}
         row["spec_speedup_vs_plain"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
+        if step is not None:
+            for name in ("plain_compiled", "spec_compiled"):
+                row[f"{name}_tokens_per_s"] = sum(map(len, tokens[name])) / t[name]
+            row["spec_compiled_speedup_vs_plain_compiled"] = row["spec_compiled_tokens_per_s"] / row[
+                "plain_compiled_tokens_per_s"]
+            row["compiled_matches_eager"] = tokens["spec_compiled"] == tokens["spec"]
         if hf_method is not None:
             if with_hf:
                 hf_once = (t["hf"], tokens["hf"])
@@ -171,7 +200,11 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
             row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
             row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
             row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
+            if step is not None:
+                row["spec_compiled_speedup_vs_hf"] = row["spec_compiled_tokens_per_s"] / row["hf_tokens_per_s"]
             row["hf_matches_plain"] = hf_tokens == tokens["plain"]
+        if step is not None:
+            row.update(compile_figures(step))  # cumulative over the batches run so far
         out["rows"].append(row)
         log.info("batch %d: plain %.1f tok/s, %s %.1f tok/s (tau %.2f), transformers %s", b,
                  row["plain_tokens_per_s"], drafter_name, row["spec_tokens_per_s"], row["tau"],
@@ -192,19 +225,17 @@ def _hf_equivalent(drafter_name: str, opts: dict, model_name: str, k: int,
     return {}, None
 
 
-def _timed_chunks(engines: tuple[Any, Any], hf: Any, hf_extra: dict[str, Any], prompts: list[list[int]], b: int,
+def _timed_chunks(engines: dict[str, Any], hf: Any, hf_extra: dict[str, Any], prompts: list[list[int]], b: int,
                   new_tokens: int, repeats: int) -> tuple[dict[str, float], dict[str, list], list[int]]:
-    """Wall time and tokens of every chunk of ``b`` prompts through the plain and the speculative
-    engine (and transformers when ``hf`` is given), each the best of ``repeats`` interleaved runs;
-    also the acceptance length of every active row-step of the speculative runs."""
-    plain_engine, spec_engine = engines
-    t = {"plain": 0.0, "spec": 0.0, "hf": 0.0}
-    tokens: dict[str, list] = {"plain": [], "spec": [], "hf": []}
+    """Wall time and tokens of every chunk of ``b`` prompts through each engine (``plain``,
+    ``spec``, ...) and transformers when ``hf`` is given, each the best of ``repeats`` interleaved
+    runs; also the acceptance length of every active row-step of the ``spec`` runs."""
+    t = dict.fromkeys([*engines, "hf"], 0.0)
+    tokens: dict[str, list] = {name: [] for name in t}
     taus: list[int] = []
     for i in range(0, len(prompts), b):
         chunk = prompts[i:i + b]
-        fns = {"plain": lambda: plain_engine.generate(chunk, max_new_tokens=new_tokens),
-               "spec": lambda: spec_engine.generate(chunk, max_new_tokens=new_tokens)}
+        fns = {name: (lambda e=e: e.generate(chunk, max_new_tokens=new_tokens)) for name, e in engines.items()}
         if hf is not None:
             fns["hf"] = _hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
         best = _interleaved(fns, repeats)
@@ -247,6 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=int, default=3,
                    help="interleaved timed runs of refspec and transformers; the best of each is kept")
     d.add_argument("--json", action="store_true", help="print the figures as JSON")
+    d.add_argument("--compile", action="store_true",
+                   help="also time refspec's opt-in compiled step (torch.compile; compiled in the warm-up)")
     s = sub.add_parser("spec", help="refspec plain vs speculative vs transformers' speculative method")
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--drafter", default="ngram")
@@ -262,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=2,
                    help="interleaved timed runs of plain, speculative and transformers; the best of each is kept")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--compile", action="store_true",
+                   help="also time plain and speculative refspec through the opt-in compiled verify step")
     r = sub.add_parser("roofline", help="roofline-predicted vs measured target step times on this CPU")
     r.add_argument("--model", default="smollm2-135m")
     r.add_argument("--batch", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
@@ -303,12 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
         if args.cmd == "decode":
             res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
-                               new_tokens=args.new_tokens, repeats=args.repeats)
+                               new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
         else:
             res = bench_spec(args.model, args.drafter, corpus_file=args.corpus_file, k=args.k,
                              batches=_ints(args.batch), dtype_name=args.dtype, new_tokens=args.new_tokens,
                              draft_model=args.draft_model, repeats=args.repeats,
-                             drafter_options=dict(parse_drafter_options(args.drafter_option)))
+                             drafter_options=dict(parse_drafter_options(args.drafter_option)), compile=args.compile)
     except (UsageError, ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

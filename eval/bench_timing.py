@@ -57,11 +57,30 @@ def weight_bytes(model) -> int:
     return total
 
 
-def _refspec_run(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
+def _refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: Any = None) -> Callable[[], Any]:
     from refspec.engine import Engine
 
-    engine = Engine(model)  # no EOS: every row decodes the full budget
+    engine = Engine(model, verify_fn=verify_fn)  # no EOS: every row decodes the full budget
     return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
+
+
+COMPILE_KEYS_BUCKET = 256
+"""Tk of compiled steps is rounded up to this many slots: one compile covers 256 positions (a
+compile takes a minute or more for SmolLM2, while the extra masked keys cost a few MB a step)."""
+
+
+def compiled_step(model) -> Any:
+    """The opt-in compiled verify step of ``bench --compile`` (:mod:`refspec.models.compiled`)."""
+    from refspec.models.compiled import CompiledStep
+
+    return CompiledStep(model, keys_bucket=COMPILE_KEYS_BUCKET)
+
+
+def compile_figures(step) -> dict[str, Any]:
+    """What a compiled step cost to build: compiles, recompiles, seconds, eager fallbacks."""
+    st = step.stats
+    return {"compile_s": st.compile_s, "compiles": st.compiles, "recompiles": st.recompiles,
+            "compiled_calls": st.compiled_calls, "compile_eager_calls": st.eager_calls}
 
 
 def _refspec_figures(wall: float, gen) -> dict[str, float]:
@@ -97,4 +116,4 @@ def _load_hf(path: Path, dtype: torch.dtype):
     return model.eval()
 
 
-__all__ = ["measure_bandwidth", "weight_bytes"]
+__all__ = ["measure_bandwidth", "weight_bytes", "compiled_step", "compile_figures", "COMPILE_KEYS_BUCKET"]

@@ -131,6 +131,9 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
                         "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
     h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
+    h.add_argument("--compile", action="store_true",
+                   help="CPU: verify and decode steps through torch.compile (opt-in; each new step shape compiles "
+                        "once, a minute or more for SmolLM2; the eager step is the reference)")
     h.add_argument("--threads", default="auto",
                    help="intra-op CPU threads: a number, or auto (OMP_NUM_THREADS if set; else 1 when the load "
                         "average already reaches the core count, where threads spin against each other and a "
@@ -370,5 +373,6 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     if not configs:
         raise UsageError("nothing to run: --no-baseline leaves no configuration (add --drafter NAME or --k >= 1)")
     session_kwargs = dict(model=args.model, dtype=dtype, device=device, meter=args.meter, cuda_graphs=args.cuda_graphs,
+                          compile_step=args.compile,
                           warmup=not args.no_warmup, chat=not args.no_chat, progress=not args.no_progress)
     return Plan(session_kwargs=session_kwargs, configs=configs, out_dir=args.out)

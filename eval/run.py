@@ -298,6 +298,7 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
         "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "tree": cfg.tree, "batch": cfg.batch,
         "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
         "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
+        "compiled_step": bool(getattr(session, "compile_step", False)),
         "schedule": cfg.schedule, "requests": len(stream.requests), "requests_unique": stream.unique,
         "request_rate": cfg.request_rate, "prompts_unique": stream.unique, "rows": len(stream.requests),
         "batches": len(acc.run_ids), "max_new_tokens": cfg.max_new_tokens, "run_ids": list(acc.run_ids),

@@ -30,6 +30,7 @@ class Session:
         device: torch device.
         meter: meter kind (see :class:`~refspec.eval.run.RunConfig`).
         cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
+        compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`.
         warmup: run a short unrecorded generation before the first measurement of each
             (drafter, K, batch), so one-time allocation does not land in the ledger.
         chat: render chat-kind prompts through the tokenizer's chat template when it has one.
@@ -38,7 +39,7 @@ class Session:
 
     def __init__(self, *, model: str, dtype: str, device: torch.device, meter: str = "auto",
                  cuda_graphs: bool | None = None, warmup: bool = True, chat: bool = True,
-                 progress: bool = True) -> None:
+                 progress: bool = True, compile_step: bool = False) -> None:
         from refspec.eval.runtime import parse_dtype
 
         self.model_name = model
@@ -47,6 +48,7 @@ class Session:
         self.device = device
         self.meter_kind = meter
         self.cuda_graphs_flag = cuda_graphs
+        self.compile_step = compile_step
         self.warmup = warmup
         self.chat = chat
         self.progress = progress
@@ -136,6 +138,10 @@ class Session:
                 from refspec.cuda_graphs import make_verify_fn
 
                 self._verify_fn = make_verify_fn(self.target.model, self.device, True)
+            elif self.compile_step:
+                from refspec.models.compiled import CompiledStep
+
+                self._verify_fn = CompiledStep(self.target.model)
             else:
                 self._verify_fn = self.target.model
         return self._verify_fn

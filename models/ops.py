@@ -39,7 +39,11 @@ class WeightCopy:
 
     def of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy if ``weight`` is unchanged since it was made, else None (also while
-        gradients to ``weight`` are being recorded: the copy is detached)."""
+        gradients to ``weight`` are being recorded: the copy is detached). While compiling, the
+        copy: a :class:`~refspec.models.compiled.CompiledStep` checks every copy before each call,
+        and pointers and version counters cannot be traced."""
+        if torch.compiler.is_compiling():
+            return self.t
         if weight.data_ptr() != self.ptr or weight.is_inference():
             return None
         if weight.requires_grad and torch.is_grad_enabled():

@@ -19,3 +19,31 @@ def test_interleaved_keeps_the_result_of_the_fastest_run():
     assert result == 2, "the result must come from the run whose wall time is reported"
     assert 0.005 <= wall < 0.04
 
+
+
+class _FakeGeneration:
+    def __init__(self, tokens, accepted):
+        self.tokens, self.accepted_per_step = tokens, accepted
+
+
+class _FakeEngine:
+    """generate() returns one token list per prompt (the prompt's first token, tagged) after ``sleep_s``."""
+
+    def __init__(self, tag, sleep_s, accepted=((1, 0),)):
+        self.tag, self.sleep_s, self.accepted = tag, sleep_s, [list(a) for a in accepted]
+
+    def generate(self, chunk, max_new_tokens):
+        time.sleep(self.sleep_s)
+        return _FakeGeneration([[self.tag, p[0]] for p in chunk], self.accepted)
+
+
+def test_timed_chunks_times_every_engine_and_counts_taus_of_spec():
+    from refspec.eval.bench import _timed_chunks
+
+    engines = {"plain": _FakeEngine(0, 0.002), "spec": _FakeEngine(1, 0.001, accepted=((2, -1),)),
+               "spec_compiled": _FakeEngine(2, 0.0005)}
+    t, tokens, taus = _timed_chunks(engines, None, {}, [[10], [11], [12]], 2, 4, repeats=1)
+    assert set(t) == {"plain", "spec", "spec_compiled", "hf"} and t["hf"] == 0.0
+    assert tokens["spec_compiled"] == [[2, 10], [2, 11], [2, 12]] and tokens["plain"][2] == [0, 12]
+    assert taus == [3, 3]  # two chunks, one active row-step each (accepted 2: tau 3); -1 rows are done
+    assert t["plain"] > t["spec_compiled"] > 0

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from refspec.energy.accounting_text import format_closure
 from refspec.energy.latency import Targets
 from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
-                                         target_choices, targets_md, window_cell)
+                                         target_choices, targets_md, window_cell, windows_md)
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
         md += [f"### {corpus}", "",
                f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), {_setting(rows, 'max_new_tokens')} new "
                f"tokens per request, {_sampling(rows)}; {serving_line(rows)}.", ""]
-        md += _md_table(rows) + [""]
+        md += _md_table(rows) + [""] + windows_md(rows, config_label)
     md += ["J/token window: over the steady state (from the first decode step with every slot busy to the first at "
            "which the stream can no longer refill a freed slot; ramp-up and drain excluded); J/token run: every "
            "phase of the run. Mean active rows: time-weighted over the run's decode steps. TTFT: arrival to first "

@@ -50,7 +50,25 @@ def window_cell(r: Record) -> str:
     if not has_window(r):
         return "absent"
     v = r.get("energy_per_token_j")
-    return "empty" if v is not None and math.isnan(float(v)) else _f(v, ".4g")
+    empty = r.get("window_note") or (v is not None and math.isnan(float(v)))
+    return "empty" if empty else _f(v, ".4g")
+
+
+def windows_md(rows: Sequence[Record], label: Any) -> list[str]:
+    """Each configuration's steady-state window: its bounds, time, tokens, mean active rows (serving records only)."""
+    recs = [r for r in rows if has_window(r)]
+    if not recs:
+        return []
+    md = ["Steady-state windows (decode steps first..last, from the ledger by refspec.energy.serving_window):", "",
+          "| configuration | steps | window s | window tokens | mean active rows, window / run | window tokens/s "
+          "| note |", "|---|---|---:|---:|---:|---:|---|"]
+    for r in recs:
+        steps = ("n/a" if r.get("window_first_step") is None
+                 else f"{r['window_first_step']}..{r['window_last_step']} ({r.get('window_steps')})")
+        md.append(f"| {label(r)} | {steps} | {_f(r.get('window_s'), '.4g')} | {_f(r.get('window_tokens'), '.0f')} | "
+                  f"{_f(r.get('window_mean_active_rows'), '.1f')} / {_f(r.get('mean_active_rows'), '.1f')} | "
+                  f"{_f(r.get('window_tokens_per_s'), '.4g')} | {r.get('window_note') or ''} |")
+    return md + [""]
 
 
 def serving_line(rows: Sequence[Record]) -> str:
@@ -204,8 +222,9 @@ def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapp
         lines += [_row_md(r, ms, targets, c.chosen, label) for r, ms in c.rows]
         lines.append("")
         for r, absent in c.no_figure:
-            lines.append(f"- {label(r)}: not judged, it has no {', '.join(absent)} (a record written before "
-                         "serving windows, or an empty window)")
+            why = (f"empty window: {r['window_note']}" if r.get("window_note") else
+                   "a record written before serving windows" if not has_window(r) else "not recorded")
+            lines.append(f"- {label(r)}: not judged, it has no {', '.join(absent)} ({why})")
         if c.tighter:
             lines += ["", f"What tighter targets cost (p99 TPOT at {', '.join(f'{f:g}x' for f in TIGHTER)} the given "
                       "one" + (f", p99 TTFT held at {1e3 * targets.ttft_p99_s:g} ms" if targets.ttft_p99_s else "")
@@ -231,5 +250,5 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["has_window", "j_window", "j_run", "window_cell", "serving_line", "old_records_note", "greedy_text",
+__all__ = ["has_window", "j_window", "j_run", "window_cell", "windows_md", "serving_line", "old_records_note", "greedy_text",
            "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text", "unmet", "TIGHTER"]

@@ -13,7 +13,7 @@ from refspec.eval import audit
 from refspec.eval.audit import Divergence, audit_fields, compare, first_divergence, margin_of, ulp
 from refspec.eval.records import compare_with_baseline
 from refspec.eval.report import format_table, write_report
-from refspec.eval.report_serving import greedy_text, target_choices
+from refspec.eval.report_serving import greedy_text, target_choices, targets_md, window_cell
 
 
 def _rec(corpus, drafter, k, batch, *, jw, jr=None, tpot, ttft=None, old=False, **extra):
@@ -27,7 +27,8 @@ def _rec(corpus, drafter, k, batch, *, jw, jr=None, tpot, ttft=None, old=False, 
     if not old:
         r.update(energy_per_token_j_run=jr if jr is not None else 1.2 * jw, schedule="continuous", requests=4 * batch,
                  requests_unique=4 * batch, mean_active_rows=0.9 * batch, ttft_p50_s=ttft / 2, ttft_p99_s=ttft,
-                 window_s=1.0, window_tokens=100)
+                 window_s=1.0, window_tokens=100, window_first_step=2, window_last_step=11, window_steps=10,
+                 window_mean_active_rows=batch, window_tokens_per_s=100.0, window_note=None)
     return {**r, **extra}
 
 
@@ -73,6 +74,13 @@ def test_an_empty_window_or_an_old_record_is_judged_as_such():
     c = target_choices([*SWEEP, empty, old], Targets(0.05, 1.0))["code"]
     assert c.chosen["config_id"] == "eagle-k3-b16-code", "b64 misses TTFT 1 s; the old record has no TTFT"
     assert [(r["config_id"], absent) for r, absent in c.no_figure] == [(old["config_id"], ["ttft_p99_s"])]
+    never_full = _rec("code", "ngram", 8, 64, jw=None, jr=0.01, tpot=0.001, ttft=0.01,
+                      window_note="no decode step had every slot busy", window_first_step=None)
+    c = target_choices([*SWEEP, never_full], Targets(0.05))["code"]
+    assert c.chosen["config_id"] == "none-k0-b64-code" and c.no_figure[0][0] is never_full
+    md = "\n".join(targets_md(SWEEP + [never_full], Targets(0.05), {"code": c}, lambda r: r["config_id"]))
+    assert "ngram-k8-b64-code: not judged, it has no energy_per_token_j (empty window: no decode step had" in md
+    assert window_cell(never_full) == "empty"
 
 
 @pytest.mark.parametrize("bad", [-0.5, 0.0, float("nan"), float("inf")])
@@ -237,6 +245,7 @@ def test_report_shows_window_and_run_side_by_side_the_audit_counts_and_lists_def
     assert "| eagle k3 b16 | 0.14 | 0.168 | 14.4 | 900.0 | 12.0 | meets | +100 ms (+12%) | -12.5% |" in md
     assert "ngram k4 b8: not judged, it has no ttft_p99_s" in md
     assert "window_vs_run.png" in [p.name for p in rep.plots]
+    assert "| eagle k3 b16 | 2..11 (10) | 1 | 100 | 16.0 / 14.4 | 100 |  |" in md, "the window's bounds and tokens"
     table = format_table(recs)
     assert "J/tok window" in table and "absent" in table and "61/64 req equal, 2 near-tie, 1 DEFECT" in table
 

@@ -41,6 +41,7 @@ RECORD_FIELDS: dict[str, str] = {
     "corpus": "corpus name or prompt file", "dtype": "fp32 | bf16 | fp16", "device": "torch device",
     "meter": "meter kind asked for", "temperature": "0 = greedy", "greedy": "greedy decoding (bool)",
     "seed": "seed of the sampling / injection generators", "cuda_graphs": "verify ran through CUDA graphs",
+    "compiled_step": "verify ran through the opt-in torch.compile step (--compile)",
     "threads": "torch intra-op threads",
     # what ran
     "schedule": "continuous (B slots kept busy: a finished request's slot is refilled with the next request of "

@@ -151,3 +151,36 @@ def test_make_compiled_step_and_bad_device():
     assert isinstance(make_compiled_step(m, True, backend="eager"), CompiledStep)
     with pytest.raises(CompileError, match="CPU"):
         CompiledStep(m.to("meta"))
+
+
+def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monkeypatch):
+    import json
+
+    from refspec.eval import cli
+    from refspec.models import compiled
+    from test_eval_cli import QUIET, _make_tokenizer
+    from tiny import save_hf
+
+    made = []
+
+    class Recorded(compiled.CompiledStep):  # dynamo-traced, ATen-run: the CLI's wiring, no codegen
+        def __init__(self, model, **kw):
+            super().__init__(model, backend="eager", **kw)
+            made.append(self)
+
+    monkeypatch.setattr(compiled, "CompiledStep", Recorded)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    save_hf("llama", tmp_path / "model")
+    _make_tokenizer(tmp_path / "model")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"w{3 + i} w4 w5 w{6 + i} w4 w5", "kind": "code"})
+                                              + "\n" for i in range(2)))
+    records = []
+    for flag in ([], ["--compile"]):
+        out = tmp_path / f"out{len(flag)}"
+        argv = ["--model", str(tmp_path / "model"), "--corpus", str(tmp_path / "p.jsonl"), "--max-new-tokens", "6",
+                "--batch", "2", "--no-warmup", "--out", str(out), *QUIET, *flag]
+        assert cli.main(argv) == 0
+        records.append(json.loads((out / "summary.json").read_text()))
+    assert [r["compiled_step"] for r in records[0]] == [False] * 2 and [r["compiled_step"] for r in records[1]] == [True] * 2
+    assert [r["output_digest"] for r in records[0]] == [r["output_digest"] for r in records[1]]
+    assert len(made) == 1 and made[0].stats.compiled_calls > 0 and made[0].stats.recompiles == 0, made

@@ -57,6 +57,9 @@ def test_saving_crossover_and_claim_verdicts_from_exact_points():
     assert claims._crossing([1, 4, 16], [0.2, 0.1, -0.1]) == pytest.approx(8.0)  # halfway in log batch
     assert claims._crossing([1, 4], [0.2, 0.1]) is None and claims._crossing([1, 4], [-0.1, -0.2]) == 1.0
     assert "holds for 1 of 1 series" in claims.claim2(pts) and "holds for 1 of 1 series" in claims.claim3(pts)
+    assert "1 turned a saving at the smallest batch into a loss; 0 lost at every batch" in claims.claim3(pts)
+    losing = pts[:3] + [_pt(b, "block 8", j * 2) for b, j in ((1, 1.0), (4, 0.5), (16, 0.2))]
+    assert "0 turned a saving" in claims.claim3(losing) and "1 lost at every batch" in claims.claim3(losing)
     gains = pts[:3] + [_pt(b, "block 8", j * 0.5) for b, j in ((1, 1.0), (4, 0.5), (16, 0.2))]
     assert "holds for 0 of 1 series" in claims.claim3(gains)  # still a saving at batch 16
 

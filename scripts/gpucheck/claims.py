@@ -97,8 +97,16 @@ def claim2(points: Sequence[Point]) -> str:
 def claim3(points: Sequence[Point]) -> str:
     def loss_at_large(s: list[float]) -> bool | None:
         return None if not s else s[-1] < 0
-    return _batch_table(points, lambda label: label.startswith("block"), loss_at_large) + \
-        "\n(holds: a loss at the largest batch; a series with no saving at any batch had none to lose)"
+
+    turned = everywhere = 0
+    for (_, label, _), series in _series(points).items():
+        s = [x for x in (saving(p, points) for p in series) if x is not None]
+        if label.startswith("block") and s:
+            turned += s[0] > 0 > s[-1]
+            everywhere += all(x <= 0 for x in s)
+    return (_batch_table(points, lambda label: label.startswith("block"), loss_at_large)
+            + f"\n(holds: a loss at the largest batch. Of those, {turned} turned a saving at the smallest batch into "
+              f"a loss; {everywhere} lost at every batch, with no saving to lose)")
 
 
 def _by_corpus(points: Sequence[Point]) -> dict[tuple[str, int, str], dict[str, Point]]:

@@ -55,7 +55,7 @@ class Transformer(nn.Module):
         return [blk.mlp for blk in self.layers if isinstance(blk.mlp, MoE)]
 
     def set_moe_dispatch(self, dispatch: str) -> None:
-        """Expert dispatch of every MoE layer: ``gather`` or ``dense`` (:mod:`refspec.models.moe`)."""
+        """Expert dispatch of every MoE layer: ``gather``, ``grouped`` or ``dense`` (:mod:`refspec.models.moe`)."""
         if dispatch not in DISPATCH:
             raise ValueError(f"MoE dispatch must be one of {DISPATCH}, got {dispatch!r}")
         for moe in self._moe_layers():

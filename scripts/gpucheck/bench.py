@@ -128,6 +128,8 @@ def load_target(bench: Bench, args: argparse.Namespace, arch: str, *, max_batch:
     t0 = time.perf_counter()
     target = random_model(config, device=bench.device, dtype=bench.dtype, seed=args.seed)
     log.info("built random %s in %.1f s", label, time.perf_counter() - t0)
+    if getattr(target.args, "num_experts", 0):
+        target.set_moe_dispatch("grouped")  # capturable and routed experts only (a graph of `gather` runs dense)
     longest = (3 * args.new_tokens) // 2 + 1  # a serving stream's longest budget (gpucheck.serving.stream)
     max_len = -(-(args.prompt_len + longest + max_k + 1) // args.kv_bucket) * args.kv_bucket
     runner = GraphRunner(target, capture=not dry, max_tokens_per_row=max_k + 1)

@@ -35,7 +35,7 @@ from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec
                                        compile_figures, compiled_step, measure_bandwidth, weight_bytes)
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
-from refspec.models.calibration import machine_key
+from refspec.models.calibration import machine_key, notable_cpu_flags
 from refspec.models.ops import gemm_plan
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
     (``compiled_*`` figures, compiled in the untimed warm-up run)."""
     set_threads()
     device = torch.device("cpu")
-    results: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "prompt_len": prompt_len, "new_tokens": new_tokens,
+    results: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
+                               "prompt_len": prompt_len, "new_tokens": new_tokens,
                                "threads": torch.get_num_threads(), "repeats": repeats, "compile": compile, "rows": []}
     g = torch.Generator().manual_seed(0)
     bw = measure_bandwidth()  # one floor for every dtype: weight bytes over the streaming-read bandwidth
@@ -164,7 +165,8 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
     drafter = registry.build(drafter_name, ctx)
     hf = _load_hf(target.path, dtype)
     hf_extra, hf_method = _hf_equivalent(drafter_name, opts, model_name, k, dtype)
-    out: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "drafter": drafter_name, "drafter_options": opts, "k": k,
+    out: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
+                           "drafter": drafter_name, "drafter_options": opts, "k": k,
                            "dtype": dtype_name,
                            "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
                            "weight_copies": target.model.weight_copy_kind,

@@ -132,6 +132,15 @@ def _cpu_fields() -> tuple[str, str]:
     return fields.get("model name", platform.processor() or platform.machine()), fields.get("flags", "")
 
 
+NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def notable_cpu_flags() -> list[str]:
+    """The CPU's vector and matrix extensions that decide its fast GEMM paths (for reports)."""
+    have = set(_cpu_fields()[1].split())
+    return [f for f in NOTABLE_FLAGS if f in have]
+
+
 def machine_key(threads: int | None = None) -> dict[str, str]:
     """What a plan depends on: CPU model and flags, torch version, thread count."""
     model, flags = _cpu_fields()

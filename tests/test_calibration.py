@@ -126,3 +126,10 @@ def test_resolve_plan_reads_the_environment(tmp_path, monkeypatch):
     assert plan.forms["fp32"] == {"one": "wxt", "few": "wxt", "many": "wxt"}
     assert C.plan_path(tmp_path, C.machine_key()).exists()
     assert plan.extra_position_cost(torch.float32) == 1.0
+
+
+def test_notable_cpu_flags_are_read_from_the_flags_line(monkeypatch):
+    monkeypatch.setattr(C, "_cpu_fields", lambda: ("Some CPU", "fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile"))
+    assert C.notable_cpu_flags() == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
+    monkeypatch.setattr(C, "_cpu_fields", lambda: ("Other", ""))
+    assert C.notable_cpu_flags() == []

@@ -181,6 +181,6 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
                 "--batch", "2", "--no-warmup", "--out", str(out), *QUIET, *flag]
         assert cli.main(argv) == 0
         records.append(json.loads((out / "summary.json").read_text()))
-    assert [r["compiled_step"] for r in records[0]] == [False] * 2 and [r["compiled_step"] for r in records[1]] == [True] * 2
+    assert [[r["compiled_step"] for r in recs] for recs in records] == [[False] * 2, [True] * 2]
     assert [r["output_digest"] for r in records[0]] == [r["output_digest"] for r in records[1]]
     assert len(made) == 1 and made[0].stats.compiled_calls > 0 and made[0].stats.recompiles == 0, made

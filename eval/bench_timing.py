@@ -64,16 +64,11 @@ def _refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: An
     return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
 
 
-COMPILE_KEYS_BUCKET = 256
-"""Tk of compiled steps is rounded up to this many slots: one compile covers 256 positions (a
-compile takes a minute or more for SmolLM2, while the extra masked keys cost a few MB a step)."""
-
-
 def compiled_step(model) -> Any:
     """The opt-in compiled verify step of ``bench --compile`` (:mod:`refspec.models.compiled`)."""
     from refspec.models.compiled import CompiledStep
 
-    return CompiledStep(model, keys_bucket=COMPILE_KEYS_BUCKET)
+    return CompiledStep(model)
 
 
 def compile_figures(step) -> dict[str, Any]:
@@ -116,4 +111,4 @@ def _load_hf(path: Path, dtype: torch.dtype):
     return model.eval()
 
 
-__all__ = ["measure_bandwidth", "weight_bytes", "compiled_step", "compile_figures", "COMPILE_KEYS_BUCKET"]
+__all__ = ["measure_bandwidth", "weight_bytes", "compiled_step", "compile_figures"]

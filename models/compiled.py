@@ -49,6 +49,10 @@ _NO_PATCH = contextlib.nullcontext()
 DEFAULT_MAX_TOKENS_PER_ROW = 16
 """Largest S served compiled; longer forwards (prefill) run eagerly."""
 
+DEFAULT_KEYS_BUCKET = 256
+"""Tk of chain steps is rounded up to this many slots: one compile covers 256 positions (a
+SmolLM2 compile takes a minute or more; the extra masked keys cost a few MB a step)."""
+
 
 class CompileError(RuntimeError):
     """``torch.compile`` cannot serve this model here (no C++ compiler, a graph break)."""
@@ -112,8 +116,8 @@ class CompiledStep:
     Args:
         model: a ``refspec.models.Transformer``.
         max_tokens_per_row: largest S compiled; longer forwards run eagerly.
-        keys_bucket: round Tk of chain steps up to a multiple of this (fewer compiles, a few
-            more masked keys read); None keeps the caller's Tk.
+        keys_bucket: round Tk of chain steps up to a multiple of this, at most the cache's T
+            (fewer compiles, a few more masked keys read); None keeps the caller's Tk.
         max_keys: compiled shapes allowed before further keys run eagerly (each costs a
             compile: seconds on a small model).
         backend: ``torch.compile``'s backend: ``inductor`` (generated C++), or ``eager``
@@ -121,7 +125,8 @@ class CompiledStep:
     """
 
     def __init__(self, model: Any, *, max_tokens_per_row: int = DEFAULT_MAX_TOKENS_PER_ROW,
-                 keys_bucket: int | None = None, max_keys: int = 64, backend: str = "inductor") -> None:
+                 keys_bucket: int | None = DEFAULT_KEYS_BUCKET, max_keys: int = 64,
+                 backend: str = "inductor") -> None:
         if model.device.type != "cpu":
             raise CompileError(f"the compiled step is for CPU models (use CUDA graphs on {model.device})")
         self.model = model
@@ -217,4 +222,5 @@ def make_compiled_step(target: Any, enabled: bool, **kwargs: Any) -> Any:
     return CompiledStep(target, **kwargs) if enabled else target
 
 
-__all__ = ["CompiledStep", "CompileStats", "CompileError", "make_compiled_step", "DEFAULT_MAX_TOKENS_PER_ROW"]
+__all__ = ["CompiledStep", "CompileStats", "CompileError", "make_compiled_step", "DEFAULT_MAX_TOKENS_PER_ROW",
+           "DEFAULT_KEYS_BUCKET"]

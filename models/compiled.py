@@ -16,8 +16,9 @@ How one call runs:
    and ``fullgraph=True`` (a graph break is an error, not a silent slow path).
 2. **run**: the compiled forward on the caller's own cache (written in place, as eagerly).
    Calls it cannot serve run the eager model: more than ``max_tokens_per_row`` tokens per row
-   (prefill), input embeddings, or a weight copy gone stale (a weight changed in place since
-   :class:`~refspec.models.ops.WeightCopy` made it: the graph would read the copy).
+   (prefill), input embeddings, or a weight copy gone stale (a weight changed or replaced since
+   :class:`~refspec.models.ops.WeightCopy` made it: the graph would read the copy). The Linears
+   checked are the model's at construction: wrap the model after replacing modules.
 3. **account**: the compiled graph records no work; the wrapper records the forward's
    :meth:`~refspec.models.Transformer.forward_shape` as the eager forward would.
 
@@ -139,9 +140,8 @@ class CompiledStep:
         # keeps each wrapper's shapes (and their recompile limit) its own
         fn = types.FunctionType(_static_forward.__code__.replace(), _static_forward.__globals__, "_static_forward")
         self._fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
-        # (copy, weight) of every matrix multiplied through a WeightCopy: checked before each call
-        self._copies = [(lin._copy, lin.weight) for lin in model._copied_linears()
-                        if lin.__dict__.get("_copy") is not None]
+        # the Linears that may multiply through a WeightCopy: their copies are checked before each call
+        self._linears = list(model._copied_linears())
 
     def __getattr__(self, name: str) -> Any:
         # only reached for attributes the wrapper lacks: args, device, dtype, new_cache, ...
@@ -159,8 +159,10 @@ class CompiledStep:
             return "input embeddings are not compiled"
         if key not in self._keys and len(self._keys) >= self.max_keys:
             return f"max_keys={self.max_keys} shapes are compiled already"
-        if any(c.of(w) is None for c, w in self._copies):
-            return "a weight changed since its copy was made"
+        for lin in self._linears:
+            copy = lin.__dict__.get("_copy")
+            if copy is not None and copy.of(lin._parameters["weight"]) is None:
+                return "a weight changed since its copy was made"
         return None
 
     def __call__(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: Any, *,

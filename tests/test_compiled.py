@@ -127,8 +127,13 @@ def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
         m.layers[0].mlp.down.weight.mul_(0.5)  # in place: the column copy is stale
         ref2, _ = m(tok, pos, cache, num_keys=64)
         out2, _ = step(tok, pos, cache, num_keys=64)
-    assert torch.equal(out2, ref2) and not torch.equal(ref2, ref)
-    assert step.stats.eager_reasons == {"a weight changed since its copy was made": 1}, step.stats
+        wo = m.layers[1].attn.wo
+        wo.weight = torch.nn.Parameter(wo.weight * 2, requires_grad=False)  # replaced: its copy is stale too
+        m.layers[0].mlp.down._copy = None  # (no copy: that matrix is multiplied by F.linear)
+        ref3, _ = m(tok, pos, cache, num_keys=64)
+        out3, _ = step(tok, pos, cache, num_keys=64)
+    assert torch.equal(out2, ref2) and not torch.equal(ref2, ref) and torch.equal(out3, ref3)
+    assert step.stats.eager_reasons == {"a weight changed since its copy was made": 2}, step.stats
 
 
 def test_work_is_recorded_as_eagerly():

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from refspec.energy.phases import record_forward, recording
+from refspec.models.calibration import without_onednn
+from refspec.models.ops import gemm_plan
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +191,11 @@ class CompiledStep:
         try:
             # a new key is one more compiled entry: allow it (dynamo stops compiling at its limit)
             with torch._dynamo.config.patch(recompile_limit=max(8, len(self._keys) + 1)) if new else _NO_PATCH:
-                logits, hidden = self._fn(self.model, tokens, positions, cache, slots, mask, sliding_mask, tk,
-                                          logits_at, hidden_layers)
+                args = (self.model, tokens, positions, cache, slots, mask, sliding_mask, tk, logits_at, hidden_layers)
+                if gemm_plan().form(self.model.dtype, b * s) == "nodnn":  # the graph's products run as linear() would
+                    logits, hidden = without_onednn(self._fn, *args)
+                else:
+                    logits, hidden = self._fn(*args)
         except Exception as exc:  # inductor's errors have many types; all mean "cannot compile here"
             if not new:
                 raise

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from refspec.models.calibration import REFERENCE, GemmPlan
+from refspec.models.calibration import REFERENCE, GemmPlan, without_onednn
 
 
 class WeightCopy:
@@ -81,6 +81,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # (W @ x^T)^T with a row-major x: a column-major x sends some BLAS down a slow path
         xt = x.contiguous().t()
         return (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
+    if form == "nodnn":
+        # ATen's own half-precision kernels: on some CPUs oneDNN's one-row products run at half their speed
+        return F.linear(x, weight, bias) if torch.compiler.is_compiling() else without_onednn(F.linear, x, weight, bias)
     c = copy.of(weight) if form != "linear" and copy is not None and copy.kind == form else None
     if c is None:
         return F.linear(x, weight, bias)

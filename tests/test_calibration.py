@@ -133,3 +133,24 @@ def test_notable_cpu_flags_are_read_from_the_flags_line(monkeypatch):
     assert C.notable_cpu_flags() == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
     monkeypatch.setattr(C, "_cpu_fields", lambda: ("Other", ""))
     assert C.notable_cpu_flags() == []
+
+
+def test_nodnn_form_equals_the_reference_and_restores_onednn():
+    from refspec.models.ops import linear, use_gemm_plan
+
+    timer, _ = table({("bf16", "one"): "nodnn"})
+    plan = C.calibrate(("bf16",), timer=timer)
+    assert plan.form(torch.bfloat16, 1) == "nodnn" and plan.copy_kind(torch.bfloat16) is None
+    use_gemm_plan(plan)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    before = torch._C._get_mkldnn_enabled()
+    out = linear(x, w, b)
+    assert torch._C._get_mkldnn_enabled() == before
+    ref = F.linear(x.double(), w.double(), b.double())
+    # one rounding of the fp32 accumulator, and of the bias add
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7)
+    with pytest.raises(RuntimeError):  # a failing product still restores the flag
+        C.without_onednn(F.linear, x, w[:, :3])
+    assert torch._C._get_mkldnn_enabled() == before

@@ -189,3 +189,21 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
     assert [[r["compiled_step"] for r in recs] for recs in records] == [[False] * 2, [True] * 2]
     assert [r["output_digest"] for r in records[0]] == [r["output_digest"] for r in records[1]]
     assert len(made) == 1 and made[0].stats.compiled_calls > 0 and made[0].stats.recompiles == 0, made
+
+
+def test_a_nodnn_plan_runs_the_graph_with_onednn_off():
+    from refspec.models.calibration import GemmPlan
+
+    ops.use_gemm_plan(GemmPlan(forms={"bf16": {"one": "nodnn", "few": "linear", "many": "linear"}}, timings_s={},
+                               machine={}))
+    m = _model(dtype=torch.bfloat16)
+    step = CompiledStep(m, backend="eager")
+    cache, tok, pos = _step_inputs(m, 1, 1)
+    seen = []
+    real = step._fn
+    step._fn = lambda *a: (seen.append(torch._C._get_mkldnn_enabled()), real(*a))[1]
+    with torch.inference_mode():
+        ref, _ = m(tok, pos, cache, num_keys=64)
+        out, _ = step(tok, pos, cache, num_keys=64)
+    assert seen == [False] and torch._C._get_mkldnn_enabled()
+    assert torch.equal(out, ref)  # the same ATen products, in the same order

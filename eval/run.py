@@ -279,7 +279,10 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
 
             engine.on_step = on_step
             gen = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
-            res = engine.serve(list(chunks[i]), batch=cfg.batch, generator=gen, refill=cfg.schedule == "continuous")
+            continuous = cfg.schedule == "continuous"
+            # a static chunk is a batch of its own size, as lockstep decoding ran it (a short last chunk too)
+            res = engine.serve(list(chunks[i]), batch=cfg.batch if continuous else len(chunks[i]), generator=gen,
+                               refill=continuous)
             results.append(res)
             bar.update(len(chunks[i]) * budget - counted[0])
             bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {res.tau:.2f}")

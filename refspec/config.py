@@ -77,6 +77,18 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gemma3_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Gemma 3's norms, scalings, soft-caps and its sliding/full layer pattern."""
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return dict(qk_norm=True, sandwich_norms=True, norm_plus_one=True, embed_scale=True, hidden_act="gelu_tanh",
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"), sliding_window=cfg.get("sliding_window", 512),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+                layer_types=tuple("sliding" if t.startswith("sliding") else "full" for t in types))
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelArgs:
     """Architecture of a decoder-only transformer (all sizes in elements, not bytes)."""
@@ -225,17 +237,7 @@ class ModelArgs:
         if family in MOE_FAMILIES:
             kw.update(_moe_fields(cfg, family, layers))
         if family == "gemma3":
-            kw.update(qk_norm=True, sandwich_norms=True, norm_plus_one=True, embed_scale=True,
-                      hidden_act="gelu_tanh")
-            kw["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
-            kw["sliding_window"] = cfg.get("sliding_window", 512)
-            kw["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
-            kw["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
-            types = cfg.get("layer_types")
-            if types is None:
-                pattern = cfg.get("sliding_window_pattern", 6)
-                types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-            kw["layer_types"] = tuple("sliding" if t.startswith("sliding") else "full" for t in types)
+            kw.update(_gemma3_fields(cfg, layers))
         elif (cfg.get("use_sliding_window") or family == "mixtral") and cfg.get("sliding_window"):
             raise ConfigError("sliding-window attention is only supported for gemma3 in refspec")
         act = cfg.get("hidden_act") or cfg.get("hidden_activation")

@@ -73,7 +73,7 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     lo, hi = 1, num_target_layers - 3
-    return [int(round(lo + i * (hi - lo) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def _field(cfg: dict[str, Any], name: str, default: Any = None) -> Any:

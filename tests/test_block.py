@@ -268,7 +268,7 @@ def test_block_verify_is_shaped_like_eagles(tiny_models):
     for name, drafter in drafters.items():
         calls = []
 
-        def spy(tokens, positions, cache, **kw):
+        def spy(tokens, positions, cache, calls=calls, **kw):
             want = min(cache.max_len, -(-(int(cache.lengths.max()) + k + 1) // 64) * 64)  # engine's kv_bucket 64
             calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, sorted(set(kw) - {"num_keys"}),
                           tuple(kw["hidden_layers"])))

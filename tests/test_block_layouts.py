@@ -27,7 +27,7 @@ def _config(e=64, layers=2, heads=4, kv=2, d=16, inter=96, block=5, ids=(0, 2), 
 
 def _weights(e=64, layers=2, heads=4, kv=2, d=16, inter=96, feats=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05
     w = {"fc.weight": r(e, feats * e), "hidden_norm.weight": 1 + r(e), "norm.weight": 1 + r(e)}
     for i in range(layers):
         p = f"layers.{i}."

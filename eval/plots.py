@@ -99,6 +99,15 @@ def _colors(records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return {name: f"C{i % 10}" for i, name in enumerate(names)}
 
 
+def _series_by_batch(recs: Sequence[Mapping[str, Any]], corpus: str) -> list[tuple[str, list[Mapping[str, Any]]]]:
+    """``corpus``'s records grouped per series (sorted by name), each series sorted by batch."""
+    series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in recs:
+        if r["corpus"] == corpus:
+            series[series_label(r)].append(r)
+    return [(name, sorted(rows, key=lambda r: r["batch"])) for name, rows in sorted(series.items())]
+
+
 def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     """J/token against batch per series, roofline predictions dashed, one panel per corpus."""
     recs = [r for r in records if r.get("energy_per_token_j") is not None]
@@ -108,12 +117,7 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
     colors = _colors(recs)
     plt, fig, axes = _panels(len(corpus_names))
     for ax, corpus in zip(axes, corpus_names):
-        series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        for r in recs:
-            if r["corpus"] == corpus:
-                series[series_label(r)].append(r)
-        for name, rows in sorted(series.items()):
-            rows = sorted(rows, key=lambda r: r["batch"])
+        for name, rows in _series_by_batch(recs, corpus):
             bs = [r["batch"] for r in rows]
             ax.plot(bs, [r["energy_per_token_j"] for r in rows], "o-", color=colors[name], label=name)
             pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
@@ -247,12 +251,7 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     colors = _colors(recs)
     plt, fig, axes = _panels(len(corpus_names))
     for ax, corpus in zip(axes, corpus_names):
-        series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        for r in recs:
-            if r["corpus"] == corpus:
-                series[series_label(r)].append(r)
-        for name, rows in sorted(series.items()):
-            rows = sorted(rows, key=lambda r: r["batch"])
+        for name, rows in _series_by_batch(recs, corpus):
             bs = [r["batch"] for r in rows]
             ax.plot(bs, [j_window(r) for r in rows], "o-", color=colors[name], label=f"{name}: window")
             ax.plot(bs, [j_run(r) for r in rows], "s--", color=colors[name], mfc="none", alpha=0.7,

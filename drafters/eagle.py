@@ -164,15 +164,22 @@ class EagleDrafter:
         feat = out.gather(1, pick[..., None].expand(b, 1, out.shape[-1])).squeeze(1)  # [B, E]
         return feat, logits[:, 0]
 
+    def _ensure_cache(self, state: DecodeState) -> bool:
+        """Size the head's KV cache for this batch; True when a new one was allocated."""
+        b, t = state.tokens.shape
+        size = t + self._span + 2
+        if self.cache is not None and self.cache.batch == b and self.cache.max_len == size:
+            return False
+        hc = self.head.config
+        self.cache = StaticKVCache(num_layers=1, batch=b, num_kv_heads=hc.num_kv_heads, max_len=size,
+                                   head_dim=hc.head_dim, dtype=self.head.dtype, device=state.tokens.device)
+        return True
+
     # -- protocol ---------------------------------------------------------------------------
     @torch.inference_mode()
     def reset(self, state: DecodeState) -> None:
-        b, t = state.tokens.shape
-        size = t + self._span + 2
-        hc, dev = self.head.config, state.tokens.device
-        if self.cache is None or self.cache.batch != b or self.cache.max_len != size:
-            self.cache = StaticKVCache(num_layers=1, batch=b, num_kv_heads=hc.num_kv_heads, max_len=size,
-                                       head_dim=hc.head_dim, dtype=self.head.dtype, device=dev)
+        b, dev = state.batch, state.tokens.device
+        self._ensure_cache(state)
         self.cache.reset()
         w = state.hidden[0].shape[1]
         start = torch.zeros(b, dtype=torch.long, device=dev)
@@ -189,12 +196,8 @@ class EagleDrafter:
         The next catch-up still feeds every row at ``prev_lengths`` (= the prompt length here):
         for these rows it writes past the prompt, where drafting overwrites it before any read.
         """
-        b, t = state.tokens.shape
-        size = t + self._span + 2
-        hc, dev = self.head.config, state.tokens.device
-        if self.cache is None or self.cache.batch != b or self.cache.max_len != size:
-            self.cache = StaticKVCache(num_layers=1, batch=b, num_kv_heads=hc.num_kv_heads, max_len=size,
-                                       head_dim=hc.head_dim, dtype=self.head.dtype, device=dev)
+        b, dev = state.batch, state.tokens.device
+        if self._ensure_cache(state):
             self._primed = None  # a previous batch's, of another shape
         sub = dataclasses.replace(state, tokens=state.tokens.index_select(0, rows), hidden=list(hidden))
         w = hidden[0].shape[1]

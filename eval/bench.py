@@ -143,6 +143,21 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
+def _machine_fields(target: Any) -> dict[str, Any]:
+    """The CPU, its notable flags and the paths chosen for it (weight copies, GEMM plan)."""
+    return {"cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
+            "weight_copies": target.model.weight_copy_kind, "gemm_plan": gemm_plan().describe() or "reference"}
+
+
+def _compiled_rates(row: dict[str, Any], t: dict[str, float], tokens: dict[str, list[list[int]]]) -> None:
+    """The compiled engines' tokens/s, speed-up and agreement with eager, added to ``row``."""
+    for name in ("plain_compiled", "spec_compiled"):
+        row[f"{name}_tokens_per_s"] = sum(map(len, tokens[name])) / t[name]
+    row["spec_compiled_speedup_vs_plain_compiled"] = row["spec_compiled_tokens_per_s"] / row[
+        "plain_compiled_tokens_per_s"]
+    row["compiled_matches_eager"] = tokens["spec_compiled"] == tokens["spec"]
+
+
 def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, k: int, batches: Sequence[int],
                dtype_name: str, new_tokens: int, draft_model: str | None = None, repeats: int = 2,
                drafter_options: dict[str, str] | None = None, compile: bool = False) -> dict[str, Any]:
@@ -160,17 +175,14 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
         raise UsageError(f"{target.path} has no tokenizer.json")
     prompts = _read_prompt_file(corpus_file, target.tokenizer)
     opts = dict(drafter_options or {}) | ({"draft_model": draft_model} if draft_model else {})
-    ctx = registry.DrafterContext(target=target.model, target_name=model_name,
-                                  tokenizer_fingerprint=target.fingerprint, dtype=dtype, device=device, options=opts)
-    drafter = registry.build(drafter_name, ctx)
+    drafter = registry.build(drafter_name, registry.DrafterContext(
+        target=target.model, target_name=model_name, tokenizer_fingerprint=target.fingerprint, dtype=dtype,
+        device=device, options=opts))
     hf = _load_hf(target.path, dtype)
     hf_extra, hf_method = _hf_equivalent(drafter_name, opts, model_name, k, dtype)
-    out: dict[str, Any] = {"model": model_name, "cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
-                           "drafter": drafter_name, "drafter_options": opts, "k": k,
-                           "dtype": dtype_name,
-                           "prompts": len(prompts), "new_tokens": new_tokens, "transformers_method": hf_method,
-                           "weight_copies": target.model.weight_copy_kind,
-                           "gemm_plan": gemm_plan().describe() or "reference", "compile": compile, "rows": []}
+    out: dict[str, Any] = {"model": model_name, **_machine_fields(target), "drafter": drafter_name,
+                           "drafter_options": opts, "k": k, "dtype": dtype_name, "prompts": len(prompts),
+                           "new_tokens": new_tokens, "transformers_method": hf_method, "compile": compile, "rows": []}
     engines = {"plain": Engine(target.model), "spec": Engine(target.model, drafter, config=EngineConfig(k=k))}
     step = compiled_step(target.model) if compile else None
     if step is not None:
@@ -186,11 +198,7 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                "tau": statistics.fmean(taus), "spec_matches_plain": tokens["spec"] == tokens["plain"]}
         row["spec_speedup_vs_plain"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
         if step is not None:
-            for name in ("plain_compiled", "spec_compiled"):
-                row[f"{name}_tokens_per_s"] = sum(map(len, tokens[name])) / t[name]
-            row["spec_compiled_speedup_vs_plain_compiled"] = row["spec_compiled_tokens_per_s"] / row[
-                "plain_compiled_tokens_per_s"]
-            row["compiled_matches_eager"] = tokens["spec_compiled"] == tokens["spec"]
+            _compiled_rates(row, t, tokens)
         if hf_method is not None:
             if with_hf:
                 hf_once = (t["hf"], tokens["hf"])

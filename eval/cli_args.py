@@ -92,6 +92,26 @@ def _add_serving(g: Any, *, sweep: bool) -> None:
                         "default: closed loop at concurrency --batch (continuous schedule only)")
 
 
+def _add_hardware(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("hardware and measurement")
+    h.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32), fp32, bf16 or fp16")
+    h.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    h.add_argument("--meter", default="auto",
+                   help="auto (Zeus on a GPU with NVML, else the roofline model), zeus, roofline, "
+                        "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
+    h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
+    h.add_argument("--compile", action="store_true",
+                   help="CPU: verify and decode steps through torch.compile (opt-in; each new step shape compiles "
+                        "once, a minute or more for SmolLM2; the eager step is the reference)")
+    h.add_argument("--threads", default="auto",
+                   help="intra-op CPU threads: a number, or auto (OMP_NUM_THREADS if set; else 1 when the load "
+                        "average already reaches the core count, where threads spin against each other and a "
+                        "step slows down several-fold; else every core). Each record states its threads")
+    h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
+
+
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g = p.add_argument_group("what to run")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -122,23 +142,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
-    h = p.add_argument_group("hardware and measurement")
-    h.add_argument("--dtype", default="auto",
-                   help="auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32), fp32, bf16 or fp16")
-    h.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    h.add_argument("--meter", default="auto",
-                   help="auto (Zeus on a GPU with NVML, else the roofline model), zeus, roofline, "
-                        "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
-    h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
-    h.add_argument("--compile", action="store_true",
-                   help="CPU: verify and decode steps through torch.compile (opt-in; each new step shape compiles "
-                        "once, a minute or more for SmolLM2; the eager step is the reference)")
-    h.add_argument("--threads", default="auto",
-                   help="intra-op CPU threads: a number, or auto (OMP_NUM_THREADS if set; else 1 when the load "
-                        "average already reaches the core count, where threads spin against each other and a "
-                        "step slows down several-fold; else every core). Each record states its threads")
-    h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
+    _add_hardware(p)
     a = p.add_argument_group("acceptance injection")
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
                    help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "

@@ -8,8 +8,9 @@ tokens; :meth:`Scheduler.result` builds the :class:`~refspec.serving.ServeResult
 
 The clock starts at 0 and advances by every phase's ``measurement.time_s``; when every slot is
 empty and the next request has not arrived, :meth:`Scheduler.jump` moves it to that arrival
-(no phase, no energy); the static schedule's one batch starts at its last arrival. A request is admissible when ``arrival_s is None or arrival_s <= clock``;
-a closed-loop request (``arrival_s`` None) counts as arriving at its admission.
+(no phase, no energy); the static schedule's one batch starts at its last arrival. A request
+is admissible when ``arrival_s is None or arrival_s <= clock``; a closed-loop request
+(``arrival_s`` None) counts as arriving at its admission.
 """
 from __future__ import annotations
 

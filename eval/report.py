@@ -45,10 +45,11 @@ def config_label(r: Mapping[str, Any]) -> str:
 
 
 def series_label(r: Mapping[str, Any]) -> str:
-    """Drafter and K, the series a plot draws across batches."""
+    """Drafter and K (and a static schedule), the series a plot draws across batches."""
+    static = ", static" if r.get("schedule") == "static" else ""  # lockstep batches are a series of their own
     if r.get("drafter") == "none":
-        return "none (baseline)"
-    return f"{r['drafter']}{' tree' if r.get('tree') else ''} k={r['k']}"
+        return f"none (baseline{static})"
+    return f"{r['drafter']}{' tree' if r.get('tree') else ''} k={r['k']}{static}"
 
 
 def _phases(r: Mapping[str, Any]) -> str:

@@ -307,3 +307,16 @@ def test_active_rows_come_from_the_ledger_steps_and_the_plot_is_drawn(tmp_path):
     rec = {**SWEEP[1], "run_ids": ["r"], "window_first_step": 0, "window_last_step": 2}
     assert plot_active_rows([rec], [ledger], tmp_path / "a.png") == tmp_path / "a.png"
     assert plot_active_rows([{**rec, "window_first_step": None}], [ledger], tmp_path / "b.png") is None
+
+
+def test_a_static_schedule_is_a_series_of_its_own_in_plots():
+    from refspec.eval.plots import _series_by_batch
+
+    recs = [{"drafter": d, "k": k, "batch": b, "corpus": "c", "schedule": sch}
+            for sch in ("continuous", "static") for d, k in (("none", 0), ("ngram", 4)) for b in (8, 64)]
+    series = dict(_series_by_batch(recs, "c"))
+    assert len(series) == 4, sorted(series)
+    for rows in series.values():
+        assert [r["batch"] for r in rows] == [8, 64] and len({r["schedule"] for r in rows}) == 1
+    old = {"drafter": "ngram", "k": 4, "batch": 8, "corpus": "c"}  # records before schedules existed
+    assert dict(_series_by_batch([old], "c")).keys() == {"ngram k=4"}

@@ -64,10 +64,10 @@ class Transformer(nn.Module):
     def experts_touched(self) -> int | None:
         """Distinct experts the last forward routed to, summed over MoE layers (None: a dense
         model). Reads the layers' device counters (a host sync)."""
+        if not self.args.is_moe:
+            return None  # a dense model: no layer scan, no sync in every forward
         moes = self._moe_layers()
-        if not moes:
-            return None
-        return int(torch.stack([m.touched for m in moes]).sum())
+        return int(torch.stack([m.touched for m in moes]).sum()) if moes else None
 
     @property
     def num_layers(self) -> int:

@@ -226,3 +226,53 @@ def test_eagle_warm_start_refines_a_saved_head(tiny_models, tmp_path):
     e3 = save_head(trainers["eagle3"].build(m, ds, {}).head, tmp_path / "e3")
     with pytest.raises(DrafterError, match="holds an eagle3 head"):
         trainers["eagle"].build(m, ds, {"init": str(e3)})
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThroughLMHead(_ProbeTrainer):
+    """A probe whose only gradient path runs through the frozen target's LM head (as the block
+    head's loss and EAGLE-1's cross-entropy do)."""
+
+    def build(self, target, dataset, options):
+        return nn.Linear(target.args.hidden_size, target.args.hidden_size)
+
+    def loss(self, module, batch, target):
+        h = batch.of(target.num_layers)[batch.loss_mask]
+        return nn.functional.cross_entropy(target.logits(module(h)), batch.labels[batch.loss_mask]), {}
+
+    def export(self, module, out_dir, provenance):
+        return out_dir
+
+
+def test_training_gradients_pass_the_targets_lm_head_under_a_packed_gemm_plan(tiny_models, tmp_path):
+    """A CPU GEMM plan's oneDNN 'packed' product has no backward (its gradient silently vanishes);
+    the loop trains under the reference plan and gives the caller's plan back afterwards."""
+    import copy
+
+    from refspec.models import calibration as C
+    from refspec.models import ops
+
+    if not C.packed_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    m = copy.deepcopy(tiny_models["llama"])
+    packed = C.GemmPlan(forms={"fp32": {b: "packed" for b in C.BUCKETS}}, timings_s={}, machine={})
+    ops.use_gemm_plan(packed)
+    assert m.add_weight_copies(1 << 30, "packed") == "packed"
+    ds = T.collect_features(m, _sequences(8, seed=3), (m.num_layers,), progress=False)
+    h = torch.randn(3, m.args.hidden_size, requires_grad=True)
+    assert torch.autograd.grad(m.logits(h).sum(), h, allow_unused=True)[0] is None  # the defect, outside the loop
+    seen = []
+    trainer = _ThroughLMHead()
+    torch.manual_seed(0)
+    start = trainer.build(m, ds, {}).weight.detach().clone()
+    orig_loss = trainer.loss
+
+    def loss(module, batch, target):
+        out = orig_loss(module, batch, target)
+        seen.append(torch.autograd.grad(out[0], module.weight, retain_graph=True, allow_unused=True)[0])
+        return out
+
+    object.__setattr__(trainer, "loss", loss)
+    T.train(trainer, m, ds, _cfg(2), tmp_path, progress=False)
+    assert all(g is not None and g.abs().sum() > 0 for g in seen)
+    assert ops.gemm_plan() is packed

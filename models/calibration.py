@@ -18,7 +18,10 @@ Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
 - ``wxt``: ``(W @ x^T)^T`` on the weight, with a row-major ``x``;
 - ``column``: ``x @ Wc`` through a column-major copy ``Wc [in, out]`` of the weight;
 - ``fp32``: ``(W32 @ x^T)^T`` through an fp32 copy, rounded back to the model's dtype
-  (half-precision models only).
+  (half-precision models only);
+- ``packed``: oneDNN's product on a copy of the weight reordered once into oneDNN's blocked
+  layout (where torch has oneDNN and it supports the dtype on this CPU), so no call pays the
+  reorder a plain oneDNN product makes of its weight.
 
 The ``fp32`` form is a candidate for several rows only, so one-row products always stream the
 model's dtype. A model keeps at most one kind of copy: the plan drops the copy whose saving is
@@ -46,13 +49,14 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 BUCKETS = ("one", "few", "many")
 BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200), "five": (5,)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMS = {"fp32": ("linear", "wxt", "column"), "bf16": ("linear", "nodnn", "wxt", "column", "fp32"),
-         "fp16": ("linear", "nodnn", "wxt", "column", "fp32")}
-COPY_FORMS = ("column", "fp32")
+FORMS = {"fp32": ("linear", "wxt", "column", "packed"), "bf16": ("linear", "nodnn", "wxt", "column", "fp32", "packed"),
+         "fp16": ("linear", "nodnn", "wxt", "column", "fp32", "packed")}
+COPY_FORMS = ("column", "fp32", "packed")
+PACK_ROWS = 8  # the row count oneDNN lays a packed weight out for (a hint: any row count runs)
 # (out, in) of the products timed: a decoder's q/k/v, MLP up and down projections, repeated
 # until they fill WEIGHT_BYTES, well beyond a CPU's caches, as a decode step streams them
 SHAPES = ((1728, 576), (3072, 576), (576, 1536))
@@ -65,6 +69,41 @@ Timer = Callable[[str, str, str], float]
 def bucket_of(rows: int) -> str:
     """The bucket a product of ``rows`` rows belongs to."""
     return "one" if rows == 1 else "few" if rows < 32 else "many"
+
+
+def make_copy(form: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of ``weight [out, in]`` that ``form`` reads (None for the copy-free forms)."""
+    w = weight.detach()
+    if form == "column":
+        return w.t().contiguous()
+    if form == "fp32":
+        return w.float().contiguous()
+    if form == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
+    return None
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` through a weight :func:`make_copy` packed for oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_supported(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU run :func:`packed_product` in ``dtype`` (oneDNN refuses, e.g.,
+    fp16 on CPUs without fp16 conversion instructions)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(16, 16, dtype=dtype)
+        packed_product(torch.ones(2, 16, dtype=dtype), make_copy("packed", w), None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+def candidate_forms(dtype: str) -> tuple[str, ...]:
+    """The forms worth timing for ``dtype`` on this machine."""
+    return tuple(f for f in FORMS[dtype] if f != "packed" or packed_supported(DTYPES[dtype]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,6 +210,8 @@ def _apply(form: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | Non
         return torch.mm(w, x.t()).t()
     if form == "column":
         return torch.mm(x, copy)
+    if form == "packed":
+        return packed_product(x, copy, None)
     return torch.mm(copy, x.float().t()).t().to(x.dtype)  # fp32
 
 
@@ -179,8 +220,7 @@ def _operands(dtype: str, forms: tuple[str, ...]) -> tuple[list[torch.Tensor], d
     dt, gen = DTYPES[dtype], torch.Generator().manual_seed(0)
     per_set = sum(o * i for o, i in SHAPES) * dt.itemsize
     weights = [torch.randn(s, generator=gen).to(dt) for _ in range(-(-WEIGHT_BYTES // per_set)) for s in SHAPES]
-    copies = {f: [w.t().contiguous() if f == "column" else w.float() if f == "fp32" else None for w in weights]
-              for f in forms}
+    copies = {f: [make_copy(f, w) for w in weights] for f in forms}
     return weights, copies
 
 
@@ -226,7 +266,8 @@ def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None
     ``timer`` replaces the measurement (tests)."""
     timings, forms = {}, {}
     for d in dtypes:
-        candidates = {b: tuple(f for f in FORMS[d] if b != "one" or f != "fp32") for b in BUCKETS}
+        forms_here = candidate_forms(d) if timer is None else FORMS[d]
+        candidates = {b: tuple(f for f in forms_here if b != "one" or f != "fp32") for b in BUCKETS}
         if timer is None:
             timings[d] = measure_forms(d, candidates)
         else:

@@ -9,17 +9,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from refspec.models.calibration import REFERENCE, GemmPlan, without_onednn
+from refspec.models.calibration import COPY_FORMS, REFERENCE, GemmPlan, make_copy, packed_product, without_onednn
 
 
 class WeightCopy:
     """A copy of a weight in the layout or dtype a CPU GEMM form needs (see
     :mod:`refspec.models.calibration`, which chooses the forms by timing them on the machine).
 
-    Two kinds: ``column``, a column-major ``[in, out]`` copy in the weight's dtype, and ``fp32``,
+    Three kinds: ``column``, a column-major ``[in, out]`` copy in the weight's dtype; ``fp32``,
     an fp32 ``[out, in]`` copy of a bf16/fp16 weight whose product is rounded back to the
     model's dtype (as a half-precision kernel rounds its fp32 accumulator: only the summation
-    order differs).
+    order differs); ``packed``, the weight reordered once into oneDNN's blocked layout.
 
     The copy is used only while the weight is the very tensor it was made from, unmodified
     (same storage, same version counter), and no gradient to it is being recorded; otherwise
@@ -31,11 +31,10 @@ class WeightCopy:
     def __init__(self, weight: torch.Tensor, kind: str) -> None:  # noqa: D107
         if weight.is_inference():
             raise ValueError("an inference-mode tensor has no version counter to guard a copy with")
-        if kind not in ("column", "fp32"):
-            raise ValueError(f"kind must be 'column' or 'fp32', got {kind!r}")
+        if kind not in COPY_FORMS:
+            raise ValueError(f"kind must be one of {COPY_FORMS}, got {kind!r}")
         self.ptr, self.version, self.kind = weight.data_ptr(), weight._version, kind
-        w = weight.detach()
-        self.t = w.t().contiguous() if kind == "column" else w.float().contiguous()
+        self.t = make_copy(kind, weight)
 
     def of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The copy if ``weight`` is unchanged since it was made, else None (also while
@@ -84,9 +83,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if form == "nodnn":
         # ATen's own half-precision kernels: on some CPUs oneDNN's one-row products run at half their speed
         return F.linear(x, weight, bias) if torch.compiler.is_compiling() else without_onednn(F.linear, x, weight, bias)
+    if form == "packed" and torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)  # a graph cannot take oneDNN's opaque layout as an input
     c = copy.of(weight) if form != "linear" and copy is not None and copy.kind == form else None
     if c is None:
         return F.linear(x, weight, bias)
+    if form == "packed":
+        return packed_product(x, c, bias)
     if form == "column":
         return torch.mm(x, c) if bias is None else torch.addmm(bias, x, c)
     xt = x.to(torch.float32, memory_format=torch.contiguous_format).t()  # fp32 copy: one fp32 GEMM, rounded back

@@ -82,9 +82,9 @@ def test_every_form_computes_the_reference_product(dtype, rows):
     w = torch.randn(96, 64, generator=g).to(dt)
     x = torch.randn(rows, 64, generator=g).to(dt)
     ref = F.linear(x.double(), w.double())
-    for form in C.FORMS[dtype]:
-        copy = w.t().contiguous() if form == "column" else w.float() if form == "fp32" else None
-        out = C._apply(form, x, w, copy)
+    assert set(C.candidate_forms(dtype)) >= set(C.FORMS[dtype]) - {"packed"}
+    for form in C.candidate_forms(dtype):
+        out = C._apply(form, x, w, C.make_copy(form, w))
         assert out.dtype == dt and out.shape == (rows, 96)
         # fp32: summation order only; bf16: one rounding of the fp32 accumulator (2^-8 relative)
         tol = 1e-5 if dtype == "fp32" else 2 ** -8
@@ -96,20 +96,40 @@ def test_measure_times_real_products():
     assert t["one"]["linear"] > 0 and t["one"]["column"] > 0
 
 
-@pytest.mark.parametrize("form", ["column", "wxt", "linear"])
+@pytest.mark.parametrize("form", ["column", "wxt", "linear", "packed"])
 def test_linear_takes_the_plans_form_and_equals_the_reference(form):
     from refspec.models.ops import WeightCopy, linear, use_gemm_plan
 
+    if form == "packed" and not C.packed_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")  # then calibration never offers the form
     use_gemm_plan(C.GemmPlan(forms={"fp32": {b: form for b in C.BUCKETS}}, timings_s={}, machine={}))
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    copy = WeightCopy(w, "column")
+    kind = form if form in C.COPY_FORMS else "column"
+    copy = WeightCopy(w, kind)
     for rows in (1, 5, 40):
         x = torch.randn(rows, 64, generator=g)
         assert torch.allclose(linear(x, w, b, copy), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    copy.t = torch.zeros_like(copy.t)  # routing: only the column form reads the copy
+        xt = torch.randn(64, rows, generator=g).t()  # a column-major activation
+        assert torch.allclose(linear(xt, w, b, copy), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
+    # routing: only the plan's copy form reads the copy
+    copy.t = C.make_copy(kind, torch.zeros_like(w))
     out = linear(torch.randn(1, 64, generator=g), w, None, copy)
-    assert torch.equal(out, torch.zeros(1, 96)) == (form == "column")
+    assert torch.equal(out, torch.zeros(1, 96)) == (form in C.COPY_FORMS)
+    w.add_(1.0)  # a changed weight: the stale copy is not read
+    x = torch.randn(3, 64, generator=g)
+    assert torch.allclose(linear(x, w, None, copy), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_form_in_half_precision_rounds_like_the_reference():
+    for dt in (torch.bfloat16, torch.float16):
+        if not C.packed_supported(dt):
+            continue  # oneDNN refuses fp16 on CPUs without fp16 conversion instructions
+        g = torch.Generator().manual_seed(3)
+        w, x = torch.randn(96, 64, generator=g).to(dt), torch.randn(5, 64, generator=g).to(dt)
+        out = C._apply("packed", x, w, C.make_copy("packed", w))
+        ref = F.linear(x.double(), w.double())
+        assert out.dtype == dt and torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
 def test_resolve_plan_reads_the_environment(tmp_path, monkeypatch):

@@ -247,3 +247,25 @@ def test_the_default_meter_is_the_time_meter(tiny_models):
     assert isinstance(eng.meter, TimeMeter), "the meters' TimeMeter synchronises CUDA before each clock read"
     eng.generate([[5, 6, 7]], max_new_tokens=3)
     assert seen and all(e.measurement.source == "none:time-only" and e.measurement.time_s >= 0 for e in seen)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter):
+    """Through oneDNN-packed weight copies (one-row steps and multi-row verification in their
+    own kernels) speculative decoding still equals plain decoding, and both equal the reference
+    plan's tokens (fp32)."""
+    from refspec.models import load_model
+    from refspec.models.calibration import REFERENCE, packed_supported
+    from tiny import packed_plan, save_hf
+
+    if not packed_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")  # then calibration never offers the form
+    save_hf("llama", tmp_path)
+    reference = Engine(load_model(tmp_path, gemm_plan=REFERENCE), eos_token_ids=EOS).generate(
+        _prompts(10), max_new_tokens=24)
+    m = load_model(tmp_path, gemm_plan=packed_plan())
+    assert m.weight_copy_kind == "packed"
+    plain = Engine(m, eos_token_ids=EOS).generate(_prompts(10), max_new_tokens=24)
+    spec = Engine(m, _drafters(m)[drafter](), config=EngineConfig(k=4), eos_token_ids=EOS).generate(
+        _prompts(10), max_new_tokens=24)
+    assert plain.tokens == reference.tokens and spec.tokens == plain.tokens

@@ -73,16 +73,19 @@ def test_fused_projections_keep_split_names(name, tmp_path):
     assert torch.equal(a, b)
 
 
-def test_column_copies_follow_weight_changes(tmp_path):
-    """One-row steps use the column-major copies load_model keeps on CPU in fp32 and equal the
-    multi-row forward; after an in-place change or a replaced parameter the stale copy is not
-    used."""
-    from tiny import save_hf
+@pytest.mark.parametrize("plan", ["column", "packed"])
+def test_weight_copies_follow_weight_changes(tmp_path, plan):
+    """One-row steps use the copies load_model keeps on CPU in fp32 (column-major, or packed for
+    oneDNN) and equal the multi-row forward; after an in-place change or a replaced parameter the
+    stale copy is not used."""
+    from refspec.models.calibration import packed_supported
+    from tiny import copy_plan, packed_plan, save_hf
 
-    from tiny import copy_plan
-
+    if plan == "packed" and not packed_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")  # then calibration never offers the form
     save_hf("llama", tmp_path)
-    model = load_model(tmp_path, gemm_plan=copy_plan())
+    model = load_model(tmp_path, gemm_plan=copy_plan() if plan == "column" else packed_plan())
+    assert model.weight_copy_kind == plan
     attn = model.layers[0].attn
     assert model.lm_head._copy is not None and attn.wqkv._copy is not None and attn.wo._copy is not None
     toks = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(3))

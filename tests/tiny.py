@@ -70,3 +70,12 @@ def copy_plan():
     half = {"one": "linear", "few": "fp32", "many": "fp32"}
     return GemmPlan(forms={"fp32": {"one": "column", "few": "wxt", "many": "wxt"}, "bf16": half, "fp16": half},
                     timings_s={}, machine={})
+
+
+def packed_plan():
+    """A CPU GEMM plan through oneDNN-packed weight copies for every fp32 product and for
+    several bf16 rows (one bf16 row with oneDNN off)."""
+    from refspec.models.calibration import GemmPlan
+
+    return GemmPlan(forms={"fp32": {"one": "packed", "few": "packed", "many": "packed"},
+                           "bf16": {"one": "nodnn", "few": "packed", "many": "packed"}}, timings_s={}, machine={})

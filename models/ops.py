@@ -83,8 +83,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if form == "nodnn":
         # ATen's own half-precision kernels: on some CPUs oneDNN's one-row products run at half their speed
         return F.linear(x, weight, bias) if torch.compiler.is_compiling() else without_onednn(F.linear, x, weight, bias)
-    if form == "packed" and torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)  # a graph cannot take oneDNN's opaque layout as an input
+    if form == "packed" and (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())):
+        # oneDNN's packed product has no backward, and a graph cannot take its opaque layout
+        return F.linear(x, weight, bias)
     c = copy.of(weight) if form != "linear" and copy is not None and copy.kind == form else None
     if c is None:
         return F.linear(x, weight, bias)

@@ -174,3 +174,21 @@ def test_nodnn_form_equals_the_reference_and_restores_onednn():
     with pytest.raises(RuntimeError):  # a failing product still restores the flag
         C.without_onednn(F.linear, x, w[:, :3])
     assert torch._C._get_mkldnn_enabled() == before
+
+
+def test_packed_form_passes_gradients_to_its_input():
+    """A frozen weight's packed copy is bypassed while a gradient to the input is recorded
+    (oneDNN's packed product has no backward: the gradient would silently vanish)."""
+    from refspec.models.ops import WeightCopy, linear, use_gemm_plan
+
+    if not C.packed_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    use_gemm_plan(C.GemmPlan(forms={"fp32": {b: "packed" for b in C.BUCKETS}}, timings_s={}, machine={}))
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 64, generator=g)
+    copy = WeightCopy(w, "packed")
+    x = torch.randn(5, 64, generator=g, requires_grad=True)
+    linear(x, w, None, copy).square().sum().backward()
+    ref = x.detach().clone().requires_grad_(True)
+    F.linear(ref, w).square().sum().backward()
+    assert x.grad is not None and torch.allclose(x.grad, ref.grad, rtol=1e-5, atol=1e-5)

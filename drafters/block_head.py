@@ -75,6 +75,9 @@ class BlockHeadConfig:
             projected feature of the position just before the block (as EAGLE fuses token and
             feature), so each slot sees the most informative feature without an attention hop;
             False feeds plain embeddings (context only through attention, as DFlash).
+        pending_in_slots: every mask slot's input is ``mask_i + embedding(pending token)``, so
+            slot 1 reads what EAGLE's first step reads (token and last feature) without an
+            attention hop; False: the mask embedding alone.
         layer_args: ``ModelArgs`` fields of the head's layers that differ from the target's
             (a published DFlash draft has Qwen3 layers with heads of its own); None: the target's.
     """
@@ -84,6 +87,7 @@ class BlockHeadConfig:
     num_layers: int = 1
     intermediate_size: int | None = None
     input_fusion: bool = True
+    pending_in_slots: bool = False
     layer_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -234,7 +238,10 @@ class BlockHead(nn.Module):
         e = masks.shape[-1]
         assert last_ctx.shape == (b, m, e), "last_ctx is [B, M, E]"
         emb = target.embed_tokens(first).to(masks.dtype)  # [B, M, E]
-        x = torch.cat([emb[:, :, None], masks.expand(b, m, k, e)], dim=2)  # [B, M, K+1, E]
+        slots = masks.expand(b, m, k, e)
+        if self.config.pending_in_slots:
+            slots = slots + emb[:, :, None]
+        x = torch.cat([emb[:, :, None], slots], dim=2)  # [B, M, K+1, E]
         if self.in_fc is None:
             return x
         return self.in_fc(torch.cat([x, last_ctx[:, :, None].to(x.dtype).expand(b, m, k + 1, e)], dim=-1))
@@ -376,7 +383,8 @@ class BlockHead(nn.Module):
         h = meta["head"]
         config = BlockHeadConfig(feature_layers=tuple(h["feature_layers"]), block_size=int(h["block_size"]),
                                  num_layers=int(h["num_layers"]), intermediate_size=h.get("intermediate_size"),
-                                 input_fusion=bool(h.get("input_fusion", False)), layer_args=h.get("layer_args"))
+                                 input_fusion=bool(h.get("input_fusion", False)),
+                                 pending_in_slots=bool(h.get("pending_in_slots", False)), layer_args=h.get("layer_args"))
         head = cls(trained_for if target_args is None else target_args, config)
         state = load_file(str(w_file))
         missing, unexpected = head.load_state_dict(state, strict=False)

@@ -19,10 +19,10 @@ def _prompts(n, seed=0):
     return [torch.randint(3, 96, (m,), generator=g).tolist() for m in lens]
 
 
-def _head(model, block_size=8, layers=1, seed=0):
+def _head(model, block_size=8, layers=1, seed=0, pending=False):
     torch.manual_seed(seed)
     cfg = BlockHeadConfig(feature_layers=default_feature_layers(model.num_layers), block_size=block_size,
-                          num_layers=layers)
+                          num_layers=layers, pending_in_slots=pending)
     return BlockHead(model.args, cfg)
 
 
@@ -66,13 +66,15 @@ def test_perfect_head_is_accepted_and_stays_lossless(tiny_models):
     assert spec.tau > 2.5
 
 
-def test_training_forward_matches_inference(tiny_models):
+@pytest.mark.parametrize("pending", [False, True])
+def test_training_forward_matches_inference(tiny_models, pending):
     """The batched training forward (many blocks per sequence, one mask) drafts exactly what
-    the engine-driven drafter drafts for the same context, step after step."""
+    the engine-driven drafter drafts for the same context, step after step (with and without
+    the pending token's embedding in every mask slot)."""
     from refspec.drafters.block import block_training_states
 
     m = tiny_models["llama"]
-    head = _head(m, block_size=8, layers=2, seed=1)
+    head = _head(m, block_size=8, layers=2, seed=1, pending=pending)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))  # move norms and fusion off their identity start
@@ -195,9 +197,10 @@ def test_trainer_through_shared_plumbing_saves_and_loads(tiny_models, tmp_path):
     assert gen.tokens == plain.tokens
 
 
-def test_save_load_round_trip(tiny_models, tmp_path):
+@pytest.mark.parametrize("pending", [False, True])
+def test_save_load_round_trip(tiny_models, tmp_path, pending):
     m = tiny_models["qwen2"]
-    head = _head(m, block_size=6, layers=2, seed=4)
+    head = _head(m, block_size=6, layers=2, seed=4, pending=pending)
     head.save(tmp_path / "h", provenance={"note": "x"}, dtype=None)
     back = BlockHead.load(tmp_path / "h", target_args=m.args)
     assert back.config == head.config

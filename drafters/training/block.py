@@ -219,7 +219,8 @@ class BlockTrainer:
 
     Options: ``block_size`` (K_max, default 16), ``layers`` (head layers, default 1),
     ``intermediate_size`` (default: the target's), ``fusion`` (1: fuse each block input with
-    the last context feature, see :class:`BlockHeadConfig`; 0: plain embeddings), ``init`` (``target``: start the head's
+    the last context feature, see :class:`BlockHeadConfig`; 0: plain embeddings), ``pending`` (1: every mask slot
+    also reads the pending token's embedding, ``BlockHeadConfig.pending_in_slots``), ``init`` (``target``: start the head's
     layers from the target's last layers; ``random``), ``anchors_per_row`` (16),
     ``full_block_fraction`` (0.5), ``gamma`` (7.0).
     """
@@ -229,7 +230,7 @@ class BlockTrainer:
     defaults: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"lr": 1e-3, "batch_size": 4, "seq_len": 256, "warmup_steps": 20})
 
-    _OPTIONS = {"block_size": 16, "layers": 1, "intermediate_size": 0, "fusion": 1, "init": "target",
+    _OPTIONS = {"block_size": 16, "layers": 1, "intermediate_size": 0, "fusion": 1, "pending": 0, "init": "target",
                 "anchors_per_row": 16, "full_block_fraction": 0.5, "gamma": 7.0}
 
     def option(self, options: dict[str, Any], key: str) -> Any:
@@ -252,7 +253,8 @@ class BlockTrainer:
                                  block_size=self.option(options, "block_size"),
                                  num_layers=self.option(options, "layers"),
                                  intermediate_size=self.option(options, "intermediate_size") or None,
-                                 input_fusion=bool(self.option(options, "fusion")))
+                                 input_fusion=bool(self.option(options, "fusion")),
+                                 pending_in_slots=bool(self.option(options, "pending")))
         head = BlockHead(target.args, config)
         init = self.option(options, "init")
         if init == "target":

@@ -10,6 +10,7 @@ Usage::
         --temperatures 0,0.7 > tau.json
 
 Heads: the ones ``--drafter eagle|eagle3|block`` find, or ``--head KIND=DIR`` (repeatable).
+Trees: ``--tree-topk/--tree-depth/--tree-budget`` (default 4/5/16; EAGLE-2's own is 10/6/60).
 """
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ import torch
 CONFIGS = ("eagle-chain", "eagle-tree", "eagle3-chain", "eagle3-tree", "block-chain")
 
 
-def _drafter(name: str, target, heads: dict[str, str]):
+def _drafter(name: str, target, heads: dict[str, str], tree: dict[str, int]):
     from refspec.drafters import registry
 
     kind, shape = name.split("-")
     options = {"head": heads[kind]} if kind in heads else {}
     if shape == "tree":
-        options["tree"] = "true"
+        options.update({"tree": "true", **{f"tree_{key}": str(v) for key, v in tree.items()}})
     ctx = registry.DrafterContext(target=target.model, target_name=target.name, tokenizer_fingerprint=target.fingerprint,
                                   dtype=target.model.dtype, device=target.model.device, options=options)
     return registry.build(kind, ctx)
@@ -50,19 +51,24 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=4, help="chain drafts per step")
     p.add_argument("--tree-budget", type=int, default=16, help="tree nodes verified per step")
+    p.add_argument("--tree-topk", type=int, default=4, help="EAGLE-2 tree: children expanded per node and nodes per level")
+    p.add_argument("--tree-depth", type=int, default=5, help="EAGLE-2 tree: levels grown")
+    p.add_argument("--block-k", type=int, default=None, help="block drafts per step (default: --k)")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--head", action="append", default=[], metavar="KIND=DIR")
     args = p.parse_args(argv)
     heads = dict(h.split("=", 1) for h in args.head)
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"), progress=False)
-    drafters = {c: _drafter(c, target, heads) for c in args.configs.split(",")}
+    tree = {"budget": args.tree_budget, "topk": args.tree_topk, "depth": args.tree_depth}
+    drafters = {c: _drafter(c, target, heads, tree) for c in args.configs.split(",")}
+    chain_k = {"block": args.block_k or args.k}
     rows = []
     for corpus in args.corpora.split(","):
         prompts = corpora.build_prompts(corpora.load_corpus(corpus, split="eval"), target.tokenizer,
                                         chat=True)[: args.prompts]  # as the eval CLI renders them
         for temp in (float(t) for t in args.temperatures.split(",")):
             for name, drafter in drafters.items():
-                k = args.tree_budget if name.endswith("tree") else args.k
+                k = args.tree_budget if name.endswith("tree") else chain_k.get(name.split("-")[0], args.k)
                 cfg = EngineConfig(k=k, sampling=SamplingConfig(temperature=temp))
                 gen = torch.Generator().manual_seed(0)
                 t0 = time.perf_counter()
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"model": args.model, "dtype": args.dtype, "prompts": args.prompts, "new_tokens": args.new_tokens,
-                      "heads": heads, "rows": rows}, indent=1))
+                      "tree": tree, "heads": heads, "rows": rows}, indent=1))
     return 0
 
 

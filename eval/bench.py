@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec_figures, _refspec_run,
-                                       compile_figures, compiled_step, measure_bandwidth, weight_bytes)
+                                       compile_figures, compiled_step, measure_bandwidth, products_run, weight_bytes)
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
@@ -88,7 +88,8 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
                        for i in range(b)]
             # transformers' step time: compare like with like by subtracting a 1-token run (prefill)
             fns = {"refspec": _refspec_run(target.model, prompts, new_tokens),
-                   "hf": _hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0)}
+                   "hf": _hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0),
+                   "products": products_run(target.model, b)}
             step = compiled_step(target.model) if compile else None
             if step is not None:
                 fns["compiled"] = _refspec_run(target.model, prompts, new_tokens, verify_fn=step)
@@ -103,11 +104,14 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
                    "gemm_plan": gemm_plan().describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
+            row["products_ms"] = 1000 * best["products"][0]
+            row["products_over_floor"] = row["products_ms"] / floor_ms
             if step is not None:
                 row.update(_compiled_row(best, row, step, floor_ms))
             results["rows"].append(row)
-            log.info("%s batch %d: refspec %.1f tok/s (step %.1f ms), transformers %.1f tok/s, floor %.1f ms",
-                     dname, b, row["refspec_tokens_per_s"], row["refspec_step_ms"], row["hf_tokens_per_s"], floor_ms)
+            log.info("%s batch %d: refspec %.1f tok/s (step %.1f ms, its matrix products alone %.1f ms), "
+                     "transformers %.1f tok/s, floor %.1f ms", dname, b, row["refspec_tokens_per_s"],
+                     row["refspec_step_ms"], row["products_ms"], row["hf_tokens_per_s"], floor_ms)
         del hf
     return results
 

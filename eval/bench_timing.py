@@ -64,6 +64,17 @@ def _refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: An
     return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
 
 
+def products_run(model, rows: int) -> Callable[[], Any]:
+    """One decode step's matrix products alone (every block matrix and the LM head, ``rows``
+    rows each, in the active plan's forms): the part of a step no fusion of the other ops removes."""
+    from refspec.models.ops import linear
+
+    g = torch.Generator().manual_seed(0)
+    lins = model._copied_linears()
+    xs = [torch.randn(rows, lin.weight.shape[1], generator=g).to(model.dtype) for lin in lins]
+    return lambda: [linear(x, lin.weight, None, lin.__dict__.get("_copy")) for x, lin in zip(xs, lins)]
+
+
 def compiled_step(model) -> Any:
     """The opt-in compiled verify step of ``bench --compile`` (:mod:`refspec.models.compiled`)."""
     from refspec.models.compiled import CompiledStep

@@ -47,3 +47,20 @@ def test_timed_chunks_times_every_engine_and_counts_taus_of_spec():
     assert tokens["spec_compiled"] == [[2, 10], [2, 11], [2, 12]] and tokens["plain"][2] == [0, 12]
     assert taus == [3, 3]  # two chunks, one active row-step each (accepted 2: tau 3); -1 rows are done
     assert t["plain"] > t["spec_compiled"] > 0
+
+
+def test_products_run_multiplies_every_matrix_of_a_step_once(tiny_models, monkeypatch):
+    """The 'products alone' figure times one product per block matrix and the LM head, with the
+    step's rows, through the model's own copies."""
+    from refspec.eval import bench_timing
+    from refspec.models import ops
+
+    model = tiny_models["llama"]
+    seen = []
+    real = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda x, w, b=None, copy=None: seen.append((x.shape, w.shape)) or real(x, w, b, copy))
+    outs = bench_timing.products_run(model, 3)()
+    lins = model._copied_linears()
+    assert len(lins) == 1 + 4 * model.num_layers and len(outs) == len(seen) == len(lins)
+    assert [w for _, w in seen] == [lin.weight.shape for lin in lins]
+    assert all(x[0] == 3 for x, _ in seen) and outs[0].shape == (3, model.args.vocab_size)

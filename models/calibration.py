@@ -146,6 +146,17 @@ class GemmPlan:
         assert len(kinds) <= 1, f"a plan uses one copy kind per dtype, got {kinds}"
         return kinds.pop() if kinds else None
 
+    def without_copies(self, dtype: torch.dtype) -> "GemmPlan":
+        """This plan with ``dtype``'s buckets on their fastest measured copy-free forms (for a
+        model whose copies would not fit); unchanged where nothing was measured."""
+        name = dtype_name(dtype)
+        t = {b: f for b, f in self.timings_s.get(name, {}).items() if b in BUCKETS}
+        if set(t) != set(BUCKETS):
+            return self
+        free = {b: min((f for f in forms if f not in COPY_FORMS), key=forms.get, default="linear")
+                for b, forms in t.items()}
+        return dataclasses.replace(self, forms=self.forms | {name: free})
+
     def describe(self) -> str:
         """One line: ``fp32 one=column few=wxt many=wxt; bf16 ...``."""
         return "; ".join(f"{d} " + " ".join(f"{b}={f[b]}" for b in BUCKETS) for d, f in self.forms.items())

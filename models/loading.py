@@ -265,15 +265,17 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
 def _plan_cpu_products(model: Transformer, plan: GemmPlan | None) -> None:
     """Activate the CPU GEMM plan for the model's dtype and keep the copies it reads."""
     plan = plan if plan is not None else resolve_plan(model.dtype)
-    use_gemm_plan(plan)
     wanted = plan.copy_kind(model.dtype)
     limit = int(float(os.environ.get("REFSPEC_CPU_WEIGHT_COPIES_GIB", "2")) * 2**30)
     kind = model.add_weight_copies(limit, wanted)
+    if wanted and not kind:
+        if limit > 0:
+            log.info("no %s weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; "
+                     "the products take the fastest copy-free forms measured", wanted,
+                     model.weight_copy_bytes(wanted) / 2**30, limit / 2**30)
+        plan = plan.without_copies(model.dtype)
+    use_gemm_plan(plan)
     log.info("CPU GEMM plan: %s; weight copies: %s", plan.describe() or "reference (F.linear)", kind or "none")
-    if wanted and not kind and limit > 0:
-        log.info("no %s weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; the "
-                 "products that would read them run F.linear", wanted, model.weight_copy_bytes(wanted) / 2**30,
-                 limit / 2**30)
 
 
 def save_model(model: Transformer, path: str | Path, extra_config: dict | None = None) -> None:

@@ -192,3 +192,29 @@ def test_packed_form_passes_gradients_to_its_input():
     ref = x.detach().clone().requires_grad_(True)
     F.linear(ref, w).square().sum().backward()
     assert x.grad is not None and torch.allclose(x.grad, ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_without_copies_takes_the_fastest_copy_free_forms():
+    def timer(dtype, bucket, form):
+        return {("one", "column"): 0.1, ("one", "wxt"): 0.5, ("few", "packed"): 0.1, ("few", "linear"): 0.6,
+                ("few", "wxt"): 0.7, ("many", "packed"): 0.1, ("many", "wxt"): 0.4}.get((bucket, form), 1.0)
+    plan = C.calibrate(("fp32",), timer=timer)
+    assert plan.copy_kind(torch.float32) is not None
+    free = plan.without_copies(torch.float32)
+    assert free.forms["fp32"] == {"one": "wxt", "few": "linear", "many": "wxt"}
+    assert free.copy_kind(torch.float32) is None and free.form(torch.float32, 8) == "linear"
+    assert C.REFERENCE.without_copies(torch.float32) is C.REFERENCE
+
+
+def test_a_model_whose_copies_do_not_fit_runs_copy_free_forms(tmp_path, monkeypatch):
+    from refspec.models import load_model
+    from refspec.models.ops import gemm_plan
+    from tiny import save_hf
+
+    def timer(dtype, bucket, form):
+        return {"column": 0.1, "wxt": 0.5}.get(form, 1.0)
+    plan = C.calibrate(("fp32",), timer=timer)
+    save_hf("llama", tmp_path)
+    monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
+    model = load_model(tmp_path, gemm_plan=plan)
+    assert model.weight_copy_kind is None and gemm_plan().forms["fp32"] == {b: "wxt" for b in C.BUCKETS}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -89,14 +88,11 @@ def test_plot_legends_name_their_source_and_never_call_a_model_measured(tmp_path
             assert not any("measured" in t and "wall" not in t for t in labels)
 
 
-def test_serving_window_and_stream():
+def test_serving_stream():  # its window is the accounting's: tests/test_gpu_check_serving.py
     import argparse
 
     from gpucheck import serving
 
-    res = types.SimpleNamespace(slot_requests_per_step=[[0, -1], [0, 1], [0, 1], [2, 1], [2, -1], [-1, -1]])
-    assert serving.window(res) == (1, 4)  # first step with every slot busy .. the first later step with an empty one
-    assert serving.window(types.SimpleNamespace(slot_requests_per_step=[[0, -1], [-1, 1]])) is None
     args = argparse.Namespace(seed=0, new_tokens=8, prompt_len=5)
     reqs = serving.stream(6, args, vocab=100)
     assert len(reqs) == 9 and [r.id for r in reqs] == list(range(9))  # 3B/2 requests, closed loop

@@ -72,10 +72,8 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-
-from refspec.energy.serving_window import (RequestTimes, Window, latency_percentiles, mean_active_rows, pool_windows,
-                                           request_times, run_window)
+from refspec.energy.serving_window import (RequestTimes, Window, latency_percentiles, mean_active_rows, percentile,
+                                           pool_windows, request_times, run_window)
 from refspec.energy.steps import COUNTS, AccountingError, Record, Step, decode_steps, group_steps, is_serving
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other")
@@ -186,10 +184,6 @@ def speedup(tokens_per_s: float | None, baseline_tokens_per_s: float | None) -> 
     return _ratio(tokens_per_s, baseline_tokens_per_s) if tokens_per_s else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
-
-
 # ---- one step of one run -------------------------------------------------------------------
 def _line_items(st: Step) -> dict[str, float]:
     """The step's energy split into :data:`LINE_ITEMS` (J)."""
@@ -295,7 +289,7 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
         phase_time_s=phase_time, tokens_per_s=_ratio(total["emitted"], total_time),
         tau=acceptance_length(total["accepted"], row_steps),
         acceptance_rate=_ratio(total["accepted"], total["drafted"]),
-        tpot_per_row_s=tuple(tpots), tpot_p50_s=_percentile(valid, 50), tpot_p99_s=_percentile(valid, 99),
+        tpot_per_row_s=tuple(tpots), tpot_p50_s=percentile(valid, 50), tpot_p99_s=percentile(valid, 99),
         idle_w=idle_w, **energy, serving=serving, mean_active_rows=mean_active_rows(steps),
         window=pool_windows([run_window(run) for run in per_run]), requests=tuple(reqs),
         **{k: v for k, v in latency.items() if not k.startswith("tpot")})

@@ -2,6 +2,8 @@
 
 Read from ledger records alone (grouped by :func:`refspec.energy.steps.group_steps`);
 :mod:`refspec.energy.accounting` puts them in its :class:`~refspec.energy.accounting.Accounting`.
+A run written to no ledger (the GPU check's) reads its phase events as those records
+(:func:`event_steps`), so every figure below has this one definition.
 
 Steady-state window
     Decode steps ``[s0, s1)``: ``s0`` is the first decode step with every slot busy (no -1 in
@@ -36,7 +38,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from refspec.energy.steps import AccountingError, Step, decode_steps, is_serving
+from refspec.energy.ledger import phase_record
+from refspec.energy.phases import PhaseEvent
+from refspec.energy.steps import AccountingError, Step, decode_steps, group_steps, is_serving
 
 NAN = math.nan
 
@@ -151,6 +155,11 @@ def window_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
     return s0, s1
 
 
+def event_steps(events: Sequence[PhaseEvent]) -> list[Step]:
+    """A run's phase events grouped as its ledger's records would be (for a run written to no ledger)."""
+    return group_steps(None, [phase_record(e, "events") for e in events])
+
+
 def _empty(bounds: tuple[None, ...], note: str) -> Window:
     return Window(bounds=bounds, steps=0, time_s=NAN, decode_time_s=NAN, energy_j=NAN, tokens=NAN,
                   mean_active_rows=NAN, note=note)
@@ -228,7 +237,8 @@ def request_times(steps: Sequence[Step], run_id: str | None = None) -> list[Requ
                          emission_tokens=tuple(r["tokens"])) for rid, r in sorted(reqs.items())]
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0 to 100) of ``values``, linear-interpolated; None when there is none."""
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
 
 
@@ -237,8 +247,8 @@ def latency_percentiles(requests: Sequence[RequestTimes]) -> dict[str, float | N
     tpot = [t for r in requests if (t := r.tpot_s) is not None]
     series = {"ttft": [r.ttft_s for r in requests], "tpot": tpot,
               "itl": [g for r in requests for g in r.itl_s], "e2e": [r.e2e_s for r in requests]}
-    return {f"{name}_p{q}_s": _pct(values, q) for name, values in series.items() for q in (50, 99)}
+    return {f"{name}_p{q}_s": percentile(values, q) for name, values in series.items() for q in (50, 99)}
 
 
-__all__ = ["RequestTimes", "Window", "mean_active_rows", "window_bounds", "run_window", "pool_windows",
-           "request_times", "latency_percentiles"]
+__all__ = ["RequestTimes", "Window", "mean_active_rows", "window_bounds", "event_steps", "run_window",
+           "pool_windows", "request_times", "percentile", "latency_percentiles"]

@@ -3,7 +3,6 @@ drafter), then the measured run with acceptance injected from the corpus's recor
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from typing import Any, Callable
@@ -17,11 +16,6 @@ from gpucheck.grid import DrafterSpec
 
 class PointError(RuntimeError):
     """A point could not be measured as asked (recorded in the results, the run goes on)."""
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _engine_factory(bench: Bench, args: argparse.Namespace, spec: DrafterSpec, model: Any, runner: Any,
@@ -97,6 +91,8 @@ def _predictions(gen: Any, profile: Any) -> tuple[list[float], float]:
 
 def _row_tpot_p99(gen: Any, step_s: float) -> float | None:
     """p99 over rows of (steps the row decoded x the mean measured step time / its tokens)."""
+    from refspec.energy.serving_window import percentile
+
     steps = [0] * len(gen.accepted_per_step[0]) if gen.accepted_per_step else []
     tokens = list(steps)
     for step in gen.accepted_per_step[1:]:
@@ -105,7 +101,7 @@ def _row_tpot_p99(gen: Any, step_s: float) -> float | None:
                 steps[row] += 1
                 tokens[row] += a + 1
     per_row = [s * step_s / t for s, t in zip(steps, tokens) if t]
-    return _percentile(per_row, 0.99) if per_row else None
+    return percentile(per_row, 99)
 
 
 def run_point(bench: Bench, args: argparse.Namespace, batch: int, spec: DrafterSpec, corpus: str, *,
@@ -189,6 +185,7 @@ def _served_point(bench: Bench, args: argparse.Namespace, batch: int, spec: Draf
 def _figures(bench: Bench, gen: Any, m: Any, measured: list[float], model: Any) -> dict[str, Any]:
     """The point's figures from its generation and the measured window."""
     from refspec.energy.roofline import forward_cost
+    from refspec.energy.serving_window import percentile
 
     events = [e for e in gen.events if e.step >= 1]
     predicted, pred_energy = _predictions(gen, bench.profile)
@@ -209,7 +206,7 @@ def _figures(bench: Bench, gen: Any, m: Any, measured: list[float], model: Any) 
                                    for p in ("draft", "verify")}}
     return {
         "steps": gen.steps, "measured_steps": len(measured),
-        "step_time_s": {"mean": mean_meas, "median": statistics.median(measured), "p99": _percentile(measured, 0.99)},
+        "step_time_s": {"mean": mean_meas, "median": statistics.median(measured), "p99": percentile(measured, 99)},
         "predicted_step_time_s": mean_pred, "datasheet_predicted_step_time_s": statistics.mean(sheet),
         "measured_over_predicted": mean_meas / mean_pred if mean_pred else None,
         "per_step_s": {"measured": [round(x, 7) for x in measured], "predicted": [round(x, 7) for x in predicted]},

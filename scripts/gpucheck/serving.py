@@ -3,9 +3,11 @@ stream, and the headline figures come from its steady-state window.
 
 The stream: ``R = max(4, 3B/2)`` distinct random prompts, budgets drawn uniformly from
 ``[N/2, 3N/2]`` (N = ``--new-tokens``), so slots free at different steps and refills happen
-mid-run. The window is the serving contract's: decode steps ``[s0, s1)`` with ``s0`` the first
-step with every slot busy and ``s1`` the first later step with an empty slot (closed loop: the
-queue is empty by then); refill prefills after step s belong to step s.
+mid-run. The window and the latency percentiles are the accounting's
+(:mod:`refspec.energy.serving_window`, over the run's phase events read as ledger records):
+decode steps ``[s0, s1)`` with ``s0`` the first step with every slot busy and ``s1`` the first
+later step with an empty slot while the queue is empty; refill prefills after step s belong to
+step s. The metered window starts at the first tile (step 1) when ``s0`` is 0.
 
 Energy is read in tiles: the meter's window is closed and reopened at every ``on_step``, which
 the engine calls after step s's commit and refill, so tile s holds decode step s and its refill
@@ -16,7 +18,6 @@ reported (the roofline of that work over the tile's measured time).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from typing import Any, Callable
 
@@ -33,16 +34,6 @@ def stream(batch: int, args: argparse.Namespace, vocab: int) -> list[Any]:
     budgets = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     prompts = torch.randint(0, vocab, (n, args.prompt_len), generator=g).tolist()
     return [Request(id=i, prompt=tuple(p), max_new_tokens=int(m)) for i, (p, m) in enumerate(zip(prompts, budgets))]
-
-
-def window(res: Any) -> tuple[int, int] | None:
-    """Steady-state decode steps ``[s0, s1)`` of a served run, or None when never every slot was busy."""
-    busy = [all(r >= 0 for r in slots) for slots in res.slot_requests_per_step]
-    if True not in busy:
-        return None
-    s0 = busy.index(True)
-    s1 = next((s for s in range(s0 + 1, len(busy)) if not busy[s]), len(busy))
-    return s0, s1
 
 
 def served_run(bench: Any, engine: Callable[[Any], Any], requests: list[Any], batch: int
@@ -82,10 +73,13 @@ def _modelled_tiles(bench: Any, res: Any, tiles: list[dict[str, float]]) -> None
 def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: Any) -> dict[str, Any]:
     """The point's figures over its steady-state window (and the whole run beside)."""
     from refspec.energy.roofline import forward_cost, work_time_s
+    from refspec.energy.serving_window import (event_steps, latency_percentiles, percentile, request_times,
+                                               window_bounds)
 
     if not bench.energy_measured:
         _modelled_tiles(bench, res, tiles)
-    span = window(res)
+    steps_of_run = event_steps(res.events)
+    span = window_bounds(steps_of_run)
     if span is None:
         raise RuntimeError("the served run never had every slot busy: no steady-state window")
     s0, s1 = max(span[0], tiles[0]["step"] if tiles else 0), span[1]
@@ -106,10 +100,8 @@ def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: A
     accepted = [a for s in sorted(steps) for a in res.accepted_per_step[s] if a >= 0]
     verify = [w for e in events if e.phase == "verify" for w in e.work]
     intensity = statistics.mean(forward_cost(w).intensity for w in verify) if verify else float("nan")
-    reqs = [r for r in res.requests if len(r.tokens) > 1]
-    tpots = sorted(r.tpot_s for r in reqs if math.isfinite(r.tpot_s))
+    latency = latency_percentiles(request_times(steps_of_run))
     net = None if bench.idle_w is None else energy - bench.idle_w * seconds
-    q = (lambda xs, f: xs[min(len(xs) - 1, max(0, math.ceil(f * len(xs)) - 1))] if xs else None)
     in_window = [e for e in events if e.phase in ("draft", "verify")]
     return {
         "schedule": "continuous", "requests": len(res.requests), "window_steps": [s0, s1], "steps": res.steps,
@@ -118,15 +110,14 @@ def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: A
         "emitted_tokens": tokens, "j_per_token": energy / tokens, "j_per_token_net": None if net is None else net / tokens,
         "j_per_token_run": sum(t["energy_j"] for t in tiles) / max(1, res.num_emitted),
         "step_time_s": {"mean": statistics.mean(measured), "median": statistics.median(measured),
-                        "p99": q(sorted(measured), 0.99)},
+                        "p99": percentile(measured, 99)},
         "predicted_step_time_s": statistics.mean(predicted), "datasheet_predicted_step_time_s": statistics.mean(sheet),
         "measured_over_predicted": statistics.mean(measured) / statistics.mean(predicted),
         "predicted_j_per_token": sum(bench.profile.energy_j(_cost(per_step_work.get(s, [])), t)
                                      for s, t in zip(sorted(steps), predicted)) / tokens,
         "datasheet_predicted_j_per_token": None, "predicted_energy_source": f"modelled:roofline({bench.profile.name})",
-        "tpot_s": q(tpots, 0.5), "tpot_p99_s": q(tpots, 0.99),
-        "ttft_p50_s": q(sorted(r.ttft_s for r in res.requests), 0.5),
-        "ttft_p99_s": q(sorted(r.ttft_s for r in res.requests), 0.99),
+        "tpot_s": latency["tpot_p50_s"], "tpot_p99_s": latency["tpot_p99_s"],
+        "ttft_p50_s": latency["ttft_p50_s"], "ttft_p99_s": latency["ttft_p99_s"],
         "tau_observed": sum(a + 1 for a in accepted) / len(accepted) if accepted else 1.0,
         "tau_model": model.mean_tau if model else 1.0, "acceptance_injected": model is not None,
         "accept_model": model.name if model else None, "accept_provenance": model.provenance.kind if model else None,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from refspec.energy.meters import TimeMeter
 from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
-from refspec.serving import Request, ServeResult
+from refspec.serving import DecodeFigures, Request, ServeResult
 from refspec.slots import Batch, fill, new_batch, release
 from refspec.step import decide, verify_forward
 from refspec.verify import emitted_tokens
@@ -73,7 +73,7 @@ class EngineConfig:
 
 
 @dataclasses.dataclass
-class Generation:
+class Generation(DecodeFigures):
     """Result of one batch.
 
     Attributes:
@@ -94,16 +94,8 @@ class Generation:
     emitted_per_step: list[list[int]]
     events: list[PhaseEvent]
 
-    @property
-    def tau(self) -> float:
-        """Mean accepted + 1 over the row-steps of active rows (NaN without one), as the accounting defines it."""
-        from refspec.energy.accounting import tau_of_steps
-
-        return tau_of_steps(self.accepted_per_step)
-
-    @property
-    def num_emitted(self) -> int:
-        return sum(len(t) for t in self.tokens)
+    def _token_lists(self) -> Iterable[Sequence[int]]:
+        return self.tokens
 
 
 def _round_up(x: int, m: int) -> int:

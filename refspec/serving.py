@@ -10,8 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Iterable, Sequence
 
 from refspec.energy.phases import PhaseEvent
+
+
+class DecodeFigures:
+    """``tau`` and ``num_emitted`` of a decode result: one definition for
+    :class:`~refspec.engine.Generation` and :class:`ServeResult`.
+
+    A subclass holds ``accepted_per_step`` (``[steps][B]``, -1 where the row held no live
+    request) and returns its emitted tokens, per row or per request, from ``_token_lists``.
+    """
+
+    def _token_lists(self) -> Iterable[Sequence[int]]:
+        raise NotImplementedError
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted + 1 over the slot-steps that carried a live request (NaN without one), as the
+        accounting defines it."""
+        from refspec.energy.accounting import tau_of_steps
+
+        return tau_of_steps(self.accepted_per_step)  # type: ignore[attr-defined]
+
+    @property
+    def num_emitted(self) -> int:
+        """Tokens emitted over every row or request (the first token, from prefill, included)."""
+        return sum(len(t) for t in self._token_lists())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +104,7 @@ class RequestResult:
 
 
 @dataclasses.dataclass
-class ServeResult:
+class ServeResult(DecodeFigures):
     """What one :meth:`~refspec.engine.Engine.serve` call did.
 
     Attributes:
@@ -100,16 +126,8 @@ class ServeResult:
     slot_requests_per_step: list[list[int]]
     events: list[PhaseEvent]
 
-    @property
-    def tau(self) -> float:
-        """Mean accepted + 1 over the slot-steps that carried a live request (NaN without one)."""
-        from refspec.energy.accounting import tau_of_steps
-
-        return tau_of_steps(self.accepted_per_step)
-
-    @property
-    def num_emitted(self) -> int:
-        return sum(len(r.tokens) for r in self.requests)
+    def _token_lists(self) -> Iterable[Sequence[int]]:
+        return (r.tokens for r in self.requests)
 
 
-__all__ = ["Request", "RequestResult", "ServeResult"]
+__all__ = ["DecodeFigures", "Request", "RequestResult", "ServeResult"]

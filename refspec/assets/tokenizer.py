@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from refspec.config import read_json
+
 # Special tokens that end a turn or a document in the supported families; each one present in
 # the vocabulary as a special token counts as an end of sequence.
 CHAT_END_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
@@ -236,10 +238,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     config: dict[str, Any] = {}
     config_file = folder / "tokenizer_config.json"
     if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise TokenizerError(f"{config_file} is not valid JSON: {exc}") from None
+        config = read_json(config_file, TokenizerError, missing=f"no tokenizer_config.json at {folder}")
     template_file = folder / "chat_template.jinja"  # transformers 5 saves the template separately
     if "chat_template" not in config and template_file.is_file():
         config["chat_template"] = template_file.read_text()

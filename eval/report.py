@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from refspec.energy.accounting_text import format_closure
 from refspec.energy.latency import Targets
 from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
-                                         target_choices, targets_md, window_cell, windows_md)
+                                         static_note, target_choices, targets_md, window_cell, windows_md)
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     lines.append("J/token counts every phase (prefill included) over emitted tokens: only accepted tokens count. "
                  "window: the steady state (every slot busy, the stream still refilling); run: every phase of the "
                  "run, ramp-up and drain included; rows: mean active rows.")
-    note = old_records_note(records)
-    if note:
-        lines.append(f"note: {note}")
+    for note in (static_note(records), old_records_note(records)):
+        if note:
+            lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -233,7 +233,8 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
         md += [f"### {corpus}", "",
                f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), {_setting(rows, 'max_new_tokens')} new "
                f"tokens per request, {_sampling(rows)}; {serving_line(rows)}.", ""]
-        md += _md_table(rows) + [""] + windows_md(rows, config_label)
+        note = static_note(rows)
+        md += _md_table(rows) + [""] + ([note, ""] if note else []) + windows_md(rows, config_label)
     md += ["J/token window: over the steady state (from the first decode step with every slot busy to the first at "
            "which the stream can no longer refill a freed slot; ramp-up and drain excluded); J/token run: every "
            "phase of the run. Mean active rows: time-weighted over the run's decode steps. TTFT: arrival to first "

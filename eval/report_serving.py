@@ -45,10 +45,25 @@ def j_run(r: Record) -> float | None:
     return r.get("energy_per_token_j_run") if has_window(r) else r.get("energy_per_token_j")
 
 
+def is_static(r: Record) -> bool:
+    """A lockstep (``--schedule static``) serving record, whose window figures are not shown."""
+    return has_window(r) and r.get("schedule") == "static"
+
+
+def static_note(rows: Sequence[Record]) -> str | None:
+    """The footnote for static rows' n/a window figures (None when no row is static)."""
+    if not any(is_static(r) for r in rows):
+        return None
+    return ("n/a window (static schedule): lockstep batches never refill, so their 'window' pools the all-busy "
+            "stretches of each batch and is no steady state beside a continuous one; compare their run J/token.")
+
+
 def window_cell(r: Record) -> str:
     """The window J/token, or why there is none."""
     if not has_window(r):
         return "absent"
+    if is_static(r):
+        return "n/a"
     v = r.get("energy_per_token_j")
     empty = r.get("window_note") or (v is not None and math.isnan(float(v)))
     return "empty" if empty else _f(v, ".4g")
@@ -63,6 +78,10 @@ def windows_md(rows: Sequence[Record], label: Any) -> list[str]:
           "| configuration | steps | window s | window tokens | mean active rows, window / run | window tokens/s "
           "| note |", "|---|---|---:|---:|---:|---:|---|"]
     for r in recs:
+        if is_static(r):  # the run's mean active rows stays: it is no window figure
+            md.append(f"| {label(r)} | n/a | n/a | n/a | n/a / {_f(r.get('mean_active_rows'), '.1f')} | n/a | "
+                      "static schedule: no steady state |")
+            continue
         steps = ("n/a" if r.get("window_first_step") is None
                  else f"{r['window_first_step']}..{r['window_last_step']} ({r.get('window_steps')})")
         md.append(f"| {label(r)} | {steps} | {_f(r.get('window_s'), '.4g')} | {_f(r.get('window_tokens'), '.0f')} | "
@@ -182,6 +201,13 @@ def target_choices(records: Sequence[Record], targets: Targets) -> dict[str, Cor
     return out
 
 
+def _chosen_j(r: Record) -> str:
+    """The chosen configuration's J/token, saying which (a static row shows its run's)."""
+    if is_static(r):
+        return f"{_f(j_run(r), '.4g')} J/token (run, static schedule)"
+    return f"{window_cell(r)} J/token (window)"
+
+
 def _miss_cell(miss: float | None, target: float) -> str:
     if miss is None:
         return "no figure"
@@ -213,13 +239,15 @@ def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapp
     if note:
         lines += [f"> {note}", ""]
     for corpus, c in sorted((choices or {}).items()):
-        head = (f"**{corpus}**: " + (f"{label(c.chosen)}, {window_cell(c.chosen)} J/token (window)" if c.chosen
+        head = (f"**{corpus}**: " + (f"{label(c.chosen)}, {_chosen_j(c.chosen)}" if c.chosen
                                       else "no configuration meets the targets"))
         given = list(targets.given())
         lines += [head, "", "| configuration | J/token window | J/token run | mean active rows | TTFT p99 ms | "
                   "TPOT p99 ms | " + " | ".join(f"{_NAMES[f]} miss" for f in given) + " | J/token vs chosen |",
                   "|---|" + "---:|" * (6 + len(given))]
         lines += [_row_md(r, ms, targets, c.chosen, label) for r, ms in c.rows]
+        note = static_note([r for r, _ in c.rows])
+        lines += ["", note] if note else []
         lines.append("")
         for r, absent in c.no_figure:
             why = (f"empty window: {r['window_note']}" if r.get("window_note") else
@@ -241,7 +269,8 @@ def targets_text(choices: Mapping[str, CorpusChoice], targets: Targets, label: A
             out.append(f"  {corpus}: no configuration meets the targets")
         else:
             run = "" if has_window(c.chosen) else " (run J/token: no window fields)"
-            out.append(f"  {corpus}: {label(c.chosen)}, {_f(c.chosen['energy_per_token_j'], '.4g')} J/token{run}")
+            j = _chosen_j(c.chosen) if is_static(c.chosen) else f"{_f(c.chosen['energy_per_token_j'], '.4g')} J/token"
+            out.append(f"  {corpus}: {label(c.chosen)}, {j}{run}")
     return out
 
 
@@ -250,5 +279,5 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["has_window", "j_window", "j_run", "window_cell", "windows_md", "serving_line", "old_records_note", "greedy_text",
-           "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text", "unmet", "TIGHTER"]
+__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "windows_md", "serving_line",
+           "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text", "unmet", "TIGHTER"]

@@ -260,6 +260,22 @@ def test_report_of_old_records_only_says_the_window_fields_are_absent(tmp_path):
     assert "yes (rows)" in format_table(old)
 
 
+def test_a_static_rows_window_figures_are_na_with_a_footnote_and_its_run_j_per_token_stays(tmp_path):
+    static = _rec("code", "none", 0, 8, jw=0.05, jr=0.21, tpot=0.02, ttft=0.4, schedule="static")
+    recs = [static, SWEEP[1]]
+    assert window_cell(static) == "n/a" and window_cell(SWEEP[1]) == "0.16"
+    md = write_report(tmp_path, recs, latency_target_s=0.05).markdown.read_text()
+    assert "| none b8 | 1.500 | 100.00 | 7.2 | 400.0 | 10.0 | 20.0 | n/a | 0.21 |" in md
+    assert "| none b8 | n/a | n/a | n/a | n/a / 7.2 | n/a | static schedule: no steady state |" in md
+    assert not [line for line in md.splitlines() if "none b8" in line and "0.05" in line], "pooled J/token shown"
+    assert md.count("n/a window (static schedule): lockstep batches never refill") == 2  # results, targets
+    assert "**code**: none b8, 0.21 J/token (run, static schedule)" in md
+    assert "| none b8 **chosen** | n/a | 0.21 |" in md, "the target table keeps the run J/token"
+    table = format_table(recs)
+    assert "note: n/a window (static schedule)" in table and "0.05" not in table and "0.21" in table
+    assert "n/a window" not in format_table([SWEEP[1]]), "no footnote without a static row"
+
+
 # ---- the command line -------------------------------------------------------------------------
 def _dir(tmp_path, recs):
     d = tmp_path / "sweep"

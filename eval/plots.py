@@ -99,6 +99,27 @@ def _colors(records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return {name: f"C{i % 10}" for i, name in enumerate(names)}
 
 
+def _batch_panel(ax: Any, recs: Sequence[Mapping[str, Any]], corpus: str, xlabel: str, ylabel: str,
+                 legend_title: str, fontsize: int) -> None:
+    """A corpus's log-log panel against batch: ticks at its batches, labels, grid and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
+    ax.set_title(corpus, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=fontsize, title=legend_title, title_fontsize=fontsize)
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    """Title the figure, write it to ``path`` and free it."""
+    _suptitle(fig, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _series_by_batch(recs: Sequence[Mapping[str, Any]], corpus: str) -> list[tuple[str, list[Mapping[str, Any]]]]:
     """``corpus``'s records grouped per series (sorted by name), each series sorted by batch."""
     series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
@@ -123,18 +144,8 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
             pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
             if pred:
                 ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
-        ax.set_title(f"{corpus}", fontsize=10)
-        ax.set_xlabel("batch")
-        ax.set_ylabel(_energy_label(recs, which=True))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, title="solid: run; dashed: roofline", title_fontsize=7)
-    _suptitle(fig, "Energy per output token vs batch (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _batch_panel(ax, recs, corpus, "batch", _energy_label(recs, which=True), "solid: run; dashed: roofline", 7)
+    return _save(plt, fig, path, "Energy per output token vs batch (" + "; ".join(energy_sources(recs)) + ")")
 
 
 def plot_tau_by_corpus(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
@@ -193,10 +204,7 @@ def plot_phase_energy(records: Sequence[Mapping[str, Any]], path: Path) -> Path 
     ax.set_ylabel(_energy_label(recs) + " by phase")
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    _suptitle(fig, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + ")")
 
 
 def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target_s: float | None,
@@ -232,10 +240,7 @@ def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target
         ax.set_title(corpus, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
-    _suptitle(fig, "Latency-energy trade-off (" + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, "Latency-energy trade-off (" + "; ".join(energy_sources(recs)) + ")")
 
 
 def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
@@ -256,19 +261,10 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
             ax.plot(bs, [j_window(r) for r in rows], "o-", color=colors[name], label=f"{name}: window")
             ax.plot(bs, [j_run(r) for r in rows], "s--", color=colors[name], mfc="none", alpha=0.7,
                     label=f"{name}: run")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        _legible_log(ax, x_ticks=[r["batch"] for r in recs if r["corpus"] == corpus])
-        ax.set_title(corpus, fontsize=10)
-        ax.set_xlabel("batch (slots kept busy)")
-        ax.set_ylabel(_energy_label(recs))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, title="solid: steady-state window; dashed: whole run", title_fontsize=6)
-    _suptitle(fig, "J/token over the steady-state window and over the whole run (ramp-up and drain included) ("
-              + "; ".join(energy_sources(recs)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _batch_panel(ax, recs, corpus, "batch (slots kept busy)", _energy_label(recs),
+                     "solid: steady-state window; dashed: whole run", 6)
+    return _save(plt, fig, path, "J/token over the steady-state window and over the whole run (ramp-up and drain "
+                 "included) (" + "; ".join(energy_sources(recs)) + ")")
 
 
 def active_rows_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
@@ -313,10 +309,8 @@ def plot_active_rows(records: Sequence[Mapping[str, Any]], ledgers: Sequence[Pat
         ax.set_ylabel("active rows (ledger)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, title="shaded: steady-state window", title_fontsize=6)
-    _suptitle(fig, "Active rows per decode step (first run of each configuration); the steady-state window shaded")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path,
+                 "Active rows per decode step (first run of each configuration); the steady-state window shaded")
 
 
 def _finite(x: Any) -> bool:

@@ -280,4 +280,5 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
 
 
 __all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "windows_md", "serving_line",
-           "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text", "unmet", "TIGHTER"]
+           "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text",
+           "unmet", "TIGHTER"]

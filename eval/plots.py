@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from refspec.eval.report import (PHASE_ORDER, config_label, corpora, energy_sources, series_label, sort_key,
                                  with_energy)
-from refspec.eval.report_serving import has_window, j_run, j_window
+from refspec.eval.report_serving import has_window, is_static, j_run, j_window
 
 
 def _plt():
@@ -247,7 +247,7 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     """J/token of the steady-state window (solid) and of the whole run (dashed) against batch, per corpus.
 
     Only records with serving window fields are drawn; the gap between the two lines is what
-    ramp-up and drain add to a run's J/token.
+    ramp-up and drain add to a run's J/token. A static-schedule series draws its run line only.
     """
     recs = [r for r in records if has_window(r) and _finite(j_window(r)) and _finite(j_run(r))]
     if not recs:
@@ -258,7 +258,8 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
     for ax, corpus in zip(axes, corpus_names):
         for name, rows in _series_by_batch(recs, corpus):
             bs = [r["batch"] for r in rows]
-            ax.plot(bs, [j_window(r) for r in rows], "o-", color=colors[name], label=f"{name}: window")
+            if not any(is_static(r) for r in rows):  # a static series has no steady state: its run line only
+                ax.plot(bs, [j_window(r) for r in rows], "o-", color=colors[name], label=f"{name}: window")
             ax.plot(bs, [j_run(r) for r in rows], "s--", color=colors[name], mfc="none", alpha=0.7,
                     label=f"{name}: run")
         _batch_panel(ax, recs, corpus, "batch (slots kept busy)", _energy_label(recs),

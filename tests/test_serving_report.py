@@ -336,3 +336,21 @@ def test_a_static_schedule_is_a_series_of_its_own_in_plots():
         assert [r["batch"] for r in rows] == [8, 64] and len({r["schedule"] for r in rows}) == 1
     old = {"drafter": "ngram", "k": 4, "batch": 8, "corpus": "c"}  # records before schedules existed
     assert dict(_series_by_batch([old], "c")).keys() == {"ngram k=4"}
+
+
+def test_window_vs_run_plot_draws_no_window_line_for_a_static_series(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from refspec.eval.plots import plot_window_vs_run
+
+    drawn = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: drawn.append((kw.get("label"), list(a[1]))) or real(self, *a, **kw))
+    recs = [_rec("code", "none", 0, 8, jw=0.05, jr=0.21, tpot=0.02, ttft=0.4, schedule="static"),
+            _rec("code", "none", 0, 16, jw=0.04, jr=0.19, tpot=0.02, ttft=0.4, schedule="static"),
+            _rec("code", "none", 0, 8, jw=0.10, jr=0.12, tpot=0.02, ttft=0.4)]
+    assert plot_window_vs_run(recs, tmp_path / "w.png").exists()
+    windows = [ys for label, ys in drawn if label and label.endswith(": window")]
+    runs = [ys for label, ys in drawn if label and label.endswith(": run")]
+    assert windows == [[0.10]], "only the continuous series draws a window line"
+    assert sorted(runs) == [[0.12], [0.21, 0.19]]

@@ -26,8 +26,8 @@ Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
 The ``fp32`` form is a candidate for several rows only, so one-row products always stream the
 model's dtype. A model keeps at most one kind of copy: the plan drops the copy whose saving is
 smaller when the fastest forms would need two. The plan also records what verifying extra
-positions costs (:attr:`GemmPlan.extra_position_cost`), from which the n-gram drafter picks its
-defaults.
+positions costs (:meth:`GemmPlan.extra_position_cost`, and the cost of a product of 1 to 128 rows,
+:meth:`GemmPlan.product_cost`), from which the n-gram drafter picks its defaults.
 
 ``REFSPEC_GEMM_PLAN`` selects the plan :func:`resolve_plan` returns: ``auto`` (the default: the
 cached calibration, or a fresh one) or ``reference`` (``F.linear`` everywhere, no copies).
@@ -49,9 +49,11 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 BUCKETS = ("one", "few", "many")
 BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200), "five": (5,)}
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the product-cost curve a drafter reads (GemmPlan.product_cost)
+BUCKET_ROWS |= {f"rows{r}": (r,) for r in CURVE_ROWS}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMS = {"fp32": ("linear", "wxt", "column", "packed"), "bf16": ("linear", "nodnn", "wxt", "column", "fp32", "packed"),
          "fp16": ("linear", "nodnn", "wxt", "column", "fp32", "packed")}
@@ -139,6 +141,21 @@ class GemmPlan:
         if not t or "five_over_one" not in t:
             return None
         return float(t["five_over_one"]["ratio"])
+
+    def product_cost(self, dtype: torch.dtype, rows: int) -> float | None:
+        """Measured seconds of one pass over the calibration matrices with ``rows`` rows in the
+        chosen forms, interpolated linearly between the measured row counts and proportional to
+        ``rows`` beyond the last (None when no curve was measured)."""
+        curve = self.timings_s.get(dtype_name(dtype), {}).get("rows")
+        if not curve:
+            return None
+        pts = sorted((int(r), float(t)) for r, t in curve.items())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return pts[-1][1] * rows / pts[-1][0]
 
     def copy_kind(self, dtype: torch.dtype) -> str | None:
         """The weight copy this dtype's forms need, or None."""
@@ -286,8 +303,10 @@ def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None
         forms[d] = _choose(timings[d])
         # the cost of verifying extra positions, in the forms just chosen
         chosen = {"one": (forms[d]["one"],), "five": (forms[d]["few"],)}
+        chosen |= {f"rows{r}": (forms[d][bucket_of(r)],) for r in CURVE_ROWS}
         t = measure_forms(d, chosen) if timer is None else {b: {f: timer(d, b, f) for f in fs} for b, fs in chosen.items()}
         timings[d]["five_over_one"] = {"ratio": t["five"][forms[d]["few"]] / t["one"][forms[d]["one"]]}
+        timings[d]["rows"] = {str(r): t[f"rows{r}"][forms[d][bucket_of(r)]] for r in CURVE_ROWS}
     return GemmPlan(forms=forms, timings_s=timings, machine=machine_key())
 
 

@@ -269,3 +269,56 @@ def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter
     spec = Engine(m, _drafters(m)[drafter](), config=EngineConfig(k=4), eos_token_ids=EOS).generate(
         _prompts(10), max_new_tokens=24)
     assert plain.tokens == reference.tokens and spec.tokens == plain.tokens
+
+
+def test_paying_length_follows_the_measured_product_cost():
+    from refspec.drafters.ngram import PositionAcceptance, paying_length
+
+    half = [0.0, 0.5, 1.0, 1.5, 2.0]  # every matched position accepted half the time
+    flat = lambda rows: 1.0  # noqa: E731  verification free: draft every matched token
+    assert paying_length([3, 1, 0], 3, half, flat) == 3
+    steep = lambda rows: float(rows)  # noqa: E731  every position as dear as a row: never pays
+    assert paying_length([4, 4], 2, [0.0, 0.9, 1.8, 2.7, 3.6], steep) == 0
+    # 2 rows, cost 1 + 0.1 per extra position: L=2 gives (2 + 2 * 1.0) / 1.4 = 2.86, L=1 2.5, L=0 2
+    mild = lambda rows: 1.0 + 0.1 * (rows - 2)  # noqa: E731
+    assert paying_length([2, 2], 2, half, mild) == 2
+    assert paying_length([], 0, half, flat) == 0
+    acc = PositionAcceptance(3)
+    assert acc.gain() == [0.0, 0.5, 0.75, 0.875], "prior: position i accepted at 2^-i"
+    acc.count(torch.tensor([3, 1, 0]), torch.tensor([2, 1, 0]))  # row 0: 2 of 3 accepted; row 1: 1 of 1
+    assert acc.drafted.tolist() == [10.0, 9.0, 9.0] and acc.accepted.tolist() == [6.0, 3.0, 1.0]
+
+
+def _plan_with_curve(per_row_s):
+    from refspec.models.calibration import CURVE_ROWS, GemmPlan
+
+    forms = {"one": "linear", "few": "linear", "many": "linear"}
+    curve = {str(r): 1.0 + per_row_s * (r - 1) for r in CURVE_ROWS}
+    return GemmPlan(forms={"fp32": forms}, timings_s={"fp32": {"five_over_one": {"ratio": 1.0}, "rows": curve}},
+                    machine={})
+
+
+def test_ngram_auto_trim_drafts_what_pays_and_counts_acceptance(tiny_models):
+    """trim=auto with a measured cost curve: dear rows draft nothing, cheap rows draft every
+    matched token; the acceptance estimate moves with what the engine accepted; tokens equal
+    plain decoding either way."""
+    from refspec.models.ops import use_gemm_plan
+
+    m = tiny_models["llama"]
+    prompts = _prompts(6)
+    plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+    for per_row_s, expect in ((2.0, "none"), (0.0, "some")):
+        use_gemm_plan(_plan_with_curve(per_row_s))
+        seen, drafter = [], NgramDrafter(max_n=3)
+        gen = Engine(m, drafter, config=EngineConfig(k=4), observers=[seen.append],
+                     eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+        widths = [e.work[0].tokens_per_row for e in seen if e.phase == "verify"]
+        assert gen.tokens == plain.tokens
+        acc = drafter.acceptance
+        counted = acc.accepted.sum().item() - 8.0 * (1 - 0.5 ** 4)  # less the prior
+        if expect == "none":
+            assert set(widths) == {1} and acc.drafted.tolist() == [8.0] * 4, "one position per row: plain steps"
+        else:
+            assert max(widths) > 1 and acc.drafted[0] > 8.0
+            # matched tokens accepted: at most all accepted drafts (a padded position may be accepted too)
+            assert 0 < counted <= sum(max(a, 0) for step in gen.accepted_per_step for a in step) + 1e-9

@@ -210,13 +210,7 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                 # transformers' speculative methods run one sequence at a time: batch 1 per prompt,
                 # measured once (interleaved with refspec at batch 1 when that batch is asked for)
                 hf_once = _hf_one_by_one(hf, hf_extra, prompts, new_tokens, repeats)
-            t_hf, hf_tokens = hf_once
-            row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
-            row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
-            row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
-            if step is not None:
-                row["spec_compiled_speedup_vs_hf"] = row["spec_compiled_tokens_per_s"] / row["hf_tokens_per_s"]
-            row["hf_matches_plain"] = hf_tokens == tokens["plain"]
+            _hf_rates(row, hf_once, tokens["plain"], compiled=step is not None)
         if step is not None:
             row.update(compile_figures(step))  # cumulative over the batches run so far
         out["rows"].append(row)
@@ -224,6 +218,18 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                  row["plain_tokens_per_s"], drafter_name, row["spec_tokens_per_s"], row["tau"],
                  f"{row.get('hf_tokens_per_s', float('nan')):.1f} tok/s")
     return out
+
+
+def _hf_rates(row: dict[str, Any], hf_once: tuple[float, list[list[int]]], plain: list[list[int]], *,
+              compiled: bool) -> None:
+    """transformers' figures beside refspec's in one ``bench spec`` row."""
+    t_hf, hf_tokens = hf_once
+    row["hf_tokens_per_s"] = sum(map(len, hf_tokens)) / t_hf
+    row["hf_batch_note"] = "transformers' speculative generate supports batch 1 only; prompts ran one by one"
+    row["spec_speedup_vs_hf"] = row["spec_tokens_per_s"] / row["hf_tokens_per_s"]
+    if compiled:
+        row["spec_compiled_speedup_vs_hf"] = row["spec_compiled_tokens_per_s"] / row["hf_tokens_per_s"]
+    row["hf_matches_plain"] = hf_tokens == plain
 
 
 def _hf_equivalent(drafter_name: str, opts: dict, model_name: str, k: int,

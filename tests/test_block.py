@@ -173,6 +173,22 @@ def test_training_lowers_loss(tiny_models):
     assert set(stats) == {"acc@1", "tau@4"}
 
 
+def test_block_loss_runs_under_bf16_autocast(tiny_models):
+    """The training cache keeps its dtype when autocast hands it bf16 keys (a bf16 step's time is measured)."""
+    m = tiny_models["llama"]
+    head = _head(m, block_size=4, pending=True)
+    head.requires_grad_(True).train()
+    tok = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels, mask = text_labels(tok, torch.full((2,), 16))
+    with torch.no_grad():
+        _, feats = m(tok, torch.arange(16)[None].expand(2, 16), m.new_cache(2, 16), logits_at=tok[:, :0],
+                     hidden_layers=head.config.feature_layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = block_loss(head, m, feats, tok, labels, mask, BlockLossConfig(anchors_per_row=4))
+    loss.backward()
+    assert torch.isfinite(loss) and head.mask_embed.grad is not None
+
+
 def test_trainer_through_shared_plumbing_saves_and_loads(tiny_models, tmp_path):
     """BlockTrainer in refspec.drafters.training: collect features, train, export, load, draft."""
     from refspec.drafters import training

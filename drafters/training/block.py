@@ -85,7 +85,8 @@ class _AutogradCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Same contract as :meth:`StaticKVCache.write` (``slots [B, S]``, ``k, v [B, S, Hkv, D]``)."""
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D], the buffers' layout
+        dt = self._k[layer].dtype  # under bf16 autocast the projections come out in bf16
+        k, v = k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt)  # [B, Hkv, S, D], the buffers' layout
         idx = slots[:, None, :, None].expand_as(k)
         self._k[layer] = self._k[layer].scatter(2, idx, k)
         self._v[layer] = self._v[layer].scatter(2, idx, v)

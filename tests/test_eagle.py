@@ -168,6 +168,29 @@ def test_greedy_eagle_equals_plain_decoding(target, heads, kind, tree):
     assert spec.tau > 1.4, f"a trained head should be accepted often on the target's own loops (tau {spec.tau:.2f})"
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_training_unroll_predicts_what_the_chain_drafter_drafts(target, heads, kind):
+    """Training-time test is laid out as drafting is: on the sequence prompt + pending + the chain's
+    own drafts, unrolled step j at the last prompt position gives the chain's draft j + 1."""
+    head = heads[kind][0]
+    drafter = EagleDrafter(head, target)
+    got = []
+    real = drafter.propose
+    drafter.propose = lambda state, k: got.append((state.tokens.clone(), real(state, k))) or got[-1][1]
+    prompt = _prompts(4)[3]
+    Engine(target, drafter, config=EngineConfig(k=4), eos_token_ids=EOS).generate([prompt], max_new_tokens=6)
+    tokens, draft = got[0]
+    n = len(prompt)
+    seq = torch.tensor([prompt + [int(tokens[0, n])] + draft.tokens[0].tolist()])  # [1, n + 1 + K]
+    with torch.no_grad():
+        _, feats = target(seq, torch.arange(seq.shape[1])[None], target.new_cache(1, seq.shape[1]),
+                          logits_at=seq[:, :0], hidden_layers=head.config.feature_layers)
+        h0 = head.prepare([f.to(head.dtype) for f in feats])
+        outs = head.unroll(lambda t: target.embed_tokens(t).to(head.dtype), seq, h0, 4)
+        unrolled = [int(head.to_target_ids(head.draft_logits(o[0, n - 1], target).argmax(-1))) for o in outs]
+    assert unrolled == draft.tokens[0].tolist()
+
+
 class _Recorder:
     """Wraps a drafter and keeps the engine's state of the last commit."""
 

@@ -16,18 +16,13 @@ The head is a small transformer conditioned on the target's own hidden features:
 * **output**: the head's final norm and the target's (frozen) LM head turn the K mask slots
   into K next-token distributions; slot ``i`` predicts the token at position ``L+i``.
 
-Checkpoints: :meth:`BlockHead.save` writes ``head.safetensors`` and a ``config.json`` (format
-``refspec-block-head``, version 1) recording the head's shape, the architecture of the target
-it was trained for and the training provenance; :meth:`BlockHead.load` refuses a head trained
-for another target.
+Checkpoints: :meth:`BlockHead.save` and :meth:`BlockHead.load`, in the format of
+:mod:`refspec.drafters.block_checkpoint`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,18 +30,13 @@ import torch
 from torch import nn
 
 from refspec.cache import StaticKVCache
+from refspec.drafters.block_checkpoint import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION, WEIGHTS_FILE,  # noqa: F401
+                                               read_head_config, save_head)
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
 from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.ops import apply_rope, attention_bias, rope_inv_freq, rope_tables
-
-log = logging.getLogger(__name__)
-
-HEAD_FORMAT = "refspec-block-head"
-HEAD_VERSION = 1
-WEIGHTS_FILE = "head.safetensors"
-CONFIG_FILE = "config.json"
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -315,37 +305,12 @@ class BlockHead(nn.Module):
             std = target.embed.weight.float().std()
             self.mask_embed.copy_(mean + std * torch.randn_like(self.mask_embed))
 
-    # ---- persistence ------------------------------------------------------------------------
+    # ---- persistence (drafters/block_checkpoint.py) ------------------------------------------
     def save(self, path: str | Path, *, provenance: dict[str, Any] | None = None,
              dtype: torch.dtype | None = torch.bfloat16) -> Path:
-        """Write ``config.json`` and ``head.safetensors`` into the directory ``path``.
-
-        Args:
-            path: directory (created).
-            provenance: free-form facts about training (command, data, loss, time).
-            dtype: storage dtype of the weights (None keeps theirs).
-
-        Returns:
-            The directory.
-        """
-        from safetensors.torch import save_file
-
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {n: (p.detach().to(dtype) if dtype is not None else p.detach()).contiguous().cpu()
-                   for n, p in self.state_dict().items()}
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, out / WEIGHTS_FILE)
-        meta = {
-            "format": HEAD_FORMAT, "version": HEAD_VERSION,
-            "head": {**dataclasses.asdict(self.config), "feature_layers": list(self.config.feature_layers)},
-            "target_args": _args_to_json(self.target_args),
-            "provenance": provenance or {},
-        }
-        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        log.info("saved block head (%d parameters) to %s", sum(p.numel() for p in self.parameters()), out)
-        return out
+        """Write ``config.json`` and ``head.safetensors`` into the directory ``path`` (created);
+        ``provenance``: free-form facts about training; ``dtype``: storage dtype (None keeps theirs)."""
+        return save_head(self, path, provenance=provenance, dtype=dtype)
 
     @classmethod
     def load(cls, path: str | Path, *, target_args: ModelArgs | None = None, dtype: torch.dtype = torch.float32,
@@ -365,43 +330,17 @@ class BlockHead(nn.Module):
         from safetensors.torch import load_file
 
         folder = Path(path)
-        cfg_file, w_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-        if not cfg_file.is_file() or not w_file.is_file():
-            raise DrafterError(f"{folder} is not a block head directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-        meta = json.loads(cfg_file.read_text())
-        if meta.get("format") != HEAD_FORMAT or meta.get("version") != HEAD_VERSION:
-            raise DrafterError(f"{cfg_file} is not a {HEAD_FORMAT} v{HEAD_VERSION} config "
-                               f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-        trained_for = _args_from_json(meta["target_args"])
-        if target_args is not None:
-            fields = ("hidden_size", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "family")
-            diff = {f: (getattr(trained_for, f), getattr(target_args, f)) for f in fields
-                    if getattr(trained_for, f) != getattr(target_args, f)}
-            if diff:
-                raise DrafterError(f"block head {folder} was trained for another target: "
-                                   + ", ".join(f"{f} {a} (head) vs {b} (target)" for f, (a, b) in diff.items()))
+        meta, trained_for = read_head_config(folder, target_args)
         h = meta["head"]
         config = BlockHeadConfig(feature_layers=tuple(h["feature_layers"]), block_size=int(h["block_size"]),
                                  num_layers=int(h["num_layers"]), intermediate_size=h.get("intermediate_size"),
                                  input_fusion=bool(h.get("input_fusion", False)),
                                  pending_in_slots=bool(h.get("pending_in_slots", False)), layer_args=h.get("layer_args"))
         head = cls(trained_for if target_args is None else target_args, config)
-        state = load_file(str(w_file))
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        w_file = folder / WEIGHTS_FILE
+        missing, unexpected = head.load_state_dict(load_file(str(w_file)), strict=False)
         if missing or unexpected:
             raise DrafterError(f"block head {w_file} does not match its config: missing {sorted(missing)[:6]}, "
                                f"unexpected {sorted(unexpected)[:6]}")
         head.provenance = meta.get("provenance", {})
         return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def _args_to_json(args: ModelArgs) -> dict[str, Any]:
-    return dataclasses.asdict(args)
-
-
-def _args_from_json(d: dict[str, Any]) -> ModelArgs:
-    d = dict(d)
-    for key in ("layer_types", "eos_token_ids"):
-        d[key] = tuple(d.get(key) or ())
-    return ModelArgs(**d)
-

@@ -112,6 +112,7 @@ def _gemma3_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
                 attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
                 layer_types=tuple("sliding" if t.startswith("sliding") else "full" for t in types))
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelArgs:
     """Architecture of a decoder-only transformer (all sizes in elements, not bytes)."""

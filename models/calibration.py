@@ -126,6 +126,10 @@ class GemmPlan:
         # {torch dtype: (one, few, many)}: the lookup linear() makes for every product
         table = {DTYPES[d]: tuple(f.get(b, "linear") for b in BUCKETS) for d, f in self.forms.items() if d in DTYPES}
         object.__setattr__(self, "_table", table)
+        # {torch dtype: ((rows, seconds), ...)} sorted by rows: what product_cost() interpolates
+        curves = {DTYPES[d]: tuple(sorted((int(r), float(t)) for r, t in v["rows"].items()))
+                  for d, v in self.timings_s.items() if d in DTYPES and v.get("rows")}
+        object.__setattr__(self, "_curves", curves)
 
     def form(self, dtype: torch.dtype, rows: int) -> str:
         """The form for a product of ``rows`` rows in ``dtype`` (``linear`` when unplanned)."""
@@ -146,10 +150,9 @@ class GemmPlan:
         """Measured seconds of one pass over the calibration matrices with ``rows`` rows in the
         chosen forms, interpolated linearly between the measured row counts and proportional to
         ``rows`` beyond the last (None when no curve was measured)."""
-        curve = self.timings_s.get(dtype_name(dtype), {}).get("rows")
-        if not curve:
+        pts = self._curves.get(dtype)
+        if not pts:
             return None
-        pts = sorted((int(r), float(t)) for r, t in curve.items())
         if rows <= pts[0][0]:
             return pts[0][1]
         for (r0, t0), (r1, t1) in zip(pts, pts[1:]):

@@ -79,3 +79,17 @@ def packed_plan():
 
     return GemmPlan(forms={"fp32": {"one": "packed", "few": "packed", "many": "packed"},
                            "bf16": {"one": "nodnn", "few": "packed", "many": "packed"}}, timings_s={}, machine={})
+
+
+def packed_form_runs(dtype=None) -> bool:
+    """Whether this torch and CPU run the oneDNN ``packed`` form in ``dtype`` (fp32 by default);
+    where they do not, asserts that calibration never offers it (the property to prove there)."""
+    import torch
+
+    from refspec.models import calibration as C
+
+    dtype = torch.float32 if dtype is None else dtype
+    if C.packed_supported(dtype):
+        return True
+    assert "packed" not in C.candidate_forms(C.dtype_name(dtype)), "an unsupported form must not be timed"
+    return False

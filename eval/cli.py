@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
 from refspec.eval.cli_report import note_corrupt
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
+from refspec.eval.interrupts import forget_handled_interrupt, import_torch, sigterm_as_interrupt
 from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: 
 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
+    import_torch()
     plan = _build_plan(args, sweep=sweep)
     command = "python -m refspec.eval " + " ".join(shlex.quote(a) for a in argv)
     configs = _task_configs(args, plan.configs, sweep=sweep)
@@ -292,37 +294,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        with _sigterm_as_interrupt():
-            return _dispatch(raw)
+        with sigterm_as_interrupt():
+            code = _dispatch(raw)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        forget_handled_interrupt()  # else CPython may still die of SIGINT at exit instead of exiting 130
+    return code
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (Slurm's time limit, ``kill``) unwinds like Ctrl-C: the lock is released, the ledger run marked aborted."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+_TORCH_AT_IMPORT = ("bench", "train")
+"""Tools whose modules import torch at the top (the others import it after their flag checks)."""
 
 
 def _dispatch(raw: list[str]) -> int:
     if raw and raw[0] in TOOLS:
         import importlib
 
+        if raw[0] in _TORCH_AT_IMPORT:
+            import_torch()
         return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
     return _main(raw)
 

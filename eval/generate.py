@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from refspec.eval.cli_checks import check_drafter_options, parse_drafter_options
 from refspec.eval.flags import (EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args,
                                 check_sampling, integer, one_line)
+from refspec.eval.interrupts import import_torch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
+    import_torch()
     import torch
 
     from refspec.drafters import registry

@@ -1,0 +1,58 @@
+"""One clean interruption for every command: Ctrl-C and SIGTERM unwind alike and exit 130.
+
+Two torch/CPython details would otherwise break that. torch's import is not interrupt-safe: a
+KeyboardInterrupt raised inside it is swallowed by its extension (the run goes on), breaks a later
+import, or aborts the process from C++; so interrupts wait until torch is imported. And CPython
+dies of SIGINT at exit, even after the interrupt was handled, when it landed in code run by
+``exec``/``eval`` of a string.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import signal
+import sys
+import threading
+from typing import Any, Iterator
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (Slurm's time limit, ``kill``) unwinds like Ctrl-C: the lock is released, the ledger run marked aborted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def import_torch() -> None:
+    """Import torch with interrupts held back until it is done, then raise one if it came."""
+    import_holding_interrupts("torch")
+
+
+def import_holding_interrupts(name: str) -> None:
+    """Import module ``name``; a Ctrl-C or SIGTERM meanwhile is raised once the import is done."""
+    if name in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    caught: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        importlib.import_module(name)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def forget_handled_interrupt() -> None:
+    """Clear CPython's unhandled-KeyboardInterrupt flag (``exec`` of a string resets it before it runs)."""
+    exec("None")

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from refspec.eval.report import (PHASE_ORDER, config_label, corpora, energy_sources, series_label, sort_key,
                                  with_energy)
-from refspec.eval.report_serving import has_window, is_static, j_run, j_window
+from refspec.eval.report_serving import has_window, is_static, j_run, j_window, shown_j
 
 
 def _plt():
@@ -78,9 +78,9 @@ def _energy_label(records: Sequence[Mapping[str, Any]], which: bool = False) -> 
     text = "J per output token (" + ("measured" if measured else "MODELLED") + ")"
     if not which:
         return text
-    windows = [has_window(r) for r in records]
+    windows = [has_window(r) and not is_static(r) for r in records]
     return text + ("\nsteady-state window" if all(windows) else "\nwhole run" if not any(windows)
-                   else "\nwindow, else whole run (old records)")
+                   else "\nwindow, else whole run (static or old records)")
 
 
 def _panels(n: int, width: float = 5.0, height: float = 4.0):
@@ -140,7 +140,7 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
     for ax, corpus in zip(axes, corpus_names):
         for name, rows in _series_by_batch(recs, corpus):
             bs = [r["batch"] for r in rows]
-            ax.plot(bs, [r["energy_per_token_j"] for r in rows], "o-", color=colors[name], label=name)
+            ax.plot(bs, [shown_j(r) for r in rows], "o-", color=colors[name], label=name)
             pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
             if pred:
                 ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
@@ -220,17 +220,17 @@ def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target
         rows = [r for r in recs if r["corpus"] == corpus]
         for name in sorted({series_label(r) for r in rows}):
             sel = sorted((r for r in rows if series_label(r) == name), key=lambda r: r["batch"])
-            ax.plot([1e3 * r["tpot_p99_s"] for r in sel], [r["energy_per_token_j"] for r in sel], "o-",
+            ax.plot([1e3 * r["tpot_p99_s"] for r in sel], [shown_j(r) for r in sel], "o-",
                     color=colors[name], label=name, alpha=0.8)
             for r in sel:
-                ax.annotate(f"b{r['batch']}", (1e3 * r["tpot_p99_s"], r["energy_per_token_j"]), fontsize=6,
+                ax.annotate(f"b{r['batch']}", (1e3 * r["tpot_p99_s"], shown_j(r)), fontsize=6,
                             xytext=(3, 3), textcoords="offset points")
         if target_s is not None:
             ax.axvline(1e3 * target_s, color="r", ls="--", lw=1, label=f"target p99 {1e3 * target_s:g} ms")
         choice = (choices or {}).get(corpus)
         chosen = None if choice is None else choice.chosen
         if chosen is not None:
-            ax.plot([1e3 * chosen["tpot_p99_s"]], [chosen["energy_per_token_j"]], "*", ms=16, color="gold",
+            ax.plot([1e3 * chosen["tpot_p99_s"]], [shown_j(chosen)], "*", ms=16, color="gold",
                     markeredgecolor="k", label=f"chosen (meets every target): {config_label(chosen)}")
         ax.set_xscale("log")
         ax.set_yscale("log")

@@ -50,6 +50,11 @@ def is_static(r: Record) -> bool:
     return has_window(r) and r.get("schedule") == "static"
 
 
+def shown_j(r: Record) -> float | None:
+    """The J/token the report shows and ranks by: the window's, a static (lockstep) row's run's."""
+    return j_run(r) if is_static(r) else r.get("energy_per_token_j")
+
+
 def static_note(rows: Sequence[Record]) -> str | None:
     """The footnote for static rows' n/a window figures (None when no row is static)."""
     if not any(is_static(r) for r in rows):
@@ -182,7 +187,10 @@ class CorpusChoice:
 
 
 def target_choices(records: Sequence[Record], targets: Targets) -> dict[str, CorpusChoice]:
-    """Per corpus: the lowest-J/token configuration meeting ``targets`` and every other one's misses."""
+    """Per corpus: the lowest-J/token configuration meeting ``targets`` and every other one's misses.
+
+    A static row is ranked by its run's J/token (:func:`shown_j`), the figure shown for it.
+    """
     by_corpus: dict[str, list[Record]] = defaultdict(list)
     for r in records:
         by_corpus[str(r.get("corpus"))].append(r)
@@ -190,12 +198,15 @@ def target_choices(records: Sequence[Record], targets: Targets) -> dict[str, Cor
     for corpus, rows in sorted(by_corpus.items()):
         usable, lacking = [], []
         for r in rows:
-            absent = [f for f in ("energy_per_token_j", *targets.given()) if r.get(f) is None]
+            absent = [f for f in ("energy_per_token_j", *targets.given())
+                      if (shown_j(r) if f == "energy_per_token_j" else r.get(f)) is None]
             (lacking.append((r, absent)) if absent else usable.append(r))
-        chosen = choose(usable, targets) if usable else None
+        ranked = [dict(r, energy_per_token_j=shown_j(r)) if is_static(r) else r for r in usable]
+        pick = choose(ranked, targets) if usable else None
+        chosen = next((r for r, k in zip(usable, ranked) if k is pick), None)
         tighter = None
         if targets.tpot_p99_s is not None and usable:
-            tighter = cost_of_tighter_target(usable, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s)
+            tighter = cost_of_tighter_target(ranked, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s)
         out[corpus] = CorpusChoice(corpus=corpus, chosen=chosen, rows=[(r, misses(r, targets)) for r in usable],
                                    no_figure=lacking, tighter=tighter)
     return out
@@ -215,7 +226,7 @@ def _miss_cell(miss: float | None, target: float) -> str:
 
 
 def _row_md(r: Record, ms: Mapping[str, float | None], targets: Targets, chosen: Record | None, label: Any) -> str:
-    vs = premium(float(r["energy_per_token_j"]), float(chosen["energy_per_token_j"])) if chosen else None
+    vs = premium(float(shown_j(r)), float(shown_j(chosen))) if chosen else None
     mark = " **chosen**" if r is chosen else ""
     cells = [f"{label(r)}{mark}", window_cell(r), _f(j_run(r), ".4g"), _f(r.get("mean_active_rows"), ".1f"),
              _f(r.get("ttft_p99_s"), ".1f", 1e3), _f(r.get("tpot_p99_s"), ".1f", 1e3),

@@ -269,11 +269,22 @@ def test_a_static_rows_window_figures_are_na_with_a_footnote_and_its_run_j_per_t
     assert "| none b8 | n/a | n/a | n/a | n/a / 7.2 | n/a | static schedule: no steady state |" in md
     assert not [line for line in md.splitlines() if "none b8" in line and "0.05" in line], "pooled J/token shown"
     assert md.count("n/a window (static schedule): lockstep batches never refill") == 2  # results, targets
-    assert "**code**: none b8, 0.21 J/token (run, static schedule)" in md
-    assert "| none b8 **chosen** | n/a | 0.21 |" in md, "the target table keeps the run J/token"
+    assert "**code**: none b16, 0.16 J/token (window)" in md, "ranked by its run's 0.21, not its pooled 0.05"
+    assert "| none b8 | n/a | 0.21 |" in md and "+31.2%" in md, "the target table keeps the run J/token"
     table = format_table(recs)
     assert "note: n/a window (static schedule)" in table and "0.05" not in table and "0.21" in table
     assert "n/a window" not in format_table([SWEEP[1]]), "no footnote without a static row"
+
+
+def test_a_static_row_is_ranked_under_targets_by_its_run_j_per_token():
+    cont = _rec("code", "none", 0, 16, jw=0.16, jr=0.19, tpot=0.018, ttft=0.6)
+    pooled_low = _rec("code", "none", 0, 8, jw=0.05, jr=0.21, tpot=0.02, ttft=0.4, schedule="static")
+    run_low = _rec("code", "ngram", 4, 8, jw=0.30, jr=0.12, tpot=0.02, ttft=0.4, schedule="static")
+    assert target_choices([cont, pooled_low], Targets(0.05, None))["code"].chosen is cont
+    choice = target_choices([cont, pooled_low, run_low], Targets(0.05, None))["code"]
+    assert choice.chosen is run_low, "the record itself, its own figures untouched"
+    assert run_low["energy_per_token_j"] == 0.30
+    assert [row["energy_per_token_j"] for row in choice.tighter if row["feasible"]][0] == 0.12
 
 
 # ---- the command line -------------------------------------------------------------------------

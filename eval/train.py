@@ -184,7 +184,11 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
                    help="drafter-specific training option (repeatable), e.g. ttt_steps=3 or draft_vocab_size=8192")
     p.add_argument("--dtype", default="fp32",
                    help="target dtype for self-distillation and features (bf16 is emulated, hence slower than fp32, "
-                        "on CPUs without AVX512_BF16 or AMX)")
+                        "on CPUs without bf16 instructions; `bench decode` shows both on this machine)")
+    p.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                   help="run the head's forward and loss in bf16 (torch.autocast; weights, gradients and AdamW stay "
+                        "fp32): faster where the CPU has bf16 dot products or matrix units, at bf16 rounding; "
+                        "may change on --resume")
     p.add_argument("--chat-prompts", type=int, default=DataSpec.chat_prompts)
     p.add_argument("--math-prompts", type=int, default=DataSpec.math_prompts)
     p.add_argument("--code-prompts", type=int, default=DataSpec.code_prompts)
@@ -225,7 +229,8 @@ def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, An
                                    "lr": args.lr, "warmup_steps": args.warmup}.items() if v is not None}
     cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}
     config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                                  max_time_s=None if args.max_time_min is None else 60 * args.max_time_min)
+                                  max_time_s=None if args.max_time_min is None else 60 * args.max_time_min,
+                                  autocast=None if args.autocast == "none" else args.autocast)
     spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
                     reply_tokens=args.reply_tokens, chat_references=args.chat_references,
                     math_references=args.math_references, code_references=args.code_references,

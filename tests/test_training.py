@@ -278,3 +278,25 @@ def test_training_gradients_pass_the_targets_lm_head_under_a_packed_gemm_plan(ti
     T.train(trainer, m, ds, _cfg(2), tmp_path, progress=False)
     assert all(g is not None and g.abs().sum() > 0 for g in seen)
     assert ops.gemm_plan() is packed
+
+
+def test_bf16_autocast_trains_with_fp32_weights_and_may_change_on_resume(tiny_models, tmp_path):
+    m = tiny_models["llama"]
+    ds = T.collect_features(m, _sequences(12, seed=1), (m.num_layers,), progress=False)
+    seen, trainer = [], _ProbeTrainer()
+    orig_loss = trainer.loss
+
+    def loss(module, batch, target):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return orig_loss(module, batch, target)
+
+    object.__setattr__(trainer, "loss", loss)
+    bf16 = dataclasses.replace(_cfg(60), autocast="bf16")
+    res = T.train(trainer, m, ds, bf16, tmp_path, progress=False)
+    assert seen == [torch.bfloat16] * 60 and res.final_loss < 0.7 * res.first_loss
+    state = torch.load(tmp_path / "probe.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state.values()), "master weights stay fp32"
+    resumed = T.train(trainer, m, ds, _cfg(70), tmp_path, progress=False, resume=True)  # on in fp32
+    assert resumed.steps == 70 and seen[60:] == [False] * 10
+    with pytest.raises(T.TrainingError, match="autocast"):
+        T.TrainConfig(autocast="fp8")

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
+AUTOCAST = {None: None, "bf16": torch.bfloat16}
+"""``TrainConfig.autocast`` values and the dtype each runs the forward in."""
 
 # ---- trainers -------------------------------------------------------------------------------
 
@@ -128,6 +130,8 @@ class TrainConfig:
         log_every: steps between log lines.
         seed: seeds the module's initialisation and the batch sampler.
         max_time_s: stop early (with a final checkpoint and export) after this much wall time.
+        autocast: ``"bf16"`` runs each step's forward and loss under ``torch.autocast`` in bf16
+            (parameters, gradients and AdamW stay fp32); None trains in fp32.
     """
 
     steps: int = 1000
@@ -142,8 +146,12 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     max_time_s: float | None = None
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
+        if self.autocast not in AUTOCAST:
+            raise TrainingError(f"autocast must be one of {sorted(k for k in AUTOCAST if k)} or None, "
+                                f"got {self.autocast!r}")
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -230,9 +238,9 @@ class _Run:
 
 
 def _identity(trainer: Trainer, config: TrainConfig, options: dict[str, Any]) -> str:
-    """What must match for a checkpoint to resume this run (steps and time limits may change)."""
-    cfg = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("steps", "max_time_s", "checkpoint_every",
-                                                                            "log_every")}
+    """What must match for a checkpoint to resume this run (steps, time limits and autocast may change)."""
+    loop_only = ("steps", "max_time_s", "checkpoint_every", "log_every", "autocast")
+    cfg = {k: v for k, v in dataclasses.asdict(config).items() if k not in loop_only}
     return json.dumps({"trainer": trainer.name, "config": cfg, "options": options}, sort_keys=True, default=str)
 
 
@@ -307,6 +315,7 @@ def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
           bar: Any, on_log: Callable[[dict[str, Any]], None] | None, checkpoint: Callable[[], None]) -> bool:
     """Optimizer steps until ``config.steps`` or the time limit; True when the time limit stopped it."""
     run.module.train()
+    device = next(target.parameters()).device.type
     session_start, base_elapsed = time.perf_counter(), run.elapsed
     while run.step < config.steps:
         if config.max_time_s is not None and run.elapsed >= config.max_time_s:
@@ -316,7 +325,8 @@ def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         for group in run.opt.param_groups:
             group["lr"] = lr
         batch = dataset.sample_batch(config.batch_size, config.seq_len, run.data_gen)
-        loss, m = trainer.loss(run.module, batch, target)
+        with torch.autocast(device, dtype=AUTOCAST[config.autocast] or torch.bfloat16, enabled=bool(config.autocast)):
+            loss, m = trainer.loss(run.module, batch, target)
         if not torch.isfinite(loss):
             raise TrainingError(f"loss became {loss.item()} at step {run.step}; lower --lr")
         run.opt.zero_grad(set_to_none=True)

@@ -39,8 +39,7 @@ from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
 from refspec.serving import DecodeFigures, Request, ServeResult
 from refspec.slots import Batch, fill, new_batch, release
-from refspec.step import decide, verify_forward
-from refspec.verify import emitted_tokens
+from refspec.step import Committed, commit, decide, verify_forward
 
 log = logging.getLogger(__name__)
 
@@ -292,51 +291,11 @@ class Engine:
             with MeteredPhase(self.meter, "commit") as commit_phase:
                 # 3. accept: per row, the longest verified prefix of drafts plus one target token
                 acc, chain, hidden = decide(self, run, draft, logits, hidden, base, generator)
-                emit = emitted_tokens(chain, acc)  # [B, D+1]: accepted drafts, then the bonus/recovered token
-                idx = torch.arange(emit.shape[1], device=dev)[None]
-                n_emit = acc.num_accepted + 1
-                # a row emits up to and including its first EOS, and never beyond its budget
-                is_eos = torch.isin(emit, self.eos) & (idx < n_emit[:, None])
-                first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_emit, emit.shape[1]))
-                n_emit = torch.minimum(torch.minimum(n_emit, first_eos + 1), run.budget - run.n_out)
-                done = state.done  # finished rows and empty slots emit nothing
-                n_emit = torch.where(done, torch.zeros_like(n_emit), n_emit)
+                # 4. commit: emit (to the first EOS, within the budget), advance the cache by accepted + 1
+                outcome = commit(self, run, acc, chain, hidden, base)
 
-                # 4. commit: emit, append to the row's tokens, advance the cache by accepted + 1
-                keep = idx < n_emit[:, None]
-                out_idx = (run.n_out[:, None] + idx).clamp_(max=run.out.shape[1] - 1)
-                run.out.scatter_(1, out_idx, torch.where(keep, emit, run.out.gather(1, out_idx)))
-                advance = torch.where(done, torch.zeros_like(n_emit), acc.num_accepted + 1)  # KV of accepted + pending
-                tok_idx = (cache.lengths[:, None] + 1 + idx).clamp_(max=run.slots - 1)
-                write = idx < advance[:, None]
-                state.tokens.scatter_(1, tok_idx, torch.where(write, emit, state.tokens.gather(1, tok_idx)))
-                state.prev_lengths = base
-                cache.lengths.add_(advance)  # rejected entries beyond the new length are never read again
-                state.pending = torch.where(done, state.pending, acc.next_token)
-                run.n_out = run.n_out + n_emit
-                newly_done = ~done & ((first_eos < acc.num_accepted + 1) | (run.n_out >= run.budget))
-                num_acc_active = torch.where(done, torch.full_like(n_emit, -1), acc.num_accepted)  # -1: row was done
-                state.done = done | newly_done
-                state.hidden = hidden
-                state.num_accepted = num_acc_active.clamp_min(0)
-                if drafter is not None:
-                    drafter.commit(state)
-                host = torch.stack([num_acc_active, n_emit, state.done.long(), advance]).tolist()  # the one host sync
-
-            acc_row, emit_row, adv_row = host[0], host[1], host[3]
-            run.done_host = [bool(x) for x in host[2]]
-            run.lengths_host = [length + a for length, a in zip(run.lengths_host, adv_row)]
-            n_acc_sum, n_emit_sum = sum(a for a in acc_row if a > 0), sum(emit_row)
-            emitted_total += n_emit_sum
-            common = dict(step=step, batch=b, rows_active=active, slot_requests=tuple(slot_req))
-            for phase, extra in ((draft_phase, dict(drafted=active * n)),
-                                 (verify_phase, dict(verified=active * (n + 1), accepted=n_acc_sum)),
-                                 (commit_phase, dict(accepted=n_acc_sum, emitted=n_emit_sum,
-                                                     emitted_per_row=tuple(emit_row)))):
-                clock_s = sched.advance(phase.measurement.time_s)
-                self._emit(PhaseEvent(**common, **extra, phase=phase.name, work=phase.work,
-                                      measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), run.events)
-            sched.stepped(acc_row, emit_row, slot_req)
+            emitted_total += self._record_step(run, sched, step, active, n, slot_req, outcome,
+                                               (draft_phase, verify_phase, commit_phase))
 
             # 5. refill: slots freed by this step take the next admissible requests, prefilled together
             if sched.refill:
@@ -346,6 +305,25 @@ class Engine:
                 self.on_step(step, emitted_total)
         release(self, run, sched, unfinished=True)
         return sched.result(run.events)
+
+    def _record_step(self, run: Batch, sched: Scheduler, step: int, active: int, n: int, slot_req: list,
+                     outcome: Committed, phases: tuple[MeteredPhase, MeteredPhase, MeteredPhase]) -> int:
+        """Take the step's outcome onto the host state, advance the clock by each phase and emit
+        the three phase events with their work; returns the tokens emitted."""
+        run.done_host = outcome.done
+        run.lengths_host = [length + a for length, a in zip(run.lengths_host, outcome.advance)]
+        n_acc_sum, n_emit_sum = sum(a for a in outcome.accepted if a > 0), sum(outcome.emitted)
+        common = dict(step=step, batch=sched.batch, rows_active=active, slot_requests=tuple(slot_req))
+        draft_phase, verify_phase, commit_phase = phases
+        for phase, extra in ((draft_phase, dict(drafted=active * n)),
+                             (verify_phase, dict(verified=active * (n + 1), accepted=n_acc_sum)),
+                             (commit_phase, dict(accepted=n_acc_sum, emitted=n_emit_sum,
+                                                 emitted_per_row=tuple(outcome.emitted)))):
+            clock_s = sched.advance(phase.measurement.time_s)
+            self._emit(PhaseEvent(**common, **extra, phase=phase.name, work=phase.work,
+                                  measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), run.events)
+        sched.stepped(outcome.accepted, outcome.emitted, slot_req)
+        return n_emit_sum
 
     def _refill(self, run: Batch, sched: Scheduler, step: int, generator: torch.Generator | None) -> int:
         """Free the slots whose request finished; admit the admissible requests into free slots

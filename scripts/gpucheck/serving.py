@@ -73,19 +73,12 @@ def _modelled_tiles(bench: Any, res: Any, tiles: list[dict[str, float]]) -> None
 def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: Any) -> dict[str, Any]:
     """The point's figures over its steady-state window (and the whole run beside)."""
     from refspec.energy.roofline import forward_cost, work_time_s
-    from refspec.energy.serving_window import (event_steps, latency_percentiles, percentile, request_times,
-                                               window_bounds)
+    from refspec.energy.serving_window import event_steps, latency_percentiles, percentile, request_times
 
     if not bench.energy_measured:
         _modelled_tiles(bench, res, tiles)
     steps_of_run = event_steps(res.events)
-    span = window_bounds(steps_of_run)
-    if span is None:
-        raise RuntimeError("the served run never had every slot busy: no steady-state window")
-    s0, s1 = max(span[0], tiles[0]["step"] if tiles else 0), span[1]
-    inside = [t for t in tiles if s0 <= t["step"] < s1]
-    if len(inside) < 3:
-        raise RuntimeError(f"steady-state window of {len(inside)} metered steps; raise --new-tokens")
+    (s0, s1), inside = _window(steps_of_run, tiles)
     steps = {t["step"] for t in inside}
     events = [e for e in res.events if e.step in steps]
     tokens = sum(e.emitted for e in events if e.phase in ("commit", "prefill"))
@@ -102,7 +95,6 @@ def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: A
     intensity = statistics.mean(forward_cost(w).intensity for w in verify) if verify else float("nan")
     latency = latency_percentiles(request_times(steps_of_run))
     net = None if bench.idle_w is None else energy - bench.idle_w * seconds
-    in_window = [e for e in events if e.phase in ("draft", "verify")]
     return {
         "schedule": "continuous", "requests": len(res.requests), "window_steps": [s0, s1], "steps": res.steps,
         "measured_steps": len(inside), "window_s": seconds, "energy_j": energy, "energy_source": inside[0]["source"],
@@ -123,14 +115,33 @@ def served_figures(bench: Any, res: Any, tiles: list[dict[str, float]], model: A
         "accept_model": model.name if model else None, "accept_provenance": model.provenance.kind if model else None,
         "verify_intensity_flop_per_byte": intensity, "ridge_flop_per_byte": bench.profile.ridge,
         "datasheet_ridge_flop_per_byte": bench.datasheet.ridge, "verify_compute_bound": intensity > bench.profile.ridge,
-        "run_window": {"energy_j": energy, "time_s": seconds, "steps": len(steps),
-                       "forwards": {p: sum(len(e.work) for e in in_window if e.phase == p) for p in ("draft", "verify")},
-                       "calls": {p: len([e for e in in_window if e.phase == p]) for p in ("draft", "verify")},
-                       "prefill_rows": sum(e.rows_active for e in events if e.phase == "prefill"),
-                       "phase_time_s": {p: sum(e.measurement.time_s for e in events if e.phase == p)
-                                        for p in ("draft", "verify", "prefill")}},
+        "run_window": {"energy_j": energy, "time_s": seconds, "steps": len(steps), **_window_work(events)},
         "per_step_s": {"measured": [round(x, 7) for x in measured], "predicted": [round(x, 7) for x in predicted]},
     }
+
+
+def _window(steps_of_run: Any, tiles: list[dict[str, float]]) -> tuple[tuple[int, int], list[dict[str, float]]]:
+    """The steady-state window's step bounds [s0, s1) and the metered tiles inside it."""
+    from refspec.energy.serving_window import window_bounds
+
+    span = window_bounds(steps_of_run)
+    if span is None:
+        raise RuntimeError("the served run never had every slot busy: no steady-state window")
+    s0, s1 = max(span[0], tiles[0]["step"] if tiles else 0), span[1]
+    inside = [t for t in tiles if s0 <= t["step"] < s1]
+    if len(inside) < 3:
+        raise RuntimeError(f"steady-state window of {len(inside)} metered steps; raise --new-tokens")
+    return (s0, s1), inside
+
+
+def _window_work(events: list) -> dict[str, Any]:
+    """The window's forwards and calls per phase, prefilled rows and phase times."""
+    in_window = [e for e in events if e.phase in ("draft", "verify")]
+    return {"forwards": {p: sum(len(e.work) for e in in_window if e.phase == p) for p in ("draft", "verify")},
+            "calls": {p: len([e for e in in_window if e.phase == p]) for p in ("draft", "verify")},
+            "prefill_rows": sum(e.rows_active for e in events if e.phase == "prefill"),
+            "phase_time_s": {p: sum(e.measurement.time_s for e in events if e.phase == p)
+                             for p in ("draft", "verify", "prefill")}}
 
 
 def _cost(work: list) -> Any:

@@ -43,7 +43,8 @@ def import_holding_interrupts(name: str) -> None:
     if name in sys.modules or threading.current_thread() is not threading.main_thread():
         return
     caught: list[int] = []
-    before = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]  # ignored stays so
+    before = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         importlib.import_module(name)
     finally:

@@ -27,6 +27,19 @@ def test_an_interrupt_during_the_import_waits_until_the_module_is_complete(tmp_p
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
+def test_an_ignored_signal_stays_ignored_during_the_import(tmp_path, monkeypatch):
+    (tmp_path / "ignored_mod.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\ncomplete = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ignored_mod", raising=False)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        import_holding_interrupts("ignored_mod")  # no KeyboardInterrupt
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert sys.modules["ignored_mod"].complete
+
+
 def test_no_interrupt_no_exception_and_an_imported_module_is_left_alone(tmp_path, monkeypatch):
     (tmp_path / "quiet_mod.py").write_text("complete = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))

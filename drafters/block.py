@@ -208,9 +208,9 @@ def head_search_path(target_name: str) -> list[Path]:
 #: Training settings of a quick CPU head (the first shipped SmolLM2 head's). The shipped head
 #: now trained on more data for 7,000 steps (its README.md), which takes hours on a CPU.
 QUICK_RECIPE = ("--dtype fp32 --chat-prompts 24 --math-prompts 8 --code-prompts 8 --reply-tokens 96 "
-                  "--chat-references 64 --math-references 16 --code-references 16 --prose-chunks 24 "
-                  "--max-len 256 --steps 500 --lr 2e-3 --max-time-min 15 --checkpoint-every 50 "
-                  "--option anchors_per_row=16")
+                "--chat-references 64 --math-references 16 --code-references 16 --prose-chunks 24 "
+                "--max-len 256 --steps 500 --lr 2e-3 --max-time-min 15 --checkpoint-every 50 "
+                "--option anchors_per_row=16")
 
 
 def train_command(target_name: str) -> str:
@@ -227,7 +227,8 @@ def find_head(target_name: str) -> Path:
             command that trains one.
     """
     return head_files.find_head(target_name, "block", files=(CONFIG_FILE, WEIGHTS_FILE), recipe=QUICK_RECIPE,
-                                note="a quick recipe, under 25 min on 2 CPU cores (the shipped SmolLM2 head's README has a longer one)",
+                                note="a quick recipe, under 25 min on 2 CPU cores (the shipped SmolLM2 head's "
+                                     "README has a longer one)",
                                 error=HeadNotFoundError)
 
 

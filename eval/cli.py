@@ -34,7 +34,8 @@ from typing import Any, Iterator, Sequence
 from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
 from refspec.eval.cli_report import note_corrupt
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
-from refspec.eval.interrupts import forget_handled_interrupt, import_torch, sigterm_as_interrupt
+from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,
+                                     sigterm_as_interrupt)
 from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
 
 log = logging.getLogger(__name__)
@@ -304,16 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-_TORCH_AT_IMPORT = ("bench", "train")
-"""Tools whose modules import torch at the top (the others import it after their flag checks)."""
-
-
 def _dispatch(raw: list[str]) -> int:
     if raw and raw[0] in TOOLS:
         import importlib
 
-        if raw[0] in _TORCH_AT_IMPORT:
-            import_torch()
+        import_holding_interrupts(TOOLS[raw[0]][0])  # some tools import torch at their top
         return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
     return _main(raw)
 

@@ -86,10 +86,11 @@ class Committed:
     advance: list[int]  # cache entries kept: accepted + 1, the pending token's included
 
 
-def _emission_counts(engine, run: Batch, emit: torch.Tensor, acc: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, how many of ``emit`` [B, D+1] it emits: accepted + 1, cut after its first EOS
-    and at its budget, 0 when done; and the index of that first EOS (D+1 when none)."""
-    idx = torch.arange(emit.shape[1], device=emit.device)[None]
+def _emission_counts(engine, run: Batch, emit: torch.Tensor, idx: torch.Tensor,
+                     acc: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, how many of ``emit`` [B, D+1] (``idx`` [1, D+1] its positions) it emits: accepted
+    + 1, cut after its first EOS and at its budget, 0 when done; and the index of that first EOS
+    (D+1 when none)."""
     n_emit = acc.num_accepted + 1
     is_eos = torch.isin(emit, engine.eos) & (idx < n_emit[:, None])
     first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_emit, emit.shape[1]))
@@ -104,7 +105,7 @@ def commit(engine, run: Batch, acc: Acceptance, chain: torch.Tensor, hidden: lis
     state, cache = run.state, run.cache
     emit = emitted_tokens(chain, acc)  # [B, D+1]: accepted drafts, then the bonus/recovered token
     idx = torch.arange(emit.shape[1], device=emit.device)[None]
-    n_emit, first_eos = _emission_counts(engine, run, emit, acc)
+    n_emit, first_eos = _emission_counts(engine, run, emit, idx, acc)
     done = state.done  # finished rows and empty slots emit nothing and keep their cache
     out_idx = (run.n_out[:, None] + idx).clamp_(max=run.out.shape[1] - 1)
     run.out.scatter_(1, out_idx, torch.where(idx < n_emit[:, None], emit, run.out.gather(1, out_idx)))

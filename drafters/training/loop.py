@@ -325,7 +325,7 @@ def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         for group in run.opt.param_groups:
             group["lr"] = lr
         batch = dataset.sample_batch(config.batch_size, config.seq_len, run.data_gen)
-        with torch.autocast(device, dtype=AUTOCAST[config.autocast] or torch.bfloat16, enabled=bool(config.autocast)):
+        with torch.autocast(device, dtype=AUTOCAST[config.autocast], enabled=config.autocast is not None):
             loss, m = trainer.loss(run.module, batch, target)
         if not torch.isfinite(loss):
             raise TrainingError(f"loss became {loss.item()} at step {run.step}; lower --lr")

@@ -68,7 +68,5 @@ def read_head_config(folder: Path, target_args: ModelArgs | None) -> tuple[dict[
 
 
 def _args_from_json(d: dict[str, Any]) -> ModelArgs:
-    d = dict(d)
-    for key in ("layer_types", "eos_token_ids"):
-        d[key] = tuple(d.get(key) or ())
-    return ModelArgs(**d)
+    # JSON gives lists where ModelArgs keeps tuples (layer_types, eos_token_ids, dense_layers, ...)
+    return ModelArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

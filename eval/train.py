@@ -6,32 +6,17 @@ Examples::
     python -m refspec.eval train --drafter eagle3 --model smollm2-135m --steps 3000 --max-time-min 25
     python -m refspec.eval train --drafter eagle --model smollm2-135m --resume   # after Ctrl-C
 
-Training text is disjoint from every evaluation prompt: it comes only from the ``train`` split
-of refspec's corpora (``refspec.eval.corpora``; the split is decided by a salted hash of each
-record, and :func:`~refspec.eval.corpora.assert_disjoint` is checked here again):
-
-- the target's own greedy replies (self-distillation) to ``conversation``, ``math`` and
-  ``code`` training prompts, generated once with the engine and cached;
-- further training prompts with the reference answers their corpus ships (chat-templated),
-  which are cheaper than decoding on a CPU;
-- ``english-sotu`` training speeches, cut into chunks (prose the target continues).
-
-Labels are always the target's own greedy next token (its argmax at every position), so a
-drafter learns what this target would say even on text it did not write.
-
-The sequences are cached in ``$REFSPEC_HOME/train-data/`` (shared by every drafter of one
-target), the target's features in ``OUT/features.safetensors``; ``--resume`` continues from
+Training text (train splits only, labels the target's own argmax) is built by
+:mod:`refspec.eval.train_data`. The sequences are cached in ``$REFSPEC_HOME/train-data/``
+(shared by every drafter of one target, as are the target's self-distilled replies), the target's features in ``OUT/features.safetensors``; ``--resume`` continues from
 ``OUT/checkpoint.pt``. The default ``OUT`` is ``$REFSPEC_HOME/heads/<model>-<drafter>``,
 where ``--drafter eagle`` looks for heads.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,126 +24,9 @@ from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.train_data import DataSpec, ReplyCache, build_sequences, load_sequences, save_sequences
+
 log = logging.getLogger("refspec.eval.train")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataSpec:
-    """What text to train on (all from train splits).
-
-    Attributes:
-        chat_prompts: conversation training prompts replied to by the target (self-distilled).
-        math_prompts: math training questions replied to by the target.
-        code_prompts: code training prompts completed by the target.
-        reply_tokens: reply budget per self-distilled prompt.
-        chat_references: further conversation prompts with their reference answers, as chats
-            (the target's argmax at every answer position is still the label).
-        math_references: math questions with their worked answers, as chats.
-        code_references: code prompts with their canonical completions.
-        prose_chunks: english-sotu chunks of ``max_len`` tokens.
-        max_len: longest training sequence, in tokens.
-        seed: shuffles which prompts are used.
-    """
-
-    chat_prompts: int = 48
-    math_prompts: int = 8
-    code_prompts: int = 8
-    reply_tokens: int = 128
-    chat_references: int = 64
-    math_references: int = 16
-    code_references: int = 16
-    prose_chunks: int = 16
-    max_len: int = 384
-    seed: int = 0
-
-    def key(self, model: str) -> str:
-        raw = json.dumps({"model": model, **dataclasses.asdict(self)}, sort_keys=True)
-        return hashlib.sha256(raw.encode()).hexdigest()[:12]
-
-
-def _shuffled(rows: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
-    import random
-
-    rows = sorted({r["prompt"]: r for r in rows}.values(), key=lambda r: r["prompt"])
-    random.Random(seed).shuffle(rows)
-    return rows
-
-
-def build_sequences(target, tokenizer, spec: DataSpec, *, progress: bool = True):
-    """Training sequences for ``target`` from the corpora's train splits (see the module doc).
-
-    Returns:
-        ``(sequences, description)``; description records sources, counts and the
-        disjointness check.
-    """
-    from refspec.drafters.training import TrainingSequence, self_distill
-    from refspec.eval import corpora
-
-    rows = {name: _shuffled([dict(r) for r in corpora.load_corpus(name, split="train")], spec.seed)
-            for name in ("conversation", "math", "code")}
-    prose_docs = corpora.training_texts("english-sotu")
-    for name, texts in [(n, [r["text"] for r in rs]) for n, rs in rows.items()] + [("english-sotu", prose_docs)]:
-        corpora.assert_disjoint(texts, list(corpora.load_corpus(name, split="eval")["prompt"]))
-    for name in ("english", "romansh"):  # prose eval prompts must not hide inside the speeches either
-        corpora.assert_disjoint(prose_docs, list(corpora.load_corpus(name, split="eval")["prompt"]))
-
-    def prompt_ids(source: str, text: str) -> list[int]:
-        if source == "code":
-            return tokenizer.encode(text)
-        return tokenizer.encode_chat([{"role": "user", "content": text}])
-
-    def reference(source: str, row: dict[str, str]) -> TrainingSequence:
-        p = prompt_ids(source, row["prompt"])
-        if source == "code":
-            full = tokenizer.encode(row["prompt"] + row["reference"])
-        else:
-            full = tokenizer.encode_chat([{"role": "user", "content": row["prompt"]},
-                                          {"role": "assistant", "content": row["reference"]}],
-                                         add_generation_prompt=False)
-        start = len(p) - 1 if full[: len(p)] == p else 0
-        return TrainingSequence(tokens=full[: spec.max_len], train_from=start, source=f"{source}:reference")
-
-    cut = spec.max_len - spec.reply_tokens
-    seqs: list = []
-    plan = {"conversation": (spec.chat_prompts, spec.chat_references), "math": (spec.math_prompts, spec.math_references),
-            "code": (spec.code_prompts, spec.code_references)}
-    for source, (n_distill, n_ref) in plan.items():
-        picked = rows[source][:n_distill]
-        prompts = [prompt_ids(source, r["prompt"])[:cut] for r in picked]
-        if prompts:
-            seqs += self_distill(target, prompts, max_new_tokens=spec.reply_tokens, batch_size=16,
-                                 eos_token_ids=tokenizer.eos_token_ids, progress=progress,
-                                 source=f"{source}:self-distill")
-        seqs += [reference(source, r) for r in rows[source][n_distill:n_distill + n_ref] if r["reference"]]
-    chunks: list[list[int]] = []
-    for doc in sorted(prose_docs)[:: max(1, len(prose_docs) // max(1, spec.prose_chunks))]:
-        ids = tokenizer.encode(doc)
-        chunks += [ids[i:i + spec.max_len] for i in range(0, len(ids) - spec.max_len + 1, spec.max_len)][:1]
-    seqs += [TrainingSequence(tokens=c, train_from=0, source="english-sotu:prose") for c in chunks[:spec.prose_chunks]]
-    counts: dict[str, int] = {}
-    for s in seqs:
-        counts[s.source] = counts.get(s.source, 0) + 1
-    description = {"sources": counts, "spec": dataclasses.asdict(spec), "tokens": sum(len(s.tokens) for s in seqs),
-                   "corpora": "train splits of refspec.eval.corpora: the target's greedy replies (self-distill) to "
-                              "conversation/math/code prompts, reference answers of further prompts, english-sotu "
-                              "speech chunks; labels are always the target's own argmax",
-                   "disjoint_from_eval": True}
-    return seqs, description
-
-
-def _save_sequences(path: Path, seqs, description: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"description": description,
-                               "sequences": [dataclasses.asdict(s) for s in seqs]}))
-    os.replace(tmp, path)
-
-
-def _load_sequences(path: Path):
-    from refspec.drafters.training import TrainingSequence
-
-    raw = json.loads(path.read_text())
-    return [TrainingSequence(**s) for s in raw["sequences"]], raw["description"]
 
 
 def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
@@ -246,12 +114,15 @@ def _sequences(args: argparse.Namespace, target: Any, spec: DataSpec) -> tuple[l
     name = f"{Path(args.model).name}-{spec.key(args.model)}.json"
     data_path = args.data_cache or refspec_home() / "train-data" / name
     if data_path.exists():
-        seqs, description = _load_sequences(data_path)
+        seqs, description = load_sequences(data_path)
         log.info("training sequences from %s (%d sequences)", data_path, len(seqs))
     else:
-        log.info("building training sequences (self-distillation with %s); cached in %s", args.model, data_path)
-        seqs, description = build_sequences(target.model, target.tokenizer, spec, progress=not args.quiet)
-        _save_sequences(data_path, seqs, description)
+        replies = ReplyCache(data_path.with_name(f"{Path(args.model).name}-{args.dtype}-replies.json"))
+        log.info("building training sequences (self-distillation with %s, %d replies cached in %s); cached in %s",
+                 args.model, len(replies), replies.path, data_path)
+        seqs, description = build_sequences(target.model, target.tokenizer, spec, replies=replies,
+                                            progress=not args.quiet)
+        save_sequences(data_path, seqs, description)
     return seqs, description, data_path
 
 

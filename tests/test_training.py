@@ -165,6 +165,52 @@ def test_self_distill_returns_the_targets_greedy_replies(tiny_models):
         assert s.tokens == p + reply and s.train_from == len(p) - 1
 
 
+def test_reply_cache_decodes_only_the_prompts_a_larger_mix_adds(tiny_models, tmp_path, monkeypatch):
+    """A second, larger build reuses the first build's replies (from disk) and decodes only the new
+    prompts; every sequence is still the target's greedy reply."""
+    from refspec.eval.train_data import ReplyCache, distill_with_cache
+
+    m = tiny_models["qwen2"]
+    first, added = [[5, 6, 7], [9] * 7], [[11, 3], [4, 8, 15, 16]]
+    decoded: list[list[int]] = []
+    real = T.self_distill
+
+    def counting(target, prompts, **kw):
+        decoded.extend(map(list, prompts))
+        return real(target, prompts, **kw)
+
+    monkeypatch.setattr(T, "self_distill", counting)
+    path = tmp_path / "replies.json"
+    kw = dict(budget=6, eos_token_ids=(), source="s", progress=False, chunk=1)
+    a = distill_with_cache(m, first, replies=ReplyCache(path), **kw)
+    assert decoded == first
+    b = distill_with_cache(m, first + added, replies=ReplyCache(path), **kw)
+    assert decoded == first + added and b[:2] == a
+    assert [(s.tokens, s.train_from) for s in b] == [(s.tokens, s.train_from) for s in real(m, first + added,
+                                                     max_new_tokens=6, progress=False)]
+    assert len(ReplyCache(path)) == 4 and ReplyCache(path).get([11, 3], 7) is None  # another budget is another reply
+
+
+def test_an_interrupted_reply_build_keeps_the_chunks_it_decoded(tiny_models, tmp_path, monkeypatch):
+    from refspec.eval.train_data import ReplyCache, distill_with_cache
+
+    real, calls = T.self_distill, []
+
+    def interrupted(target, prompts, **kw):
+        calls.append(prompts)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(target, prompts, **kw)
+
+    monkeypatch.setattr(T, "self_distill", interrupted)
+    path = tmp_path / "replies.json"
+    with pytest.raises(KeyboardInterrupt):
+        distill_with_cache(tiny_models["qwen2"], [[5, 6], [7, 8], [9, 10]], budget=4, eos_token_ids=(),
+                           replies=ReplyCache(path), source="s", progress=False, chunk=1)
+    kept = ReplyCache(path)
+    assert len(kept) == 1 and kept.get([5, 6], 4) is not None
+
+
 def test_trainers_register_through_drafter_modules():
     trainers = T.load_trainers()
     assert {"eagle", "eagle3"} <= set(trainers)

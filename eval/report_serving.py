@@ -201,12 +201,11 @@ def target_choices(records: Sequence[Record], targets: Targets) -> dict[str, Cor
             absent = [f for f in ("energy_per_token_j", *targets.given())
                       if (shown_j(r) if f == "energy_per_token_j" else r.get(f)) is None]
             (lacking.append((r, absent)) if absent else usable.append(r))
-        ranked = [dict(r, energy_per_token_j=shown_j(r)) if is_static(r) else r for r in usable]
-        pick = choose(ranked, targets) if usable else None
-        chosen = next((r for r, k in zip(usable, ranked) if k is pick), None)
+        chosen = choose(usable, targets, shown_j) if usable else None
         tighter = None
         if targets.tpot_p99_s is not None and usable:
-            tighter = cost_of_tighter_target(ranked, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s)
+            tighter = cost_of_tighter_target(usable, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s,
+                                             shown_j)
         out[corpus] = CorpusChoice(corpus=corpus, chosen=chosen, rows=[(r, misses(r, targets)) for r in usable],
                                    no_figure=lacking, tighter=tighter)
     return out

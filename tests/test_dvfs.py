@@ -248,6 +248,18 @@ def test_choose_lowest_energy_meeting_target():
         choose_config([{"batch": 1}], 1.0)
 
 
+def test_choice_and_premiums_rank_by_the_energy_figure_given():
+    """``energy=`` picks which J/token is ranked and reported; a record it gives no figure is infeasible."""
+    run_j = {64: 0.50, 16: 0.20}
+    energy = lambda r: run_j.get(r["batch"]) if r["k"] == 0 else r["energy_per_token_j"]  # noqa: E731
+    assert choose_config(SWEEP, 0.050, energy=energy)["drafter"] == "eagle"  # 0.14 beats 0.20 and 0.50
+    assert choose_config(SWEEP, 0.050)["batch"] == 64
+    rows = cost_of_tighter_target(SWEEP, [0.050, 0.020], energy=energy)
+    assert rows[0]["energy_per_token_j"] == 0.14 and rows[0]["plain_energy_per_token_j"] == 0.20
+    assert rows[0]["speculation_premium"] == pytest.approx(0.14 / 0.20 - 1)
+    assert choose_config(SWEEP, 0.007, energy=lambda r: None) is None
+
+
 def test_cost_of_tighter_target_table():
     rows = cost_of_tighter_target(SWEEP, [0.012, 0.050, 0.005, 0.020])
     assert [r["target_s"] for r in rows] == [0.050, 0.020, 0.012, 0.005]

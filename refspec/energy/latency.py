@@ -6,20 +6,26 @@ Input: sweep records, one per configuration, each a mapping with at least ``batc
 :mod:`refspec.energy.serving_window`), plus ``ttft_p99_s`` (p99 time to first token, s) when a
 TTFT target is given. Extra keys ride along. A configuration meets the targets when each given
 p99 is <= its target; among those the lowest J per token wins (ties: the larger batch, then the
-smaller k, so the simpler configuration is kept). Every ratio comes from
+smaller k, so the simpler configuration is kept). Callers that rank by another J/token figure of
+a record pass it as ``energy`` (a function of the record). Every ratio comes from
 :func:`refspec.energy.accounting.energy_saving`; nothing here divides energies itself.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from refspec.energy.accounting import energy_saving
 
 REQUIRED = ("batch", "drafter", "k", "tpot_p99_s", "energy_per_token_j")
 
 Record = Mapping[str, Any]
+Energy = Callable[[Record], Any]
+
+
+def _energy_field(r: Record) -> Any:
+    return r["energy_per_token_j"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +50,7 @@ class Targets:
         return ", ".join(f"{names[k]} <= {1e3 * v:g} ms" for k, v in self.given().items()) or "no target"
 
 
-def _figure(r: Record, field: str) -> float | None:
-    v = r.get(field)
+def _finite(v: Any) -> float | None:
     return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
@@ -63,49 +68,47 @@ def misses(r: Record, targets: Targets) -> dict[str, float | None]:
     """Per given target, by how much ``r`` misses it (s over the target; 0.0 when met; None: no figure)."""
     out: dict[str, float | None] = {}
     for field, target in targets.given().items():
-        v = _figure(r, field)
+        v = _finite(r.get(field))
         out[field] = None if v is None else max(0.0, v - target)
     return out
 
 
-def meets(r: Record, targets: Targets) -> bool:
+def meets(r: Record, targets: Targets, energy: Energy = _energy_field) -> bool:
     """Every given target met by a figure the record has (a missing or NaN figure does not meet it)."""
-    return all(m == 0.0 for m in misses(r, targets).values()) and _figure(r, "energy_per_token_j") is not None
+    return all(m == 0.0 for m in misses(r, targets).values()) and _finite(energy(r)) is not None
 
 
-def _order(r: Record) -> tuple[float, int, int]:
-    return (float(r["energy_per_token_j"]), -int(r["batch"]), int(r["k"]))
-
-
-def choose(records: Iterable[Record], targets: Targets) -> Record | None:
+def choose(records: Iterable[Record], targets: Targets, energy: Energy = _energy_field) -> Record | None:
     """Lowest-energy configuration meeting every target of ``targets``, or None."""
-    feasible = [r for r in _check(records, targets) if meets(r, targets)]
-    return min(feasible, key=_order) if feasible else None
+    feasible = [r for r in _check(records, targets) if meets(r, targets, energy)]
+    return min(feasible, key=lambda r: (float(energy(r)), -int(r["batch"]), int(r["k"]))) if feasible else None
 
 
 def choose_config(records: Iterable[Record], tpot_target_s: float | None,
-                  ttft_target_s: float | None = None) -> Record | None:
+                  ttft_target_s: float | None = None, energy: Energy = _energy_field) -> Record | None:
     """Lowest-energy configuration whose p99 TPOT (and p99 TTFT, when given) meets the target(s).
 
     Args:
         records: sweep records (see the module docstring).
         tpot_target_s: p99 TPOT target in s, or None.
         ttft_target_s: p99 TTFT target in s, or None.
+        energy: a record's J/token (default: its ``energy_per_token_j``).
 
     Returns:
         The chosen record, or None when no configuration meets the targets.
     """
-    return choose(records, Targets(tpot_target_s, ttft_target_s))
+    return choose(records, Targets(tpot_target_s, ttft_target_s), energy)
 
 
 def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float],
-                           ttft_target_s: float | None = None) -> list[dict[str, Any]]:
+                           ttft_target_s: float | None = None, energy: Energy = _energy_field) -> list[dict[str, Any]]:
     """For each p99 TPOT target (the TTFT target, if any, held), the best configuration and its premiums.
 
     Args:
         records: sweep records.
         targets: p99 TPOT targets in s (any order; rows come out loosest first).
         ttft_target_s: p99 TTFT target in s every row also meets, or None.
+        energy: a record's J/token (default: its ``energy_per_token_j``).
 
     Returns:
         One row per target with keys ``target_s``, ``feasible``, ``batch``, ``drafter``, ``k``,
@@ -119,15 +122,15 @@ def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float],
     rows: list[dict[str, Any]] = []
     loosest: float | None = None
     for target in sorted(targets, reverse=True):
-        best = choose_config(recs, target, ttft_target_s)
-        best_plain = choose_config(plain, target, ttft_target_s) if plain else None
+        best = choose_config(recs, target, ttft_target_s, energy)
+        best_plain = choose_config(plain, target, ttft_target_s, energy) if plain else None
         row: dict[str, Any] = dict(target_s=target, feasible=best is not None, batch=None, drafter=None, k=None,
                                    tpot_p99_s=None, energy_per_token_j=None, extra_vs_loosest=None,
                                    plain_energy_per_token_j=None if best_plain is None
-                                   else float(best_plain["energy_per_token_j"]),
+                                   else float(energy(best_plain)),
                                    speculation_premium=None)
         if best is not None:
-            e = float(best["energy_per_token_j"])
+            e = float(energy(best))
             loosest = e if loosest is None else loosest
             row.update(batch=best["batch"], drafter=best["drafter"], k=best["k"], tpot_p99_s=float(best["tpot_p99_s"]),
                        energy_per_token_j=e, extra_vs_loosest=premium(e, loosest))

@@ -292,8 +292,8 @@ class _ThroughLMHead(_ProbeTrainer):
 
 
 def test_training_gradients_pass_the_targets_lm_head_under_a_packed_gemm_plan(tiny_models, tmp_path):
-    """A CPU GEMM plan's oneDNN 'packed' product has no backward (its gradient silently vanishes);
-    the loop trains under the reference plan and gives the caller's plan back afterwards."""
+    """A CPU GEMM plan's oneDNN 'packed' product has no backward (its gradient would silently vanish):
+    ``linear`` bypasses it while a gradient is recorded, so the loop trains under the machine's plan."""
     import copy
 
     from refspec.models import calibration as C

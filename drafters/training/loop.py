@@ -48,8 +48,6 @@ from torch import nn
 
 from refspec.drafters.training.data import (  # noqa: F401 - the data half, re-exported
     Batch, FeatureDataset, TrainingError, TrainingSequence, collect_features, self_distill)
-from refspec.models import ops
-from refspec.models.calibration import REFERENCE
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +280,6 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         log.warning("%s exists and is overwritten by this fresh run (pass resume=True to continue it)", ckpt_path)
     log_file = (out_dir / TRAIN_LOG).open("a" if resume else "w")
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {trainer.name}", unit="step", disable=not progress)
-    plan = ops.gemm_plan()
-    ops.use_gemm_plan(REFERENCE)  # the plan's oneDNN 'packed' product has no backward: gradients would vanish
     try:
         stopped_early = _loop(trainer, target, dataset, config, run, log_file=log_file, bar=bar, on_log=on_log,
                               checkpoint=lambda: run.save(ckpt_path, identity))
@@ -292,7 +288,6 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         run.save(ckpt_path, identity)
         raise
     finally:
-        ops.use_gemm_plan(plan)
         bar.close()
         log_file.close()
     run.save(ckpt_path, identity)

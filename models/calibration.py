@@ -26,8 +26,9 @@ Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
 The ``fp32`` form is a candidate for several rows only, so one-row products always stream the
 model's dtype. A model keeps at most one kind of copy: the plan drops the copy whose saving is
 smaller when the fastest forms would need two. The plan also records what verifying extra
-positions costs (:meth:`GemmPlan.extra_position_cost`, and the cost of a product of 1 to 128 rows,
-:meth:`GemmPlan.product_cost`), from which the n-gram drafter picks its defaults.
+positions costs: the time of a product of 1 to 128 rows in the chosen forms
+(:meth:`GemmPlan.product_cost`, and its 5-row over 1-row ratio,
+:meth:`GemmPlan.extra_position_cost`), from which the n-gram drafter picks its defaults.
 
 ``REFSPEC_GEMM_PLAN`` selects the plan :func:`resolve_plan` returns: ``auto`` (the default: the
 cached calibration, or a fresh one) or ``reference`` (``F.linear`` everywhere, no copies).
@@ -49,10 +50,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 BUCKETS = ("one", "few", "many")
-BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200), "five": (5,)}
-CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the product-cost curve a drafter reads (GemmPlan.product_cost)
+BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200)}
+CURVE_ROWS = (1, 2, 4, 5, 8, 16, 32, 64, 128)  # the product-cost curve a drafter reads (GemmPlan.product_cost)
 BUCKET_ROWS |= {f"rows{r}": (r,) for r in CURVE_ROWS}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMS = {"fp32": ("linear", "wxt", "column", "packed"), "bf16": ("linear", "nodnn", "wxt", "column", "fp32", "packed"),
@@ -141,10 +142,8 @@ class GemmPlan:
     def extra_position_cost(self, dtype: torch.dtype) -> float | None:
         """Time of a product of 5 rows over one of 1 row, both in their chosen forms: what
         verifying 4 drafts costs beside a plain step (None when not calibrated)."""
-        t = self.timings_s.get(dtype_name(dtype))
-        if not t or "five_over_one" not in t:
-            return None
-        return float(t["five_over_one"]["ratio"])
+        one, five = self.product_cost(dtype, 1), self.product_cost(dtype, 5)
+        return None if one is None or five is None else five / one
 
     def product_cost(self, dtype: torch.dtype, rows: int) -> float | None:
         """Measured seconds of one pass over the calibration matrices with ``rows`` rows in the
@@ -305,10 +304,8 @@ def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None
             timings[d] = {b: {f: timer(d, b, f) for f in fs} for b, fs in candidates.items()}
         forms[d] = _choose(timings[d])
         # the cost of verifying extra positions, in the forms just chosen
-        chosen = {"one": (forms[d]["one"],), "five": (forms[d]["few"],)}
-        chosen |= {f"rows{r}": (forms[d][bucket_of(r)],) for r in CURVE_ROWS}
+        chosen = {f"rows{r}": (forms[d][bucket_of(r)],) for r in CURVE_ROWS}
         t = measure_forms(d, chosen) if timer is None else {b: {f: timer(d, b, f) for f in fs} for b, fs in chosen.items()}
-        timings[d]["five_over_one"] = {"ratio": t["five"][forms[d]["few"]] / t["one"][forms[d]["one"]]}
         timings[d]["rows"] = {str(r): t[f"rows{r}"][forms[d][bucket_of(r)]] for r in CURVE_ROWS}
     return GemmPlan(forms=forms, timings_s=timings, machine=machine_key())
 

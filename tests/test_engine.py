@@ -168,10 +168,8 @@ def test_ngram_trim_cuts_the_draft_to_the_longest_continuation_in_the_batch():
 
 
 def _plan_with_verify_cost(ratio):
-    from refspec.models.calibration import GemmPlan
-
-    forms = {"one": "linear", "few": "linear", "many": "linear"}
-    return GemmPlan(forms={"fp32": forms}, timings_s={"fp32": {"five_over_one": {"ratio": ratio}}}, machine={})
+    """A plan whose 5-row product costs ``ratio`` one-row products (linear in rows)."""
+    return _plan_with_curve((ratio - 1.0) / 4)
 
 
 def test_ngram_min_n_auto_drafts_from_two_token_matches_where_verification_is_dear():
@@ -200,7 +198,8 @@ def test_ngram_auto_defaults_follow_the_measured_verify_cost(ratio, dear):
 
     use_gemm_plan(REFERENCE if ratio is None else _plan_with_verify_cost(ratio))
     one_token_match = NgramDrafter(max_n=2).propose(_ngram_state([[5, 3, 4, 3]]), 4).tokens.tolist()
-    assert one_token_match == ([[]] if dear else [[4, 3, 3, 3]]), "dear: trimmed to the empty plain step"
+    # cheap: it drafts from the 1-token match, cut to the continuation found; dear: the empty plain step
+    assert one_token_match == ([[]] if dear else [[4, 3, 3, 3]] if ratio is None else [[4, 3]])
 
 
 def test_ngram_trimming_changes_no_token_and_verifies_fewer_positions(tiny_models):
@@ -294,8 +293,7 @@ def _plan_with_curve(per_row_s):
 
     forms = {"one": "linear", "few": "linear", "many": "linear"}
     curve = {str(r): 1.0 + per_row_s * (r - 1) for r in CURVE_ROWS}
-    return GemmPlan(forms={"fp32": forms}, timings_s={"fp32": {"five_over_one": {"ratio": 1.0}, "rows": curve}},
-                    machine={})
+    return GemmPlan(forms={"fp32": forms}, timings_s={"fp32": {"rows": curve}}, machine={})
 
 
 def test_ngram_auto_trim_drafts_what_pays_and_counts_acceptance(tiny_models):

@@ -65,13 +65,16 @@ IMPORT_EVERY_MODULE = textwrap.dedent('''
 
 
 def _copy_checkout(dest: Path) -> None:
-    """The files the device tool sends: tracked and untracked-not-ignored ones."""
+    """The files the device tool sends: tracked and untracked-not-ignored ones (outside a git
+    checkout, the source tree without caches and build outputs)."""
     try:
         out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                              capture_output=True).stdout
         files = [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: cannot tell which files the device tool would send")
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".venv", "venv", "build", "dist"))
+        return
     for f in files:
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, dest / f)

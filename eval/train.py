@@ -8,7 +8,8 @@ Examples::
 
 Training text (train splits only, labels the target's own argmax) is built by
 :mod:`refspec.eval.train_data`. The sequences are cached in ``$REFSPEC_HOME/train-data/``
-(shared by every drafter of one target, as are the target's self-distilled replies), the target's features in ``OUT/features.safetensors``; ``--resume`` continues from
+(shared by every drafter of one target, as are the target's self-distilled replies), the
+target's features in ``OUT/features.safetensors``; ``--resume`` continues from
 ``OUT/checkpoint.pt``. The default ``OUT`` is ``$REFSPEC_HOME/heads/<model>-<drafter>``,
 where ``--drafter eagle`` looks for heads.
 """

@@ -25,7 +25,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 SOURCES = ("conversation", "math", "code")
 
@@ -161,8 +161,9 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
 
     rows, prose_docs = _train_rows(spec.seed)
     replies = replies if replies is not None else ReplyCache(None)
-    prompt_ids: Callable[[str, str], list[int]] = lambda source, text: (
-        tokenizer.encode(text) if source == "code" else tokenizer.encode_chat([{"role": "user", "content": text}]))
+
+    def prompt_ids(source: str, text: str) -> list[int]:
+        return tokenizer.encode(text) if source == "code" else tokenizer.encode_chat([{"role": "user", "content": text}])
 
     def reference(source: str, row: dict[str, str]) -> TrainingSequence:
         p = prompt_ids(source, row["prompt"])

@@ -25,7 +25,7 @@ Energy = Callable[[Record], Any]
 
 
 def _energy_field(r: Record) -> Any:
-    return r["energy_per_token_j"]
+    return r.get("energy_per_token_j")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any, Sequence
+
+from refspec.eval.corpora.sources import write_atomic
 
 SOURCES = ("conversation", "math", "code")
 
@@ -96,9 +97,7 @@ class ReplyCache:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"replies": self._replies}))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"replies": self._replies}).encode())
 
 
 def distill_with_cache(target, prompts: list[list[int]], *, budget: int, eos_token_ids: Sequence[int],
@@ -201,10 +200,8 @@ def _describe(seqs: list, spec: DataSpec) -> dict[str, Any]:
 
 def save_sequences(path: Path, seqs, description: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"description": description,
-                               "sequences": [dataclasses.asdict(s) for s in seqs]}))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"description": description,
+                                   "sequences": [dataclasses.asdict(s) for s in seqs]}).encode())
 
 
 def load_sequences(path: Path):

@@ -123,7 +123,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -190,7 +190,7 @@ def _fetch(artifact: Artifact, path: Path) -> None:
                 f"registry served different bytes for {artifact.requirement}. Nothing was cached."
             )
         os.replace(downloaded, path)
-        _write_atomic(path.with_name(path.name + ".sha256"), f"{digest}  {artifact.filename}\n".encode())
+        write_atomic(path.with_name(path.name + ".sha256"), f"{digest}  {artifact.filename}\n".encode())
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     log.info("fetched %s in %.1f s (sha256 verified)", artifact.filename, time.perf_counter() - start)

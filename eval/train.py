@@ -49,6 +49,12 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--max-time-min", type=float, default=None, help="stop (and export) after this many minutes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-sequences", type=int, default=0,
+                   help="hold this many training sequences out for early stopping: the head exported is the one with "
+                        "the lowest loss on them (0: export the last)")
+    p.add_argument("--val-every", type=int, default=100, help="steps between held-out evaluations")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many held-out evaluations without a new best (0: never)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter-specific training option (repeatable), e.g. ttt_steps=3 or draft_vocab_size=8192")
     p.add_argument("--dtype", default="fp32",
@@ -67,6 +73,8 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--code-references", type=int, default=DataSpec.code_references)
     p.add_argument("--prose-chunks", type=int, default=DataSpec.prose_chunks)
     p.add_argument("--max-len", type=int, default=DataSpec.max_len, help="longest training sequence (tokens)")
+    p.add_argument("--distill-references", action="store_true",
+                   help="self-distill the reference answers' prompts too (their text then trains twice)")
     p.add_argument("--data-cache", type=Path, default=None,
                    help="sequences file (default: $REFSPEC_HOME/train-data/<model>-<hash>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -99,12 +107,13 @@ def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, An
     cfg_kw = {"steps": 2000, **trainer.defaults, **overrides}
     config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
                                   max_time_s=None if args.max_time_min is None else 60 * args.max_time_min,
-                                  autocast=None if args.autocast == "none" else args.autocast)
+                                  autocast=None if args.autocast == "none" else args.autocast,
+                                  val_sequences=args.val_sequences, val_every=args.val_every, patience=args.patience)
     spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
                     reply_tokens=args.reply_tokens, chat_references=args.chat_references,
                     math_references=args.math_references, code_references=args.code_references,
                     prose_chunks=args.prose_chunks, max_len=args.max_len,
-                    seed=args.seed)
+                    seed=args.seed, distill_references=args.distill_references)
     return config, _options(args.option), spec
 
 
@@ -187,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(json.dumps({"drafter": args.drafter, "out": str(result.export_path), "steps": result.steps,
                       "final_loss": round(result.final_loss, 4), "train_time_s": round(result.train_time_s, 1),
-                      "stopped_early": result.stopped_early, "metrics": result.metrics}))
+                      "stopped_early": result.stopped_early, "best_step": result.best_step,
+                      "best_val_loss": result.best_val_loss, "metrics": result.metrics}))
     return 0
 
 

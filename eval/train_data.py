@@ -47,6 +47,8 @@ class DataSpec:
         prose_chunks: english-sotu chunks of ``max_len`` tokens.
         max_len: longest training sequence, in tokens.
         seed: shuffles which prompts are used.
+        distill_references: also self-distill the prompts of the reference answers (each then
+            trains twice: on its reference and on the target's reply).
     """
 
     chat_prompts: int = 48
@@ -59,9 +61,17 @@ class DataSpec:
     prose_chunks: int = 16
     max_len: int = 384
     seed: int = 0
+    distill_references: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The spec as a dict; ``distill_references`` only when set, so earlier specs keep their keys."""
+        out = dataclasses.asdict(self)
+        if not self.distill_references:
+            del out["distill_references"]
+        return out
 
     def key(self, model: str) -> str:
-        raw = json.dumps({"model": model, **dataclasses.asdict(self)}, sort_keys=True)
+        raw = json.dumps({"model": model, **self.fields()}, sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
     def plan(self) -> dict[str, tuple[int, int]]:
@@ -177,7 +187,8 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
 
     seqs: list = []
     for source, (n_distill, n_ref) in spec.plan().items():
-        prompts = [prompt_ids(source, r["prompt"])[:spec.max_len - spec.reply_tokens] for r in rows[source][:n_distill]]
+        distilled = rows[source][:n_distill + (n_ref if spec.distill_references else 0)]
+        prompts = [prompt_ids(source, r["prompt"])[:spec.max_len - spec.reply_tokens] for r in distilled]
         if prompts:
             seqs += distill_with_cache(target, prompts, budget=spec.reply_tokens, eos_token_ids=tokenizer.eos_token_ids,
                                        replies=replies, source=f"{source}:self-distill", progress=progress)
@@ -191,7 +202,7 @@ def _describe(seqs: list, spec: DataSpec) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for s in seqs:
         counts[s.source] = counts.get(s.source, 0) + 1
-    return {"sources": counts, "spec": dataclasses.asdict(spec), "tokens": sum(len(s.tokens) for s in seqs),
+    return {"sources": counts, "spec": spec.fields(), "tokens": sum(len(s.tokens) for s in seqs),
             "corpora": "train splits of refspec.eval.corpora: the target's greedy replies (self-distill) to "
                        "conversation/math/code prompts, reference answers of further prompts, english-sotu "
                        "speech chunks; labels are always the target's own argmax",

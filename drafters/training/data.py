@@ -123,6 +123,23 @@ class FeatureDataset:
             raise TrainingError(f"the dataset holds layers {self.layers}, not {missing}; collect features again")
         return dataclasses.replace(self, hidden={l: self.hidden[l] for l in layers})
 
+    def subset(self, docs: Sequence[int]) -> "FeatureDataset":
+        """A copy holding only sequences ``docs``, in that order."""
+        rows = torch.cat([torch.arange(int(self.offsets[d]), int(self.offsets[d + 1])) for d in docs])  # [N']
+        offsets = torch.zeros(len(docs) + 1, dtype=self.offsets.dtype)
+        offsets[1:] = self.lengths[list(docs)].cumsum(0)
+        return FeatureDataset(tokens=self.tokens[rows], labels=self.labels[rows], loss_mask=self.loss_mask[rows],
+                              hidden={l: h[rows] for l, h in self.hidden.items()}, offsets=offsets,
+                              description=self.description)
+
+    def split(self, held_out: int, seed: int) -> tuple["FeatureDataset", "FeatureDataset"]:
+        """``(train, held_out)``: ``held_out`` whole sequences drawn by a seeded permutation, the rest."""
+        if not 0 < held_out < self.num_sequences:
+            raise TrainingError(f"held-out sequences must be between 1 and {self.num_sequences - 1} "
+                                f"(the dataset has {self.num_sequences}), got {held_out}")
+        order = torch.randperm(self.num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
+        return self.subset(sorted(order[held_out:])), self.subset(sorted(order[:held_out]))
+
     def sample_batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> Batch:
         """Cut ``batch_size`` random windows of ``seq_len`` positions.
 

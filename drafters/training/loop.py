@@ -26,7 +26,8 @@ so ``python -m refspec.eval train --drafter NAME`` dispatches without the CLI kn
 drafter.
 
 Out directory layout (``train(out_dir=...)``): ``checkpoint.pt`` (resume state),
-``train_log.jsonl`` (one line per logged step), ``features.safetensors`` (the dataset cache,
+``best.pt`` (the module with the best held-out loss, with ``val_sequences``),
+``train_log.jsonl`` (one line per logged step or evaluation), ``features.safetensors`` (the dataset cache,
 written by the CLI), and whatever the trainer's ``export`` writes (for EAGLE:
 ``model.safetensors`` + ``config.json``).
 
@@ -48,6 +49,7 @@ from torch import nn
 
 from refspec.drafters.training.data import (  # noqa: F401 - the data half, re-exported
     Batch, FeatureDataset, TrainingError, TrainingSequence, collect_features, self_distill)
+from refspec.drafters.training.validation import BEST, Best, HeldOut
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,11 @@ class TrainConfig:
         max_time_s: stop early (with a final checkpoint and export) after this much wall time.
         autocast: ``"bf16"`` runs each step's forward and loss under ``torch.autocast`` in bf16
             (parameters, gradients and AdamW stay fp32); None trains in fp32.
+        val_sequences: whole sequences held out of training for early stopping (0: none; see
+            :mod:`~refspec.drafters.training.validation`).
+        val_every: steps between held-out evaluations.
+        val_batches: held-out windows, in batches of ``batch_size``.
+        patience: held-out evaluations without a new best that stop the run (0: never).
     """
 
     steps: int = 1000
@@ -145,16 +152,23 @@ class TrainConfig:
     seed: int = 0
     max_time_s: float | None = None
     autocast: str | None = None
+    val_sequences: int = 0
+    val_every: int = 100
+    val_batches: int = 8
+    patience: int = 0
 
     def __post_init__(self) -> None:
         if self.autocast not in AUTOCAST:
             raise TrainingError(f"autocast must be one of {sorted(k for k in AUTOCAST if k)} or None, "
                                 f"got {self.autocast!r}")
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len", "val_every", "val_batches"):
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TrainingError(f"lr must be > 0, got {self.lr}")
+        for name in ("val_sequences", "patience"):
+            if getattr(self, name) < 0:
+                raise TrainingError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def lr_at(self, step: int, elapsed_s: float = 0.0) -> float:
         """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay.
@@ -180,9 +194,11 @@ class TrainResult:
         final_loss: mean loss over the last ``log_every`` steps (or fewer).
         first_loss: loss of the very first step (kept across resumes).
         train_time_s: wall time spent in the loop, summed over sessions.
-        stopped_early: True when ``max_time_s`` ended the run.
+        stopped_early: True when ``max_time_s`` or the held-out ``patience`` ended the run.
         export_path: what the trainer's export wrote (None if interrupted).
         metrics: the last logged metrics.
+        best_step: the step whose module was exported (held-out early stopping; None without it).
+        best_val_loss: that module's held-out loss (None without held-out sequences).
     """
 
     steps: int
@@ -192,6 +208,8 @@ class TrainResult:
     stopped_early: bool
     export_path: Path | None
     metrics: dict[str, float]
+    best_step: int | None = None
+    best_val_loss: float | None = None
 
 
 @dataclasses.dataclass
@@ -207,12 +225,14 @@ class _Run:
     first_loss: float = float("nan")
     recent: list[float] = dataclasses.field(default_factory=list)  # losses of the last log_every steps
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    best: Best = dataclasses.field(default_factory=Best)  # held-out early stopping
 
     def save(self, path: Path, identity: str) -> None:
         """Write the checkpoint through a temporary file and ``os.replace``."""
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"identity": identity, "step": self.step, "elapsed_s": self.elapsed,
                     "recent_losses": self.recent, "first_loss": self.first_loss,
+                    "best": dataclasses.asdict(self.best),
                     "module": self.module.state_dict(), "optimizer": self.opt.state_dict(),
                     "rng_torch": torch.get_rng_state(), "rng_data": self.data_gen.get_state()}, tmp)
         os.replace(tmp, path)
@@ -233,11 +253,12 @@ class _Run:
         self.step, self.elapsed = int(state["step"]), float(state["elapsed_s"])
         self.recent = [float(x) for x in state.get("recent_losses", [])]
         self.first_loss = float(state.get("first_loss", float("nan")))
+        self.best = Best(**state.get("best", {}))
 
 
 def _identity(trainer: Trainer, config: TrainConfig, options: dict[str, Any]) -> str:
     """What must match for a checkpoint to resume this run (steps, time limits and autocast may change)."""
-    loop_only = ("steps", "max_time_s", "checkpoint_every", "log_every", "autocast")
+    loop_only = ("steps", "max_time_s", "checkpoint_every", "log_every", "autocast", "val_every", "patience")
     cfg = {k: v for k, v in dataclasses.asdict(config).items() if k not in loop_only}
     return json.dumps({"trainer": trainer.name, "config": cfg, "options": options}, sort_keys=True, default=str)
 
@@ -272,6 +293,11 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, identity = out_dir / CHECKPOINT, _identity(trainer, config, options)
+    held = None
+    if config.val_sequences:
+        dataset, held_data = dataset.split(config.val_sequences, config.seed)
+        held = HeldOut(held_data, batch_size=config.batch_size, seq_len=config.seq_len, batches=config.val_batches,
+                       seed=config.seed, path=out_dir / BEST, identity=identity)
     run = _start(trainer, target, dataset, config, options)
     if resume:
         run.restore(ckpt_path, identity)
@@ -282,7 +308,9 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {trainer.name}", unit="step", disable=not progress)
     try:
         stopped_early = _loop(trainer, target, dataset, config, run, log_file=log_file, bar=bar, on_log=on_log,
-                              checkpoint=lambda: run.save(ckpt_path, identity))
+                              checkpoint=lambda: run.save(ckpt_path, identity), held=held)
+        if held is not None and held.last_step != run.step:  # the module the loop ended with competes too
+            _validate(trainer, target, config, run, held, log_file, on_log)
     except KeyboardInterrupt:
         log.warning("interrupted at step %d; saving a checkpoint (continue with --resume)", run.step)
         run.save(ckpt_path, identity)
@@ -291,7 +319,11 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         bar.close()
         log_file.close()
     run.save(ckpt_path, identity)
-    return _export(trainer, run, dataset, config, options, out_dir, provenance, stopped_early)
+    if held is not None:
+        held.restore_best(run.best, run.module)
+        provenance = {**(provenance or {}), "held_out": held.provenance(run.best, config.val_every)}
+    return _export(trainer, run, dataset, config, options, out_dir, provenance, stopped_early,
+                   best=run.best if held is not None else None)
 
 
 def _start(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig, options: dict[str, Any]) -> _Run:
@@ -307,8 +339,9 @@ def _start(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfi
 
 
 def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig, run: _Run, *, log_file: Any,
-          bar: Any, on_log: Callable[[dict[str, Any]], None] | None, checkpoint: Callable[[], None]) -> bool:
-    """Optimizer steps until ``config.steps`` or the time limit; True when the time limit stopped it."""
+          bar: Any, on_log: Callable[[dict[str, Any]], None] | None, checkpoint: Callable[[], None],
+          held: HeldOut | None = None) -> bool:
+    """Optimizer steps until ``config.steps``, the time limit or the patience; True unless the steps ran out."""
     run.module.train()
     device = next(target.parameters()).device.type
     session_start, base_elapsed = time.perf_counter(), run.elapsed
@@ -345,14 +378,33 @@ def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
             bar.set_postfix(loss=f"{record['loss_avg']:.4f}")
             if on_log is not None:
                 on_log(record)
+        if held is not None and (run.step % config.val_every == 0 or run.step == config.steps):
+            _validate(trainer, target, config, run, held, log_file, on_log)
+            if config.patience and run.best.stale >= config.patience:
+                log.warning("stopping at step %d: no better held-out loss in %d evaluations (best at step %d)",
+                            run.step, config.patience, run.best.step)
+                checkpoint()
+                return True
         if config.checkpoint_every and run.step % config.checkpoint_every == 0:
             checkpoint()
     return False
 
 
+def _validate(trainer: Trainer, target, config: TrainConfig, run: _Run, held: HeldOut, log_file: Any,
+              on_log: Callable[[dict[str, Any]], None] | None) -> None:
+    """Score the module on the held-out windows, keep it if best, and log the evaluation."""
+    scores = held.evaluate(trainer, run.module, target, AUTOCAST[config.autocast])
+    held.observe(run.best, run.step, scores["val_loss"], run.module)
+    record = {"step": run.step, **{k: round(v, 5) for k, v in scores.items()}, "best_step": run.best.step}
+    log_file.write(json.dumps(record) + "\n")
+    log_file.flush()
+    if on_log is not None:
+        on_log(record)
+
+
 def _export(trainer: Trainer, run: _Run, dataset: FeatureDataset, config: TrainConfig, options: dict[str, Any],
-            out_dir: Path, provenance: dict[str, Any] | None, stopped_early: bool) -> TrainResult:
-    """Hand the trained module to the trainer's export with its provenance; the run's outcome."""
+            out_dir: Path, provenance: dict[str, Any] | None, stopped_early: bool, best: Best | None) -> TrainResult:
+    """Hand the trained module (the held-out best, if any) to the trainer's export; the run's outcome."""
     final_loss = sum(run.recent) / len(run.recent) if run.recent else float("nan")
     prov = dict(provenance or {})
     prov.update({"trainer": trainer.name, "steps": run.step, "final_loss": round(final_loss, 5),
@@ -366,4 +418,5 @@ def _export(trainer: Trainer, run: _Run, dataset: FeatureDataset, config: TrainC
     log.info("%s: %d steps, final loss %.4f, %.0f s; exported to %s", trainer.name, run.step, final_loss, run.elapsed,
              export_path)
     return TrainResult(steps=run.step, final_loss=final_loss, first_loss=run.first_loss, train_time_s=run.elapsed,
-                       stopped_early=stopped_early, export_path=export_path, metrics=run.metrics)
+                       stopped_early=stopped_early, export_path=export_path, metrics=run.metrics,
+                       best_step=best.step if best else None, best_val_loss=best.loss if best else None)

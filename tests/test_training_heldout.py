@@ -1,0 +1,170 @@
+"""Held-out early stopping: the split, the best module exported, patience, resume, and the mix flag."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from refspec.drafters import training as T
+from test_training import _ProbeTrainer
+
+
+def _random_labels(n_seqs=24, seed=0):
+    """Random states with random labels: a probe can only memorise them, so held-out loss rises."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 16, (n_seqs,), generator=g)
+    n = int(lengths.sum())
+    offsets = torch.zeros(n_seqs + 1, dtype=torch.long)
+    offsets[1:] = lengths.cumsum(0)
+    return T.FeatureDataset(tokens=torch.arange(n), labels=torch.randint(0, 96, (n,), generator=g),
+                            loss_mask=torch.ones(n, dtype=torch.bool),
+                            hidden={2: torch.randn(n, 64, generator=g).bfloat16()}, offsets=offsets)
+
+
+class _Target(torch.nn.Module):
+    """Stands in for the frozen target: the probe trainer reads only ``num_layers``."""
+
+    num_layers = 2
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+
+def _cfg(steps, **kw):
+    # a constant learning rate, so a shorter run follows the longer one's trajectory exactly
+    return T.TrainConfig(steps=steps, batch_size=4, seq_len=12, lr=5e-2, warmup_steps=0, min_lr_ratio=1.0,
+                         checkpoint_every=0, log_every=5, val_sequences=6, val_every=5, val_batches=2, **kw)
+
+
+def _evaluations(out):
+    lines = (out / T.TRAIN_LOG).read_text().strip().split("\n")
+    return [r for r in map(json.loads, lines) if "val_loss" in r]
+
+
+def test_split_holds_out_whole_sequences_once_each():
+    ds = _random_labels()
+    train, held = ds.split(6, seed=3)
+    assert (train.num_sequences, held.num_sequences) == (18, 6)
+    pieces = [tuple(part.tokens[int(part.offsets[i]):int(part.offsets[i + 1])].tolist())
+              for part in (train, held) for i in range(part.num_sequences)]
+    whole = [tuple(ds.tokens[int(ds.offsets[i]):int(ds.offsets[i + 1])].tolist()) for i in range(ds.num_sequences)]
+    assert sorted(pieces) == sorted(whole), "every sequence lands in exactly one part, intact"
+    assert torch.equal(held.hidden[2], ds.hidden[2][torch.isin(ds.tokens, held.tokens)])
+    again, _ = ds.split(6, seed=3)
+    other, _ = ds.split(6, seed=4)
+    assert torch.equal(again.tokens, train.tokens) and not torch.equal(other.tokens, train.tokens)
+    for bad in (0, 24):
+        with pytest.raises(T.TrainingError, match="between 1 and 23"):
+            ds.split(bad, seed=0)
+
+
+def test_the_module_with_the_lowest_held_out_loss_is_exported(tmp_path):
+    ds, target = _random_labels(), _Target()
+    res = T.train(_ProbeTrainer(), target, ds, _cfg(60), tmp_path / "long", progress=False)
+    evals = _evaluations(tmp_path / "long")
+    assert [r["step"] for r in evals] == list(range(5, 61, 5))
+    best = min(evals, key=lambda r: r["val_loss"])
+    assert res.best_step == best["step"] < 60, "memorising random labels makes the held-out loss rise"
+    assert res.best_val_loss == pytest.approx(best["val_loss"], abs=1e-5)
+    prov = json.loads((tmp_path / "long" / "provenance.json").read_text())
+    assert prov["held_out"]["best_step"] == best["step"] and prov["held_out"]["sequences"] == 6
+    assert prov["data"]["sequences"] == 18 and prov["steps"] == 60
+    T.train(_ProbeTrainer(), target, ds, _cfg(best["step"]), tmp_path / "short", progress=False)
+    exported = torch.load(tmp_path / "long" / "probe.pt", weights_only=True)
+    stopped_there = torch.load(tmp_path / "short" / "probe.pt", weights_only=True)
+    for key in exported:
+        torch.testing.assert_close(exported[key], stopped_there[key], atol=0, rtol=0)
+
+
+def test_patience_stops_the_run_after_evaluations_without_a_new_best(tmp_path):
+    ds, target = _random_labels(), _Target()
+    free = T.train(_ProbeTrainer(), target, ds, _cfg(60), tmp_path / "free", progress=False)
+    patient = T.train(_ProbeTrainer(), target, ds, _cfg(60, patience=2), tmp_path / "patient", progress=False)
+    assert patient.stopped_early and patient.steps == free.best_step + 2 * 5
+    assert patient.best_step == free.best_step and not math.isinf(patient.best_val_loss)
+
+
+def test_resume_keeps_the_best_so_far(tmp_path):
+    ds, target = _random_labels(), _Target()
+    straight = T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "a", progress=False)
+
+    def stop_at_25(record):
+        if record["step"] == 25 and "val_loss" in record:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, on_log=stop_at_25)
+    resumed = T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, resume=True)
+    assert (resumed.best_step, resumed.best_val_loss) == (straight.best_step, straight.best_val_loss)
+    a = torch.load(tmp_path / "a" / "probe.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "probe.pt", weights_only=True)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=0, rtol=0)
+
+
+def test_without_held_out_sequences_the_last_module_is_exported(tmp_path):
+    ds, target = _random_labels(), _Target()
+    res = T.train(_ProbeTrainer(), target, ds, dataclasses.replace(_cfg(10), val_sequences=0), tmp_path,
+                  progress=False)
+    assert res.best_step is None and not (tmp_path / "best.pt").exists() and not _evaluations(tmp_path)
+
+
+def test_reference_prompts_are_self_distilled_too_when_asked(monkeypatch):
+    """``distill_references`` adds the target's replies to the reference answers' prompts and keeps
+    the references; a spec without it keeps the key it had before the field existed."""
+    import hashlib
+
+    from refspec.eval import train_data
+
+    spec = train_data.DataSpec(chat_prompts=1, chat_references=2, math_prompts=0, math_references=0,
+                               code_prompts=0, code_references=0, prose_chunks=0)
+    raw = json.dumps({"model": "m", **{k: v for k, v in dataclasses.asdict(spec).items()
+                                       if k != "distill_references"}}, sort_keys=True)
+    assert spec.key("m") == hashlib.sha256(raw.encode()).hexdigest()[:12]
+    both = dataclasses.replace(spec, distill_references=True)
+    assert both.key("m") != spec.key("m")
+    rows = [{"prompt": f"question {i}", "reference": f"answer {i}", "text": f"question {i}"} for i in range(3)]
+    monkeypatch.setattr(train_data, "_train_rows",
+                        lambda seed: ({"conversation": rows, "math": [], "code": []}, []))
+    distilled = []
+
+    def fake_distill(target, prompts, *, source, **kw):
+        distilled.extend(prompts)
+        return [T.TrainingSequence(tokens=p + [1], train_from=len(p) - 1, source=source) for p in prompts]
+
+    monkeypatch.setattr(train_data, "distill_with_cache", fake_distill)
+
+    class _Tok:
+        eos_token_ids = ()
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def encode_chat(self, messages, add_generation_prompt=True):
+            return [ord(c) for m in messages for c in m["content"]] + ([0] if add_generation_prompt else [])
+
+    for s, n_distilled in ((spec, 1), (both, 3)):
+        distilled.clear()
+        seqs, desc = train_data.build_sequences(None, _Tok(), s)
+        assert len(distilled) == n_distilled
+        assert desc["sources"] == {"conversation:self-distill": n_distilled, "conversation:reference": 2}
+
+
+@pytest.mark.real
+def test_cli_holds_sequences_out_and_distills_the_reference_prompts(tmp_path):
+    from refspec.eval import train
+
+    out, data = tmp_path / "head", tmp_path / "data.json"
+    argv = ["--drafter", "eagle", "--model", "smollm2-135m", "--out", str(out), "--data-cache", str(data),
+            "--chat-prompts", "1", "--math-prompts", "0", "--code-prompts", "0", "--reply-tokens", "4",
+            "--chat-references", "1", "--math-references", "0", "--code-references", "0", "--prose-chunks", "1",
+            "--max-len", "64", "--distill-references", "--steps", "2", "--batch-size", "1", "--seq-len", "32",
+            "--val-sequences", "1", "--val-every", "1", "--quiet"]
+    assert train.main(argv) == 0
+    desc = json.loads(data.read_text())["description"]
+    assert desc["sources"] == {"conversation:self-distill": 2, "conversation:reference": 1, "english-sotu:prose": 1}
+    prov = json.loads((out / "config.json").read_text())["refspec"]["provenance"]
+    assert prov["held_out"]["sequences"] == 1 and prov["data"]["sequences"] == 3
+    assert prov["held_out"]["best_step"] in (1, 2) and (out / "best.pt").exists()

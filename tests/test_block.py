@@ -213,6 +213,27 @@ def test_trainer_through_shared_plumbing_saves_and_loads(tiny_models, tmp_path):
     assert gen.tokens == plain.tokens
 
 
+def test_warm_start_continues_a_saved_head_of_the_same_shape(tiny_models, tmp_path):
+    """``init=DIR`` starts from the saved head's weights; a head of another shape is refused."""
+    from refspec.drafters import training
+
+    m = tiny_models["llama"]
+    trainer = training.load_trainers()["block"]
+    saved = _head(m, block_size=4, layers=1, seed=7, pending=False)
+    saved.save(tmp_path / "h", dtype=None)
+    opts = {"block_size": 4, "layers": 1, "fusion": int(saved.config.input_fusion), "init": str(tmp_path / "h")}
+    data = training.collect_features(m, [training.TrainingSequence(tokens=list(range(3, 40)), train_from=1)],
+                                     trainer.feature_layers(m), progress=False)
+    built = trainer.build(m, data, opts)
+    for (n, a), (_, b) in zip(saved.state_dict().items(), built.state_dict().items()):
+        assert torch.equal(a, b), f"{n} is not the saved head's"
+    assert all(p.requires_grad for p in built.parameters())
+    with pytest.raises(DrafterError, match="another shape"):
+        trainer.build(m, data, {**opts, "block_size": 6})
+    with pytest.raises(DrafterError, match="saved block head's directory"):
+        trainer.build(m, data, {**opts, "init": str(tmp_path / "nothing")})
+
+
 @pytest.mark.parametrize("pending", [False, True])
 def test_save_load_round_trip(tiny_models, tmp_path, pending):
     m = tiny_models["qwen2"]

@@ -222,7 +222,8 @@ class BlockTrainer:
     ``intermediate_size`` (default: the target's), ``fusion`` (1: fuse each block input with
     the last context feature, see :class:`BlockHeadConfig`; 0: plain embeddings), ``pending`` (1: every mask slot
     also reads the pending token's embedding, ``BlockHeadConfig.pending_in_slots``), ``init`` (``target``: start the head's
-    layers from the target's last layers; ``random``), ``anchors_per_row`` (16),
+    layers from the target's last layers; ``random``; or a saved head's directory, whose shape must
+    be the options' own), ``anchors_per_row`` (16),
     ``full_block_fraction`` (0.5), ``gamma`` (7.0).
     """
 
@@ -261,9 +262,20 @@ class BlockTrainer:
         if init == "target":
             head.init_from_target(target)
         elif init != "random":
-            raise DrafterError(f"option init must be 'target' or 'random', got {init!r}")
+            head.load_state_dict(self._warm_start(init, target, config).state_dict())
         head.loss_config = self.loss_config(options)
         return head.float().to(target.device)
+
+    @staticmethod
+    def _warm_start(folder: str, target, config: BlockHeadConfig) -> BlockHead:
+        """The head saved in ``folder``, which must have the shape the options ask for."""
+        if not Path(folder).is_dir():
+            raise DrafterError(f"option init must be 'target', 'random' or a saved block head's directory, got {folder!r}")
+        saved = BlockHead.load(folder, target_args=target.args)
+        if saved.config != config:
+            raise DrafterError(f"option init={folder} holds a head of another shape: {saved.config} (the options ask "
+                               f"for {config})")
+        return saved
 
     def loss(self, module: nn.Module, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         feats = [batch.of(l) for l in module.config.feature_layers]

@@ -307,6 +307,8 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
     log_file = (out_dir / TRAIN_LOG).open("a" if resume else "w")
     bar = tqdm(total=config.steps, initial=run.step, desc=f"train {trainer.name}", unit="step", disable=not progress)
     try:
+        if held is not None and run.step == 0:  # a warm-started module competes before its first step
+            _validate(trainer, target, config, run, held, log_file, on_log)
         stopped_early = _loop(trainer, target, dataset, config, run, log_file=log_file, bar=bar, on_log=on_log,
                               checkpoint=lambda: run.save(ckpt_path, identity), held=held)
         if held is not None and held.last_step != run.step:  # the module the loop ended with competes too

@@ -4,8 +4,9 @@ With ``TrainConfig.val_sequences`` > 0 the loop trains on all but that many whol
 its dataset (a seeded draw, :meth:`FeatureDataset.split`). Every ``val_every`` steps it measures
 the trainer's own loss and metrics on fixed windows of the held-out sequences (cut once, scored
 without gradient under a fixed RNG seed, so two evaluations differ only by the module). The
-module with the lowest held-out loss so far is written to ``best.pt``; the export writes that
-module, not the last one, since a small dataset is memorised long before the last step.
+module with the lowest held-out loss so far (the starting one included) is written to
+``best.pt``; the export writes that module, not the last one, since a small dataset is
+memorised long before the last step.
 ``patience`` evaluations without a new best stop the run.
 
 Shapes: B batch, S sequence length.
@@ -48,25 +49,32 @@ class HeldOut:
                  path: Path, identity: str):
         gen = torch.Generator().manual_seed(seed + 1)  # not the training sampler's stream
         self.batches: list[Batch] = [dataset.sample_batch(batch_size, seq_len, gen) for _ in range(batches)]
+        self.weights = [int((b.loss_mask & b.valid).sum()) for b in self.batches]  # trained positions per batch
+        if not sum(self.weights):
+            raise TrainingError(f"the {dataset.num_sequences} held-out sequences hold no trained position in "
+                                f"{batches} windows; hold out more sequences")
         self.num_sequences = dataset.num_sequences
         self.seed, self.path, self.identity = seed, Path(path), identity
         self.last_step = -1
 
     def evaluate(self, trainer, module: nn.Module, target, autocast: torch.dtype | None) -> dict[str, float]:
-        """Mean ``val_loss`` and ``val_<metric>`` of the trainer over the held-out windows."""
+        """``val_loss`` and ``val_<metric>`` of the trainer, averaged over the held-out windows'
+        trained positions (a batch's mean weighted by its count)."""
         device = next(target.parameters()).device.type
         was_training = module.training
         module.eval()
         totals: dict[str, float] = {}
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            for batch in self.batches:
+            for batch, weight in zip(self.batches, self.weights):
+                if not weight:
+                    continue
                 with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
                     loss, metrics = trainer.loss(module, batch, target)
                 for key, value in {"loss": float(loss), **metrics}.items():
-                    totals[key] = totals.get(key, 0.0) + float(value)
+                    totals[key] = totals.get(key, 0.0) + weight * float(value)
         module.train(was_training)
-        return {f"val_{k}": v / len(self.batches) for k, v in totals.items()}
+        return {f"val_{k}": v / sum(self.weights) for k, v in totals.items()}
 
     def observe(self, best: Best, step: int, val_loss: float, module: nn.Module) -> bool:
         """Count an evaluation at ``step``; a new best is saved to :attr:`path`. True when it is one."""
@@ -92,4 +100,5 @@ class HeldOut:
 
     def provenance(self, best: Best, val_every: int) -> dict[str, Any]:
         return {"sequences": self.num_sequences, "windows": sum(b.tokens.shape[0] for b in self.batches),
+                "trained_positions": sum(self.weights),
                 "val_every": val_every, "best_step": best.step, "best_val_loss": round(best.loss, 5)}

@@ -47,6 +47,12 @@ def _evaluations(out):
     return [r for r in map(json.loads, lines) if "val_loss" in r]
 
 
+def _assert_same_probe(dir_a, dir_b):
+    a, b = (torch.load(d / "probe.pt", weights_only=True) for d in (dir_a, dir_b))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=0, rtol=0, msg=f"{key} differs")
+
+
 def test_split_holds_out_whole_sequences_once_each():
     ds = _noisy_labels(24)
     train, held = ds.split(6, seed=3)
@@ -76,10 +82,7 @@ def test_the_module_with_the_lowest_held_out_loss_is_exported(tmp_path):
     assert prov["held_out"]["best_step"] == best["step"] and prov["held_out"]["sequences"] == 6
     assert prov["data"]["sequences"] == 54 and prov["steps"] == 60
     T.train(_ProbeTrainer(), target, ds, _cfg(best["step"]), tmp_path / "short", progress=False)
-    exported = torch.load(tmp_path / "long" / "probe.pt", weights_only=True)
-    stopped_there = torch.load(tmp_path / "short" / "probe.pt", weights_only=True)
-    for key in exported:
-        torch.testing.assert_close(exported[key], stopped_there[key], atol=0, rtol=0)
+    _assert_same_probe(tmp_path / "long", tmp_path / "short")
 
 
 def test_patience_stops_the_run_after_evaluations_without_a_new_best(tmp_path):
@@ -102,10 +105,7 @@ def test_resume_keeps_the_best_so_far(tmp_path):
         T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, on_log=stop_at_25)
     resumed = T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, resume=True)
     assert (resumed.best_step, resumed.best_val_loss) == (straight.best_step, straight.best_val_loss)
-    a = torch.load(tmp_path / "a" / "probe.pt", weights_only=True)
-    b = torch.load(tmp_path / "b" / "probe.pt", weights_only=True)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=0, rtol=0)
+    _assert_same_probe(tmp_path / "a", tmp_path / "b")
 
 
 def test_without_held_out_sequences_the_last_module_is_exported(tmp_path):

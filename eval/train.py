@@ -53,6 +53,12 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
                    help="hold this many training sequences out for early stopping: the head exported is the one with "
                         "the lowest loss on them (0: export the last)")
     p.add_argument("--val-every", type=int, default=100, help="steps between held-out evaluations")
+    p.add_argument("--val-batches", type=int, default=8, help="held-out windows, in batches of --batch-size")
+    p.add_argument("--val-metric", default="loss",
+                   help="what picks the exported head: loss, or a metric the drafter's training logs (e.g. tau@8 "
+                        "for block, acc0 for eagle)")
+    p.add_argument("--val-goal", choices=("min", "max"), default="min",
+                   help="whether a lower or a higher --val-metric wins")
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many held-out evaluations without a new best (0: never)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -108,7 +114,9 @@ def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, An
     config = training.TrainConfig(**cfg_kw, checkpoint_every=args.checkpoint_every, seed=args.seed,
                                   max_time_s=None if args.max_time_min is None else 60 * args.max_time_min,
                                   autocast=None if args.autocast == "none" else args.autocast,
-                                  val_sequences=args.val_sequences, val_every=args.val_every, patience=args.patience)
+                                  val_sequences=args.val_sequences, val_every=args.val_every,
+                                  val_batches=args.val_batches, val_metric=args.val_metric, val_goal=args.val_goal,
+                                  patience=args.patience)
     spec = DataSpec(chat_prompts=args.chat_prompts, math_prompts=args.math_prompts, code_prompts=args.code_prompts,
                     reply_tokens=args.reply_tokens, chat_references=args.chat_references,
                     math_references=args.math_references, code_references=args.code_references,
@@ -197,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps({"drafter": args.drafter, "out": str(result.export_path), "steps": result.steps,
                       "final_loss": round(result.final_loss, 4), "train_time_s": round(result.train_time_s, 1),
                       "stopped_early": result.stopped_early, "best_step": result.best_step,
-                      "best_val_loss": result.best_val_loss, "metrics": result.metrics}))
+                      "best_value": result.best_value, "metrics": result.metrics}))
     return 0
 
 

@@ -77,7 +77,7 @@ def test_the_module_with_the_lowest_held_out_loss_is_exported(tmp_path):
     assert [r["step"] for r in evals] == list(range(0, 61, 5)), "the starting module is scored too"
     best = min(evals, key=lambda r: r["val_loss"])
     assert 0 < res.best_step == best["step"] < 60, "learning, then memorising the noise"
-    assert res.best_val_loss == pytest.approx(best["val_loss"], abs=1e-5)
+    assert res.best_value == pytest.approx(best["val_loss"], abs=1e-5)
     prov = json.loads((tmp_path / "long" / "provenance.json").read_text())
     assert prov["held_out"]["best_step"] == best["step"] and prov["held_out"]["sequences"] == 6
     assert prov["data"]["sequences"] == 54 and prov["steps"] == 60
@@ -85,12 +85,35 @@ def test_the_module_with_the_lowest_held_out_loss_is_exported(tmp_path):
     _assert_same_probe(tmp_path / "long", tmp_path / "short")
 
 
+class _AccuracyProbe(_ProbeTrainer):
+    """The probe, also reporting its top-1 accuracy."""
+
+    def loss(self, module, batch, target):
+        h = batch.of(target.num_layers)[batch.loss_mask]
+        logits = module.lin(h)
+        acc = (logits.argmax(-1) == batch.labels[batch.loss_mask]).float().mean()
+        return torch.nn.functional.cross_entropy(logits, batch.labels[batch.loss_mask]), {"acc": float(acc)}
+
+
+def test_a_logged_metric_can_pick_the_best_module_highest_first(tmp_path):
+    ds, target = _noisy_labels(), _Target()
+    res = T.train(_AccuracyProbe(), target, ds, _cfg(60, val_metric="acc", val_goal="max"), tmp_path, progress=False)
+    evals = _evaluations(tmp_path)
+    best = max(evals, key=lambda r: r["val_acc"])  # the first of equal highs
+    assert res.best_step == best["step"] and res.best_value == pytest.approx(best["val_acc"], abs=1e-5)
+    assert res.best_step != min(evals, key=lambda r: r["val_loss"])["step"], "the metric chose, not the loss"
+    with pytest.raises(T.TrainingError, match="not among what the trainer reports"):
+        T.train(_AccuracyProbe(), target, ds, _cfg(5, val_metric="tau"), tmp_path / "bad", progress=False)
+    with pytest.raises(T.TrainingError, match="val_goal"):
+        _cfg(5, val_goal="up")
+
+
 def test_patience_stops_the_run_after_evaluations_without_a_new_best(tmp_path):
     ds, target = _noisy_labels(), _Target()
     free = T.train(_ProbeTrainer(), target, ds, _cfg(60), tmp_path / "free", progress=False)
     patient = T.train(_ProbeTrainer(), target, ds, _cfg(60, patience=2), tmp_path / "patient", progress=False)
     assert patient.stopped_early and patient.steps == free.best_step + 2 * 5
-    assert patient.best_step == free.best_step and not math.isinf(patient.best_val_loss)
+    assert patient.best_step == free.best_step and math.isfinite(patient.best_value)
 
 
 def test_resume_keeps_the_best_so_far(tmp_path):
@@ -104,7 +127,7 @@ def test_resume_keeps_the_best_so_far(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, on_log=stop_at_25)
     resumed = T.train(_ProbeTrainer(), target, ds, _cfg(40), tmp_path / "b", progress=False, resume=True)
-    assert (resumed.best_step, resumed.best_val_loss) == (straight.best_step, straight.best_val_loss)
+    assert (resumed.best_step, resumed.best_value) == (straight.best_step, straight.best_value)
     _assert_same_probe(tmp_path / "a", tmp_path / "b")
 
 

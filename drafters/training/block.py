@@ -270,7 +270,8 @@ class BlockTrainer:
     def _warm_start(folder: str, target, config: BlockHeadConfig) -> BlockHead:
         """The head saved in ``folder``, which must have the shape the options ask for."""
         if not Path(folder).is_dir():
-            raise DrafterError(f"option init must be 'target', 'random' or a saved block head's directory, got {folder!r}")
+            raise DrafterError(f"option init must be 'target', 'random' or a saved block head's directory, "
+                               f"got {folder!r}")
         saved = BlockHead.load(folder, target_args=target.args)
         if saved.config != config:
             raise DrafterError(f"option init={folder} holds a head of another shape: {saved.config} (the options ask "

@@ -136,6 +136,8 @@ class TrainConfig:
             :mod:`~refspec.drafters.training.validation`).
         val_every: steps between held-out evaluations.
         val_batches: held-out windows, in batches of ``batch_size``.
+        val_metric: what picks the best module: ``loss`` or a metric the trainer logs.
+        val_goal: ``min`` or ``max``, whether a lower or a higher ``val_metric`` is better.
         patience: held-out evaluations without a new best that stop the run (0: never).
     """
 
@@ -155,6 +157,8 @@ class TrainConfig:
     val_sequences: int = 0
     val_every: int = 100
     val_batches: int = 8
+    val_metric: str = "loss"
+    val_goal: str = "min"
     patience: int = 0
 
     def __post_init__(self) -> None:
@@ -166,6 +170,8 @@ class TrainConfig:
                 raise TrainingError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise TrainingError(f"lr must be > 0, got {self.lr}")
+        if self.val_goal not in ("min", "max"):
+            raise TrainingError(f"val_goal must be 'min' or 'max', got {self.val_goal!r}")
         for name in ("val_sequences", "patience"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -198,7 +204,7 @@ class TrainResult:
         export_path: what the trainer's export wrote (None if interrupted).
         metrics: the last logged metrics.
         best_step: the step whose module was exported (held-out early stopping; None without it).
-        best_val_loss: that module's held-out loss (None without held-out sequences).
+        best_value: that module's held-out ``val_metric`` (None without held-out sequences).
     """
 
     steps: int
@@ -209,7 +215,7 @@ class TrainResult:
     export_path: Path | None
     metrics: dict[str, float]
     best_step: int | None = None
-    best_val_loss: float | None = None
+    best_value: float | None = None
 
 
 @dataclasses.dataclass
@@ -297,7 +303,8 @@ def train(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
     if config.val_sequences:
         dataset, held_data = dataset.split(config.val_sequences, config.seed)
         held = HeldOut(held_data, batch_size=config.batch_size, seq_len=config.seq_len, batches=config.val_batches,
-                       seed=config.seed, path=out_dir / BEST, identity=identity)
+                       seed=config.seed, path=out_dir / BEST, identity=identity, metric=config.val_metric,
+                       goal=config.val_goal)
     run = _start(trainer, target, dataset, config, options)
     if resume:
         run.restore(ckpt_path, identity)
@@ -383,8 +390,8 @@ def _loop(trainer: Trainer, target, dataset: FeatureDataset, config: TrainConfig
         if held is not None and (run.step % config.val_every == 0 or run.step == config.steps):
             _validate(trainer, target, config, run, held, log_file, on_log)
             if config.patience and run.best.stale >= config.patience:
-                log.warning("stopping at step %d: no better held-out loss in %d evaluations (best at step %d)",
-                            run.step, config.patience, run.best.step)
+                log.warning("stopping at step %d: no better held-out %s in %d evaluations (best at step %d)",
+                            run.step, config.val_metric, config.patience, run.best.step)
                 checkpoint()
                 return True
         if config.checkpoint_every and run.step % config.checkpoint_every == 0:
@@ -396,7 +403,7 @@ def _validate(trainer: Trainer, target, config: TrainConfig, run: _Run, held: He
               on_log: Callable[[dict[str, Any]], None] | None) -> None:
     """Score the module on the held-out windows, keep it if best, and log the evaluation."""
     scores = held.evaluate(trainer, run.module, target, AUTOCAST[config.autocast])
-    held.observe(run.best, run.step, scores["val_loss"], run.module)
+    held.observe(run.best, run.step, scores, run.module)
     record = {"step": run.step, **{k: round(v, 5) for k, v in scores.items()}, "best_step": run.best.step}
     log_file.write(json.dumps(record) + "\n")
     log_file.flush()
@@ -421,4 +428,4 @@ def _export(trainer: Trainer, run: _Run, dataset: FeatureDataset, config: TrainC
              export_path)
     return TrainResult(steps=run.step, final_loss=final_loss, first_loss=run.first_loss, train_time_s=run.elapsed,
                        stopped_early=stopped_early, export_path=export_path, metrics=run.metrics,
-                       best_step=best.step if best else None, best_val_loss=best.loss if best else None)
+                       best_step=best.step if best else None, best_value=best.value if best else None)

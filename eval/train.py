@@ -51,7 +51,7 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-sequences", type=int, default=0,
                    help="hold this many training sequences out for early stopping: the head exported is the one with "
-                        "the lowest loss on them (0: export the last)")
+                        "the best --val-metric on them (0: export the last)")
     p.add_argument("--val-every", type=int, default=100, help="steps between held-out evaluations")
     p.add_argument("--val-batches", type=int, default=8, help="held-out windows, in batches of --batch-size")
     p.add_argument("--val-metric", default="loss",

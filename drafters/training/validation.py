@@ -1,4 +1,4 @@
-"""Held-out early stopping: the trainer's loss on sequences the loop never trains on.
+"""Held-out early stopping: the trainer's loss and metrics on sequences the loop never trains on.
 
 With ``TrainConfig.val_sequences`` > 0 the loop trains on all but that many whole sequences of
 its dataset (a seeded draw, :meth:`FeatureDataset.split`). Every ``val_every`` steps it measures

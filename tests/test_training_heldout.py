@@ -106,6 +106,8 @@ def test_a_logged_metric_can_pick_the_best_module_highest_first(tmp_path):
         T.train(_AccuracyProbe(), target, ds, _cfg(5, val_metric="tau"), tmp_path / "bad", progress=False)
     with pytest.raises(T.TrainingError, match="val_goal"):
         _cfg(5, val_goal="up")
+    with pytest.raises(T.TrainingError, match="set val_sequences too"):
+        dataclasses.replace(_cfg(5), val_sequences=0, patience=3)
 
 
 def test_patience_stops_the_run_after_evaluations_without_a_new_best(tmp_path):

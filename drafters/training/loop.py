@@ -175,6 +175,8 @@ class TrainConfig:
         for name in ("val_sequences", "patience"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.val_sequences and (self.patience or self.val_metric != "loss" or self.val_goal != "min"):
+            raise TrainingError("patience, val_metric and val_goal act on held-out sequences: set val_sequences too")
 
     def lr_at(self, step: int, elapsed_s: float = 0.0) -> float:
         """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay.

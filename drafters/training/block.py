@@ -180,8 +180,10 @@ def block_loss(head: BlockHead, target, features: Sequence[torch.Tensor], tokens
     Returns:
         ``(loss, stats)``: the scalar loss and floats ``acc@1`` (slot-1 accuracy) and
         ``tau@4``, ``tau@8``, ``tau@16``: 1 + mean leading correct slots of full-length
-        blocks whose every label is trained, the acceptance length greedy verification would
-        give on this text (kept slots only, so a lower bound under slot dropping).
+        blocks whose every label is trained (kept slots only, so lower under slot dropping).
+        On the target's greedy text that is the acceptance greedy verification gives at each
+        sampled anchor; decoding the same text scores less, since its anchors are where the
+        previous block stopped, more often in hard stretches than uniform anchors are.
     """
     b, n = tokens.shape
     kmax, dev = head.block_size, tokens.device

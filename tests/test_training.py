@@ -227,6 +227,14 @@ def test_cli_help_lists_the_drafters(capsys):
     assert "--drafter" in out and "eagle3" in out and "--resume" in out
 
 
+def tiny_cli_argv(out, data):
+    """``train`` flags for an eagle head on a one-chat, one-reference, one-speech SmolLM2 mix."""
+    return ["--drafter", "eagle", "--model", "smollm2-135m", "--out", str(out), "--data-cache", str(data),
+            "--chat-prompts", "1", "--math-prompts", "0", "--code-prompts", "0", "--reply-tokens", "4",
+            "--chat-references", "1", "--math-references", "0", "--code-references", "0", "--prose-chunks", "1",
+            "--max-len", "64"]
+
+
 @pytest.mark.real
 def test_cli_trains_a_smollm2_head_from_train_splits_and_resumes(tmp_path):
     """End to end on the real target with tiny sizes: data from train splits only, export, resume."""
@@ -236,17 +244,15 @@ def test_cli_trains_a_smollm2_head_from_train_splits_and_resumes(tmp_path):
     from refspec.assets import resolve_model
 
     out, data = tmp_path / "head", tmp_path / "data.json"
-    argv = ["--drafter", "eagle", "--model", "smollm2-135m", "--out", str(out), "--data-cache", str(data),
-            "--chat-prompts", "1", "--math-prompts", "0", "--code-prompts", "0", "--reply-tokens", "4",
-            "--chat-references", "1", "--math-references", "0", "--code-references", "0", "--prose-chunks", "1",
-            "--max-len", "64", "--steps", "2", "--batch-size", "1", "--seq-len", "32", "--quiet"]
+    argv = tiny_cli_argv(out, data) + ["--steps", "2", "--batch-size", "1", "--seq-len", "32", "--quiet"]
     assert train.main(argv) == 0
     desc = json.loads(data.read_text())["description"]
     assert desc["disjoint_from_eval"] and desc["sources"] == {"conversation:self-distill": 1,
                                                               "conversation:reference": 1, "english-sotu:prose": 1}
     head, prov = load_head(out, load_model(resolve_model("smollm2-135m")).args)
     assert prov["steps"] == 2 and prov["target"] == "smollm2-135m" and "--drafter eagle" in prov["command"]
-    assert train.main(argv[:-7] + ["--steps", "3", "--batch-size", "1", "--seq-len", "32", "--quiet", "--resume"]) == 0
+    assert train.main(tiny_cli_argv(out, data) + ["--steps", "3", "--batch-size", "1", "--seq-len", "32", "--quiet",
+                                                  "--resume"]) == 0
     assert json.loads((out / "config.json").read_text())["refspec"]["provenance"]["steps"] == 3
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from refspec.drafters import training as T
-from test_training import _ProbeTrainer
+from test_training import _ProbeTrainer, tiny_cli_argv
 
 
 def _noisy_labels(n_seqs=60, seed=0):
@@ -186,11 +186,8 @@ def test_cli_holds_sequences_out_and_distills_the_reference_prompts(tmp_path):
     from refspec.eval import train
 
     out, data = tmp_path / "head", tmp_path / "data.json"
-    argv = ["--drafter", "eagle", "--model", "smollm2-135m", "--out", str(out), "--data-cache", str(data),
-            "--chat-prompts", "1", "--math-prompts", "0", "--code-prompts", "0", "--reply-tokens", "4",
-            "--chat-references", "1", "--math-references", "0", "--code-references", "0", "--prose-chunks", "1",
-            "--max-len", "64", "--distill-references", "--steps", "2", "--batch-size", "1", "--seq-len", "64",
-            "--val-sequences", "1", "--val-every", "1", "--quiet"]
+    argv = tiny_cli_argv(out, data) + ["--distill-references", "--steps", "2", "--batch-size", "1", "--seq-len",
+                                       "64", "--val-sequences", "1", "--val-every", "1", "--quiet"]
     assert train.main(argv) == 0
     desc = json.loads(data.read_text())["description"]
     assert desc["sources"] == {"conversation:self-distill": 2, "conversation:reference": 1, "english-sotu:prose": 1}

@@ -1,7 +1,9 @@
 """Drafter training: self-distilled data from the frozen target, the trainer protocol and loop, trainers.
 
 Reading order: :mod:`~refspec.drafters.training.data` (sequences, target features, batches),
-:mod:`~refspec.drafters.training.loop` (trainer registry and the loop),
+:mod:`~refspec.drafters.training.trainers` (the trainer protocol and registry),
+:mod:`~refspec.drafters.training.loop` (the loop), :mod:`~refspec.drafters.training.validation`
+(held-out early stopping),
 :mod:`~refspec.drafters.training.eagle` and :mod:`~refspec.drafters.training.block` (one trainer
 each). The command line is ``python -m refspec.eval train``.
 """

@@ -19,14 +19,12 @@ re-exported here):
    Ctrl-C, resumes from it, and finally hands the module to the trainer's ``export`` with a
    provenance record (target, data, steps, final loss, wall time).
 
-Trainers register in :data:`TRAINERS` through a module hook: a drafter's training module
-(``eagle_training``, ``block_training``) defines ``register_trainers(register)`` and calls
-``register(Trainer(...))``; :func:`load_trainers` imports those modules and calls their hooks,
-so ``python -m refspec.eval train --drafter NAME`` dispatches without the CLI knowing any
-drafter.
+Trainers (:class:`Trainer`, registered in :data:`TRAINERS`) are described in
+:mod:`~refspec.drafters.training.trainers`; held-out early stopping in
+:mod:`~refspec.drafters.training.validation`.
 
 Out directory layout (``train(out_dir=...)``): ``checkpoint.pt`` (resume state),
-``best.pt`` (the module with the best held-out loss, with ``val_sequences``),
+``best.pt`` (the module with the best held-out score, with ``val_sequences``),
 ``train_log.jsonl`` (one line per logged step or evaluation), ``features.safetensors`` (the dataset cache,
 written by the CLI), and whatever the trainer's ``export`` writes (for EAGLE:
 ``model.safetensors`` + ``config.json``).
@@ -42,13 +40,15 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from refspec.drafters.training.data import (  # noqa: F401 - the data half, re-exported
     Batch, FeatureDataset, TrainingError, TrainingSequence, collect_features, self_distill)
+from refspec.drafters.training.trainers import (  # noqa: F401 - the registry, re-exported
+    TRAINERS, Trainer, load_trainers, register_trainer)
 from refspec.drafters.training.validation import BEST, Best, HeldOut
 
 log = logging.getLogger(__name__)
@@ -57,58 +57,6 @@ CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
 AUTOCAST = {None: None, "bf16": torch.bfloat16}
 """``TrainConfig.autocast`` values and the dtype each runs the forward in."""
-
-# ---- trainers -------------------------------------------------------------------------------
-
-
-class Trainer(Protocol):
-    """What the training loop needs from one kind of drafter.
-
-    Attributes:
-        name: drafter name (``eagle``, ``eagle3``, ``block``), as on the command line.
-        description: one line for ``--help``.
-        defaults: :class:`TrainConfig` field overrides suited to this drafter (e.g. ``lr``).
-    """
-
-    name: str
-    description: str
-    defaults: dict[str, Any]
-
-    def feature_layers(self, target) -> tuple[int, ...]:
-        """Target layers whose hidden states the drafter trains on."""
-
-    def build(self, target, dataset: FeatureDataset, options: dict[str, Any]) -> nn.Module:
-        """A fresh trainable module (deterministic given its inputs: resume rebuilds it)."""
-
-    def loss(self, module: nn.Module, batch: Batch, target) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scalar loss of one batch and named metrics (floats) to log."""
-
-    def export(self, module: nn.Module, out_dir: Path, provenance: dict[str, Any]) -> Path:
-        """Write the trained drafter where its builder finds it; returns the path written."""
-
-
-TRAINERS: dict[str, Trainer] = {}
-"""Registered trainers by drafter name (fill with :func:`load_trainers`)."""
-
-_TRAINER_MODULES = ("training.eagle", "training.block")
-_trainers_loaded = False
-
-
-def register_trainer(trainer: Trainer) -> None:
-    """Add a trainer to :data:`TRAINERS` (a later registration of a name replaces it)."""
-    TRAINERS[trainer.name] = trainer
-
-
-def load_trainers() -> dict[str, Trainer]:
-    """Import the drafter modules that train and call their ``register_trainers`` hooks."""
-    global _trainers_loaded
-    if not _trainers_loaded:
-        _trainers_loaded = True
-        from refspec.drafters.registry import call_hooks
-
-        call_hooks(_TRAINER_MODULES, "register_trainers", register_trainer)
-    return TRAINERS
-
 
 # ---- the loop -------------------------------------------------------------------------------
 

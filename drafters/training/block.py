@@ -259,18 +259,19 @@ class BlockTrainer:
                                  intermediate_size=self.option(options, "intermediate_size") or None,
                                  input_fusion=bool(self.option(options, "fusion")),
                                  pending_in_slots=bool(self.option(options, "pending")))
-        head = BlockHead(target.args, config)
         init = self.option(options, "init")
-        if init == "target":
-            head.init_from_target(target)
-        elif init != "random":
-            head.load_state_dict(self._warm_start(init, target, config).state_dict())
+        if init in ("target", "random"):
+            head = BlockHead(target.args, config)
+            if init == "target":
+                head.init_from_target(target)
+        else:
+            head = self._warm_start(init, target, config)
         head.loss_config = self.loss_config(options)
         return head.float().to(target.device)
 
     @staticmethod
     def _warm_start(folder: str, target, config: BlockHeadConfig) -> BlockHead:
-        """The head saved in ``folder``, which must have the shape the options ask for."""
+        """The head saved in ``folder``, trainable, which must have the shape the options ask for."""
         if not Path(folder).is_dir():
             raise DrafterError(f"option init must be 'target', 'random' or a saved block head's directory, "
                                f"got {folder!r}")
@@ -278,7 +279,7 @@ class BlockTrainer:
         if saved.config != config:
             raise DrafterError(f"option init={folder} holds a head of another shape: {saved.config} (the options ask "
                                f"for {config})")
-        return saved
+        return saved.requires_grad_(True).train()
 
     def loss(self, module: nn.Module, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         feats = [batch.of(l) for l in module.config.feature_layers]

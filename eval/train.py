@@ -81,6 +81,9 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=DataSpec.max_len, help="longest training sequence (tokens)")
     p.add_argument("--distill-references", action="store_true",
                    help="self-distill the reference answers' prompts too (their text then trains twice)")
+    p.add_argument("--reference-cuts", action="append", default=[], metavar="SOURCE=K",
+                   help="also cut every reference answer of SOURCE (conversation, math, code) in the mix at K evenly "
+                        "spaced points and train on the target's greedy continuation from each (repeatable)")
     p.add_argument("--data-cache", type=Path, default=None,
                    help="sequences file (default: $REFSPEC_HOME/train-data/<model>-<hash>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -104,6 +107,17 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _cuts(pairs: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """``--reference-cuts`` as sorted (source, K) pairs."""
+    out: dict[str, int] = {}
+    for pair in pairs:
+        source, _, k = pair.partition("=")
+        if not k.isdigit():
+            raise ValueError(f"--reference-cuts expects SOURCE=K with K a count, got {pair!r}")
+        out[source] = int(k)
+    return tuple(sorted(out.items()))
+
+
 def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, Any], DataSpec]:
     """The loop's settings (the trainer's defaults under the flags), trainer options and the data spec."""
     from refspec.drafters import training
@@ -121,7 +135,8 @@ def _settings(args: argparse.Namespace, trainer: Any) -> tuple[Any, dict[str, An
                     reply_tokens=args.reply_tokens, chat_references=args.chat_references,
                     math_references=args.math_references, code_references=args.code_references,
                     prose_chunks=args.prose_chunks, max_len=args.max_len,
-                    seed=args.seed, distill_references=args.distill_references)
+                    seed=args.seed, distill_references=args.distill_references,
+                    reference_cuts=_cuts(args.reference_cuts))
     return config, _options(args.option), spec
 
 

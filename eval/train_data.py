@@ -49,6 +49,10 @@ class DataSpec:
         seed: shuffles which prompts are used.
         distill_references: also self-distill the prompts of the reference answers (each then
             trains twice: on its reference and on the target's reply).
+        reference_cuts: ``(source, K)`` pairs: every row of that source in the mix that has a
+            reference answer is also cut inside its answer at K evenly spaced points, and the
+            target's greedy continuation from each cut is trained on (more of the target's own
+            text from the same prompts, which block drafters need).
     """
 
     chat_prompts: int = 48
@@ -62,12 +66,20 @@ class DataSpec:
     max_len: int = 384
     seed: int = 0
     distill_references: bool = False
+    reference_cuts: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for source, k in self.reference_cuts:
+            if source not in SOURCES or k < 0:
+                raise ValueError(f"reference cuts take a source of {', '.join(SOURCES)} and a count >= 0, "
+                                 f"got {source}={k}")
 
     def fields(self) -> dict[str, Any]:
-        """The spec as a dict; ``distill_references`` only when set, so earlier specs keep their keys."""
+        """The spec as a dict; the later fields only when set, so earlier specs keep their keys."""
         out = dataclasses.asdict(self)
-        if not self.distill_references:
-            del out["distill_references"]
+        for late in ("distill_references", "reference_cuts"):
+            if not out[late]:
+                del out[late]
         return out
 
     def key(self, model: str) -> str:
@@ -193,9 +205,25 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
             seqs += distill_with_cache(target, prompts, budget=spec.reply_tokens, eos_token_ids=tokenizer.eos_token_ids,
                                        replies=replies, source=f"{source}:self-distill", progress=progress)
         seqs += [reference(source, r) for r in rows[source][n_distill:n_distill + n_ref] if r["reference"]]
+        cuts = dict(spec.reference_cuts).get(source, 0)
+        used = [r for r in rows[source][:n_distill + n_ref] if r["reference"]]
+        cut = [c for r in used for c in _cut_prompts(prompt_ids(source, r["prompt"]), reference(source, r).tokens,
+                                                     cuts, spec.max_len - spec.reply_tokens)]
+        if cut:
+            seqs += distill_with_cache(target, cut, budget=spec.reply_tokens, eos_token_ids=tokenizer.eos_token_ids,
+                                       replies=replies, source=f"{source}:cut-distill", progress=progress)
     seqs += [TrainingSequence(tokens=c, train_from=0, source="english-sotu:prose")
              for c in _prose_chunks(tokenizer, prose_docs, spec)]
     return seqs, _describe(seqs, spec)
+
+
+def _cut_prompts(prompt: list[int], full: list[int], cuts: int, longest: int) -> list[list[int]]:
+    """``full`` (prompt then answer) cut inside its answer at ``cuts`` evenly spaced points, each
+    at most ``longest`` tokens long; cuts that would not leave answer tokens are dropped."""
+    start = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    answer = len(full) - start
+    ends = {min(start + answer * i // (cuts + 1), longest) for i in range(1, cuts + 1)}
+    return [full[:e] for e in sorted(ends) if e > start]
 
 
 def _describe(seqs: list, spec: DataSpec) -> dict[str, Any]:

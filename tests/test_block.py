@@ -173,6 +173,45 @@ def test_training_lowers_loss(tiny_models):
     assert set(stats) == {"acc@1", "tau@4"}
 
 
+def test_walk_replays_greedy_decoding(tiny_models):
+    """Walking a head's blocks over the target's greedy text (``walk``) emits, block by block, what
+    greedy block decoding emits step by step; the head is first fitted to that text so it accepts."""
+    from refspec.drafters.training.block import accepted_runs, walk, walk_tau
+
+    m = tiny_models["llama3"]  # its greedy text varies (others repeat one token)
+    head = _head(m, block_size=4, pending=True)
+    prompts = _prompts(3, seed=5)
+    plain = Engine(m).generate(prompts, max_new_tokens=24)
+    seqs = [torch.tensor([p + t]) for p, t in zip(prompts, plain.tokens)]
+    data = []
+    for p, seq in zip(prompts, seqs):
+        n = seq.shape[1]
+        with torch.no_grad():
+            _, feats = m(seq, torch.arange(n)[None], m.new_cache(1, n), logits_at=seq[:, :0],
+                         hidden_layers=head.config.feature_layers)
+        labels, mask = text_labels(seq, torch.tensor([n]))
+        data.append((feats, seq, labels, mask & (torch.arange(n) >= len(p))))  # the prompt's last token: prefill's
+    head.requires_grad_(True).train()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        loss, _ = block_loss(head, m, *data[step % 3], BlockLossConfig(anchors_per_row=16), generator=g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.requires_grad_(False).eval()
+    longest = 0
+    for p, (feats, seq, labels, mask) in zip(prompts, data):
+        gen = Engine(m, BlockDrafter(head, m), config=EngineConfig(k=4)).generate([p], max_new_tokens=24)
+        assert gen.tokens[0] == seq[0, len(p):].tolist()
+        steps = [e[0] for e in gen.emitted_per_step]
+        walked = walk(accepted_runs(head, m, feats, seq, labels, mask, 4), mask)[0]
+        assert walked[:len(steps) - 1] == steps[:-1], f"walk {walked} != decoding {steps}"  # the last step is cut
+        assert walk_tau(head, m, feats, seq, labels, mask, 4) == sum(walked) / len(walked)
+        longest = max(longest, *steps)
+    assert longest > 1, "the fitted head never got a draft accepted: the comparison would be vacuous"
+
+
 def test_block_loss_runs_under_bf16_autocast(tiny_models):
     """The training cache keeps its dtype when autocast hands it bf16 keys (a bf16 step's time is measured)."""
     m = tiny_models["llama"]

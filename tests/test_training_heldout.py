@@ -150,7 +150,7 @@ def test_reference_prompts_are_self_distilled_too_when_asked(monkeypatch):
     spec = train_data.DataSpec(chat_prompts=1, chat_references=2, math_prompts=0, math_references=0,
                                code_prompts=0, code_references=0, prose_chunks=0)
     raw = json.dumps({"model": "m", **{k: v for k, v in dataclasses.asdict(spec).items()
-                                       if k != "distill_references"}}, sort_keys=True)
+                                       if k not in ("distill_references", "reference_cuts")}}, sort_keys=True)
     assert spec.key("m") == hashlib.sha256(raw.encode()).hexdigest()[:12]
     both = dataclasses.replace(spec, distill_references=True)
     assert both.key("m") != spec.key("m")
@@ -195,3 +195,48 @@ def test_cli_holds_sequences_out_and_distills_the_reference_prompts(tmp_path):
     assert prov["held_out"]["sequences"] == 1 and prov["data"]["sequences"] == 3
     assert prov["held_out"]["best_step"] in (0, 1, 2) and prov["held_out"]["trained_positions"] > 0
     assert (out / "best.pt").exists()
+
+
+def test_reference_cuts_continue_each_answer_from_evenly_spaced_points(monkeypatch):
+    """``reference_cuts`` decodes from prompt + the first 1/(K+1), 2/(K+1), ... of each reference
+    answer of that source (never past the reply budget's room); other sources and older keys stay."""
+    from refspec.eval import train_data
+
+    spec = train_data.DataSpec(chat_prompts=0, chat_references=0, math_prompts=0, math_references=0,
+                               code_prompts=1, code_references=1, prose_chunks=0, max_len=30, reply_tokens=10)
+    cut = dataclasses.replace(spec, reference_cuts=(("code", 2),))
+    assert "reference_cuts" not in spec.fields() and cut.key("m") != spec.key("m")
+    rows = [{"prompt": "def f", "reference": "abcdef", "text": "def f"},
+            {"prompt": "def g", "reference": "x" * 60, "text": "def g"}]
+    monkeypatch.setattr(train_data, "_train_rows", lambda seed: ({"conversation": [], "math": [], "code": rows}, []))
+    asked = {}
+
+    def fake_distill(target, prompts, *, source, **kw):
+        asked[source] = [list(p) for p in prompts]
+        return [T.TrainingSequence(tokens=p + [1], train_from=len(p) - 1, source=source) for p in prompts]
+
+    monkeypatch.setattr(train_data, "distill_with_cache", fake_distill)
+
+    class _Tok:
+        eos_token_ids = ()
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    seqs, desc = train_data.build_sequences(None, _Tok(), cut)
+    ids = _Tok().encode
+    # g's answer is cut to 25 tokens by max_len: 25 // 3 = 8, then 5 + 16 capped at max_len - reply_tokens = 20
+    assert asked["code:cut-distill"] == [ids("def fab"), ids("def fabcd"), ids("def g" + "x" * 8),
+                                         ids("def g" + "x" * 15)]
+    assert desc["sources"] == {"code:self-distill": 1, "code:reference": 1, "code:cut-distill": 4}
+    with pytest.raises(ValueError, match="reference cuts"):
+        train_data.DataSpec(reference_cuts=(("prose", 1),))
+
+
+@pytest.mark.parametrize("bad", ["code", "code=x", "prose=2"])
+def test_cli_refuses_a_bad_reference_cut_in_one_line(bad, capsys):
+    from refspec.eval import train
+
+    assert train.main(["--drafter", "block", "--reference-cuts", bad, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and ("cuts" in err[0])

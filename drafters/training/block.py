@@ -216,6 +216,55 @@ def block_loss(head: BlockHead, target, features: Sequence[torch.Tensor], tokens
     return loss, stats
 
 
+@torch.no_grad()
+def accepted_runs(head: BlockHead, target, features: Sequence[torch.Tensor], tokens: torch.Tensor,
+                  labels: torch.Tensor, loss_mask: torch.Tensor, k: int, chunk: int = 64) -> torch.Tensor:
+    """``[B, N]`` leading slots equal to ``labels`` of a full block of ``k`` anchored at every
+    position (a slot whose label is not trained on ends the run; position 0 gets 0)."""
+    b, n = tokens.shape
+    runs = torch.zeros(b, n, dtype=torch.long, device=tokens.device)
+    slot = torch.arange(1, k + 1, device=tokens.device)
+    for start in range(1, n, chunk):
+        anchors = torch.arange(start, min(start + chunk, n), device=tokens.device)[None].expand(b, -1)  # [B, M]
+        h = block_training_states(head, target, features, tokens, anchors, torch.full_like(anchors, k))
+        at = anchors[:, :, None] + slot - 1  # [B, M, k] position whose label slot i predicts
+        idx = at.clamp(max=n - 1).reshape(b, -1)
+        ok = loss_mask.gather(1, idx).view_as(at) & (at < n)
+        guess = target.logits(h[:, :, :k].to(target.dtype)).argmax(-1)  # [B, M, k]
+        hit = ok & (guess == labels.gather(1, idx).view_as(at))
+        runs[:, start:start + anchors.shape[1]] = torch.cumprod(hit.long(), dim=-1).sum(-1)
+    return runs
+
+
+def walk(runs: torch.Tensor, loss_mask: torch.Tensor) -> list[list[int]]:
+    """Tokens each block emits when every row is walked as greedy verification advances: from its
+    first trained anchor ``a`` (>= 1) to ``a + runs[a] + 1``, while ``loss_mask`` holds there.
+
+    Args:
+        runs: ``[B, N]`` from :func:`accepted_runs`.
+        loss_mask: ``[B, N]`` bool.
+    """
+    out = []
+    for run, mask in zip(runs.tolist(), loss_mask.tolist()):
+        a, emitted = next((i for i in range(1, len(mask)) if mask[i]), len(mask)), []
+        while a < len(mask) and mask[a]:
+            emitted.append(run[a] + 1)
+            a += run[a] + 1
+        out.append(emitted)
+    return out
+
+
+def walk_tau(head: BlockHead, target, features: Sequence[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor,
+             loss_mask: torch.Tensor, k: int) -> float:
+    """Greedy decoding's acceptance replayed on text (``walk@k``): emitted tokens per block when
+    blocks start where the last one stopped. On the target's own greedy text this is the tau
+    decoding gives; ``block_loss``'s ``tau@k`` draws anchors uniformly, so it sits less often
+    where blocks fail and reads higher."""
+    emitted = [e for row in walk(accepted_runs(head, target, features, tokens, labels, loss_mask, k), loss_mask)
+               for e in row]
+    return sum(emitted) / len(emitted) if emitted else math.nan
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockTrainer:
     """The :class:`refspec.drafters.training.Trainer` of block heads.
@@ -283,8 +332,12 @@ class BlockTrainer:
 
     def loss(self, module: nn.Module, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         feats = [batch.of(l) for l in module.config.feature_layers]
-        return block_loss(module, target, feats, batch.tokens, batch.labels, batch.loss_mask & batch.valid,
-                          module.loss_config)
+        mask = batch.loss_mask & batch.valid
+        loss, stats = block_loss(module, target, feats, batch.tokens, batch.labels, mask, module.loss_config)
+        if not module.training:  # held-out scoring: also the walked acceptance, what decoding would give
+            stats[f"walk@{module.block_size}"] = walk_tau(module, target, feats, batch.tokens, batch.labels, mask,
+                                                          module.block_size)
+        return loss, stats
 
     def export(self, module: nn.Module, out_dir: Path, provenance: dict[str, Any]) -> Path:
         return module.save(out_dir, provenance=provenance)

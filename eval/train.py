@@ -185,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainers = training.load_trainers()
     args = _parser(trainers).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    from refspec.eval import machine
+
+    if args.autocast == "bf16" and not machine.cpu_has_fast_bf16():
+        log.warning("this CPU has no bf16 instructions (avx512_bf16 or AMX): --autocast bf16 is emulated "
+                    "and far slower than fp32 here")
     try:
         from refspec.drafters.head_files import head_dir_name, user_heads_dir
         from refspec.eval.runtime import load_target, parse_dtype, set_threads

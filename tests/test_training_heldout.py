@@ -240,3 +240,13 @@ def test_cli_refuses_a_bad_reference_cut_in_one_line(bad, capsys):
     assert train.main(["--drafter", "block", "--reference-cuts", bad, "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and ("cuts" in err[0])
+
+
+def test_cli_warns_that_bf16_autocast_is_emulated_without_bf16_instructions(monkeypatch, caplog):
+    from refspec.eval import machine, train
+
+    for has_bf16 in (False, True):
+        caplog.clear()
+        monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda cpuinfo=None: has_bf16)
+        assert train.main(["--drafter", "block", "--autocast", "bf16", "--reference-cuts", "bad", "--quiet"]) == 2
+        assert ("emulated" in caplog.text) is not has_bf16

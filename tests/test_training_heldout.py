@@ -140,6 +140,29 @@ def test_without_held_out_sequences_the_last_module_is_exported(tmp_path):
     assert res.best_step is None and not (tmp_path / "best.pt").exists() and not _evaluations(tmp_path)
 
 
+class _CharTokenizer:
+    """One token per character; a chat is its messages' text (plus 0 for the generation prompt)."""
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return [ord(c) for m in messages for c in m["content"]] + ([0] if add_generation_prompt else [])
+
+
+def _fake_distill(monkeypatch, train_data) -> dict:
+    """Replace self-distillation by a one-token reply; returns the prompts asked for, per source."""
+    asked: dict = {}
+
+    def fake(target, prompts, *, source, **kw):
+        asked[source] = [list(p) for p in prompts]
+        return [T.TrainingSequence(tokens=p + [1], train_from=len(p) - 1, source=source) for p in prompts]
+
+    monkeypatch.setattr(train_data, "distill_with_cache", fake)
+    return asked
+
+
 def test_reference_prompts_are_self_distilled_too_when_asked(monkeypatch):
     """``distill_references`` adds the target's replies to the reference answers' prompts and keeps
     the references; a spec without it keeps the key it had before the field existed."""
@@ -157,27 +180,10 @@ def test_reference_prompts_are_self_distilled_too_when_asked(monkeypatch):
     rows = [{"prompt": f"question {i}", "reference": f"answer {i}", "text": f"question {i}"} for i in range(3)]
     monkeypatch.setattr(train_data, "_train_rows",
                         lambda seed: ({"conversation": rows, "math": [], "code": []}, []))
-    distilled = []
-
-    def fake_distill(target, prompts, *, source, **kw):
-        distilled.extend(prompts)
-        return [T.TrainingSequence(tokens=p + [1], train_from=len(p) - 1, source=source) for p in prompts]
-
-    monkeypatch.setattr(train_data, "distill_with_cache", fake_distill)
-
-    class _Tok:
-        eos_token_ids = ()
-
-        def encode(self, text):
-            return [ord(c) for c in text]
-
-        def encode_chat(self, messages, add_generation_prompt=True):
-            return [ord(c) for m in messages for c in m["content"]] + ([0] if add_generation_prompt else [])
-
     for s, n_distilled in ((spec, 1), (both, 3)):
-        distilled.clear()
-        seqs, desc = train_data.build_sequences(None, _Tok(), s)
-        assert len(distilled) == n_distilled
+        asked = _fake_distill(monkeypatch, train_data)
+        seqs, desc = train_data.build_sequences(None, _CharTokenizer(), s)
+        assert len(asked["conversation:self-distill"]) == n_distilled
         assert desc["sources"] == {"conversation:self-distill": n_distilled, "conversation:reference": 2}
 
 
@@ -209,22 +215,9 @@ def test_reference_cuts_continue_each_answer_from_evenly_spaced_points(monkeypat
     rows = [{"prompt": "def f", "reference": "abcdef", "text": "def f"},
             {"prompt": "def g", "reference": "x" * 60, "text": "def g"}]
     monkeypatch.setattr(train_data, "_train_rows", lambda seed: ({"conversation": [], "math": [], "code": rows}, []))
-    asked = {}
-
-    def fake_distill(target, prompts, *, source, **kw):
-        asked[source] = [list(p) for p in prompts]
-        return [T.TrainingSequence(tokens=p + [1], train_from=len(p) - 1, source=source) for p in prompts]
-
-    monkeypatch.setattr(train_data, "distill_with_cache", fake_distill)
-
-    class _Tok:
-        eos_token_ids = ()
-
-        def encode(self, text):
-            return [ord(c) for c in text]
-
-    seqs, desc = train_data.build_sequences(None, _Tok(), cut)
-    ids = _Tok().encode
+    asked = _fake_distill(monkeypatch, train_data)
+    seqs, desc = train_data.build_sequences(None, _CharTokenizer(), cut)
+    ids = _CharTokenizer().encode
     # g's answer is cut to 25 tokens by max_len: 25 // 3 = 8, then 5 + 16 capped at max_len - reply_tokens = 20
     assert asked["code:cut-distill"] == [ids("def fab"), ids("def fabcd"), ids("def g" + "x" * 8),
                                          ids("def g" + "x" * 15)]

@@ -55,7 +55,7 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=100, help="steps between held-out evaluations")
     p.add_argument("--val-batches", type=int, default=8, help="held-out windows, in batches of --batch-size")
     p.add_argument("--val-metric", default="loss",
-                   help="what picks the exported head: loss, or a metric the drafter's training logs (e.g. tau@8 "
+                   help="what picks the exported head: loss, or a metric the drafter's training logs (e.g. walk@8 "
                         "for block, acc0 for eagle)")
     p.add_argument("--val-goal", choices=("min", "max"), default="min",
                    help="whether a lower or a higher --val-metric wins")

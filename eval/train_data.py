@@ -206,9 +206,9 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
                                        replies=replies, source=f"{source}:self-distill", progress=progress)
         seqs += [reference(source, r) for r in rows[source][n_distill:n_distill + n_ref] if r["reference"]]
         cuts = dict(spec.reference_cuts).get(source, 0)
-        used = [r for r in rows[source][:n_distill + n_ref] if r["reference"]]
-        cut = [c for r in used for c in _cut_prompts(prompt_ids(source, r["prompt"]), reference(source, r).tokens,
-                                                     cuts, spec.max_len - spec.reply_tokens)]
+        cut = [c for r in rows[source][:n_distill + n_ref] if cuts and r["reference"]
+               for c in _cut_prompts(prompt_ids(source, r["prompt"]), reference(source, r).tokens, cuts,
+                                     spec.max_len - spec.reply_tokens)]
         if cut:
             seqs += distill_with_cache(target, cut, budget=spec.reply_tokens, eos_token_ids=tokenizer.eos_token_ids,
                                        replies=replies, source=f"{source}:cut-distill", progress=progress)

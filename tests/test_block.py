@@ -252,6 +252,29 @@ def test_trainer_through_shared_plumbing_saves_and_loads(tiny_models, tmp_path):
     assert gen.tokens == plain.tokens
 
 
+def test_walk_is_scored_on_held_out_windows_only(tiny_models, tmp_path):
+    """``walk@K`` is logged by every held-out evaluation (and can pick the best module), never by a training step."""
+    import json
+
+    from refspec.drafters import training
+
+    m = tiny_models["llama"]
+    trainer = training.load_trainers()["block"]
+    g = torch.Generator().manual_seed(2)
+    seqs = [training.TrainingSequence(tokens=torch.randint(3, 96, (40,), generator=g).tolist(), train_from=5)
+            for _ in range(8)]
+    data = training.collect_features(m, seqs, trainer.feature_layers(m), progress=False)
+    cfg = training.TrainConfig(steps=4, batch_size=2, seq_len=32, warmup_steps=1, checkpoint_every=0, log_every=1,
+                               val_sequences=3, val_every=2, val_batches=2, val_metric="walk@4", val_goal="max")
+    res = training.train(trainer, m, data, cfg, tmp_path, options={"block_size": 4, "anchors_per_row": 4},
+                         progress=False)
+    lines = [json.loads(l) for l in (tmp_path / training.TRAIN_LOG).read_text().splitlines()]
+    held = [l for l in lines if "val_loss" in l]
+    assert [l["step"] for l in held] == [0, 2, 4] and all(1.0 <= l["val_walk@4"] <= 5.0 for l in held)
+    assert not any("walk@4" in l or "val_walk@4" in l for l in lines if "val_loss" not in l)
+    assert res.best_value == pytest.approx(max(l["val_walk@4"] for l in held), abs=1e-5)  # the log rounds
+
+
 def test_warm_start_continues_a_saved_head_of_the_same_shape(tiny_models, tmp_path):
     """``init=DIR`` starts from the saved head's weights; a head of another shape is refused."""
     from refspec.drafters import training

@@ -333,11 +333,14 @@ class BlockTrainer:
     def loss(self, module: nn.Module, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         feats = [batch.of(l) for l in module.config.feature_layers]
         mask = batch.loss_mask & batch.valid
-        loss, stats = block_loss(module, target, feats, batch.tokens, batch.labels, mask, module.loss_config)
-        if not module.training:  # held-out scoring: also the walked acceptance, what decoding would give
-            stats[f"walk@{module.block_size}"] = walk_tau(module, target, feats, batch.tokens, batch.labels, mask,
-                                                          module.block_size)
-        return loss, stats
+        return block_loss(module, target, feats, batch.tokens, batch.labels, mask, module.loss_config)
+
+    def held_out_metrics(self, module: nn.Module, batch, target) -> dict[str, float]:
+        """The walked acceptance ``walk@K``, what greedy decoding would give (too dear for every step)."""
+        feats = [batch.of(l) for l in module.config.feature_layers]
+        mask = batch.loss_mask & batch.valid
+        return {f"walk@{module.block_size}": walk_tau(module, target, feats, batch.tokens, batch.labels, mask,
+                                                      module.block_size)}
 
     def export(self, module: nn.Module, out_dir: Path, provenance: dict[str, Any]) -> Path:
         return module.save(out_dir, provenance=provenance)

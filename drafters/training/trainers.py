@@ -38,8 +38,17 @@ class Trainer(Protocol):
     def loss(self, module: nn.Module, batch: Batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         """Scalar loss of one batch and named metrics (floats) to log."""
 
+    # Optional: ``held_out_metrics(module, batch, target) -> dict[str, float]``, metrics too dear
+    # for every training step that the held-out evaluation adds to the loss's (see :func:`held_out_metrics`).
+
     def export(self, module: nn.Module, out_dir: Path, provenance: dict[str, Any]) -> Path:
         """Write the trained drafter where its builder finds it; returns the path written."""
+
+
+def held_out_metrics(trainer: Trainer, module: nn.Module, batch: Batch, target) -> dict[str, float]:
+    """The trainer's held-out-only metrics of one batch; none where it defines no such hook."""
+    hook = getattr(trainer, "held_out_metrics", None)
+    return hook(module, batch, target) if hook is not None else {}
 
 
 TRAINERS: dict[str, Trainer] = {}

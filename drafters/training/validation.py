@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from refspec.drafters.training.data import Batch, FeatureDataset, TrainingError
+from refspec.drafters.training.trainers import held_out_metrics
 
 BEST = "best.pt"
 
@@ -73,6 +74,7 @@ class HeldOut:
                     continue
                 with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
                     loss, metrics = trainer.loss(module, batch, target)
+                    metrics = {**metrics, **held_out_metrics(trainer, module, batch, target)}
                 for key, value in {"loss": float(loss), **metrics}.items():
                     totals[key] = totals.get(key, 0.0) + weight * float(value)
         module.train(was_training)

@@ -38,8 +38,8 @@ class Trainer(Protocol):
     def loss(self, module: nn.Module, batch: Batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         """Scalar loss of one batch and named metrics (floats) to log."""
 
-    # Optional: ``held_out_metrics(module, batch, target) -> dict[str, float]``, metrics too dear
-    # for every training step that the held-out evaluation adds to the loss's (see :func:`held_out_metrics`).
+    # Optional: ``held_out_metrics(module, batch, target) -> dict[str, float]``: metrics too dear for
+    # every training step, which the held-out evaluation adds to the loss's own (:func:`held_out_metrics`).
 
     def export(self, module: nn.Module, out_dir: Path, provenance: dict[str, Any]) -> Path:
         """Write the trained drafter where its builder finds it; returns the path written."""

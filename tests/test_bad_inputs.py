@@ -238,7 +238,8 @@ def test_ctrl_c_while_generate_imports_is_one_line_and_130(inputs, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", "generate", "--model", inputs["model"],
                              "--prompt", "w3 w4", "--max-new-tokens", "480"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even under nohup &
     # past the flag checks, while torch imports or the model loads; a valid budget (within the
     # tiny model's 512 positions) so that a quick start lands the interrupt in decoding instead
     time.sleep(0.3)

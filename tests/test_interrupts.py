@@ -20,11 +20,15 @@ def test_an_interrupt_during_the_import_waits_until_the_module_is_complete(tmp_p
         "complete = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "slow_mod", raising=False)
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt):
-        import_holding_interrupts("slow_mod")
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits SIGINT ignored
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            import_holding_interrupts("slow_mod")
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert sys.modules["slow_mod"].complete, "the module ran to its end"
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_an_ignored_signal_stays_ignored_during_the_import(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Interrupts: held back while a module imports, and a handled one still exits 130."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,16 @@ import sys
 import pytest
 
 from refspec.eval.interrupts import import_holding_interrupts
+
+
+@contextlib.contextmanager
+def _sigint(handler):
+    """SIGINT handled by ``handler`` inside the block (a background job inherits it ignored)."""
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -20,14 +31,11 @@ def test_an_interrupt_during_the_import_waits_until_the_module_is_complete(tmp_p
         "complete = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "slow_mod", raising=False)
-    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits SIGINT ignored
-    try:
+    with _sigint(signal.default_int_handler):
         before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             import_holding_interrupts("slow_mod")
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    finally:
-        signal.signal(signal.SIGINT, inherited)
     assert sys.modules["slow_mod"].complete, "the module ran to its end"
 
 
@@ -35,12 +43,9 @@ def test_an_ignored_signal_stays_ignored_during_the_import(tmp_path, monkeypatch
     (tmp_path / "ignored_mod.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\ncomplete = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "ignored_mod", raising=False)
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
-    try:
+    with _sigint(signal.SIG_IGN):  # as in a background job
         import_holding_interrupts("ignored_mod")  # no KeyboardInterrupt
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, before)
     assert sys.modules["ignored_mod"].complete
 
 

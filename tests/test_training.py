@@ -281,6 +281,46 @@ def test_eagle_warm_start_refines_a_saved_head(tiny_models, tmp_path):
         trainers["eagle"].build(m, ds, {"init": str(e3)})
 
 
+def test_eagle3_warm_start_widens_the_draft_vocabulary_keeping_trained_rows(tiny_models, tmp_path):
+    """``init`` plus a larger ``draft_vocab_size``: the saved tokens keep their trained LM-head rows,
+    the most frequent other labels join with the target's rows rescaled; the rest is the saved head."""
+    from refspec.drafters.eagle import load_head, save_head
+    from refspec.drafters.training.loop import load_trainers
+    from refspec.drafting import DrafterError
+
+    m = tiny_models["llama"]
+    trainer = load_trainers()["eagle3"]
+    ds = T.collect_features(m, _sequences(8, seed=2), trainer.feature_layers(m), progress=False)
+    saved = trainer.build(m, ds, {"draft_vocab_size": 16}).head
+    with torch.no_grad():
+        saved.lm_head.weight.mul_(3.0)  # trained rows whose scale differs from the target's
+    folder = save_head(saved, tmp_path / "e3", dtype=torch.float32)
+    old, _ = load_head(folder, m.args)
+    wide = trainer.build(m, ds, {"init": str(folder), "draft_vocab_size": 32}).head
+
+    old_ids, new_ids = old.to_target_ids(torch.arange(16)), wide.to_target_ids(torch.arange(32))
+    assert wide.config.draft_vocab_size == 32 and bool(wide.t2d[old_ids].all()) and int(wide.t2d.sum()) == 32
+    counts = ds.token_counts(m.args.vocab_size)
+    added = new_ids[~old.t2d[new_ids]]
+    left = torch.ones_like(wide.t2d)
+    left[new_ids] = False
+    assert int(counts[added].min()) >= int(counts[left].max()), "the added tokens are the most frequent others"
+    row = {int(t): wide.lm_head.weight[d] for d, t in enumerate(new_ids.tolist())}
+    for d, t in enumerate(old_ids.tolist()):
+        assert torch.equal(row[t], old.lm_head.weight[d]), "a saved token lost its trained row"
+    target_rows = m.lm_head.weight.detach().float()
+    scale = old.lm_head.weight.norm(dim=-1).mean() / target_rows[old_ids].norm(dim=-1).mean()
+    for t in added.tolist():
+        torch.testing.assert_close(row[t], target_rows[t] * scale)
+    assert scale.item() == pytest.approx(3.0, rel=1e-5), "a fresh head's rows are the target's, tripled above"
+    for name, value in old.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(value, wide.state_dict()[name]), name
+    with pytest.raises(DrafterError, match="can only widen"):
+        trainer.build(m, ds, {"init": str(folder), "draft_vocab_size": 8})
+    assert trainer.build(m, ds, {"init": str(folder)}).head.config.draft_vocab_size == 16
+
+
 @dataclasses.dataclass(frozen=True)
 class _ThroughLMHead(_ProbeTrainer):
     """A probe whose only gradient path runs through the frozen target's LM head (as the block

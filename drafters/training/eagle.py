@@ -96,8 +96,9 @@ class EagleTrainer:
     Options: ``ttt_steps`` (default 1 for eagle, 3 for eagle3), ``noise`` (default 0.1 for
     eagle, 0 for eagle3), ``ce_weight`` (0.1 / 1.0), ``ce_fraction`` (0.25 / 1.0; see
     :class:`EagleTrainingModule`), ``draft_vocab_size`` (eagle3 only; default 8192, 0 keeps
-    the whole vocabulary), ``init`` (a head directory to start from, e.g. a shipped head, so a
-    short run refines it on new data; default: a fresh head).
+    the whole vocabulary; given with ``init``, a larger size widens the saved head's vocabulary),
+    ``init`` (a head directory to start from, e.g. a shipped head, so a short run refines it on
+    new data; default: a fresh head).
     """
 
     name: str
@@ -123,18 +124,16 @@ class EagleTrainer:
             raise DrafterError("an eagle head drafts over the whole vocabulary; draft_vocab_size is for eagle3")
         init = self.option(options, "init")
         if init:
-            return self._module(self._warm_start(init, target).to(target.device), options)
+            head = self._warm_start(init, target)
+            if "draft_vocab_size" in options:
+                head = _widen(head, target, dataset, vd or head.config.vocab_size)
+            return self._module(head.to(target.device), options)
         hc = HeadConfig.for_target(self.name, target.args, draft_vocab_size=vd or None)
         head = new_head(hc)
         if isinstance(head, Eagle3Head):
             with torch.no_grad():
-                if hc.draft_vocab_size < hc.vocab_size:  # the most frequent greedy labels, ascending ids
-                    counts = dataset.token_counts(hc.vocab_size).double()
-                    ranked = counts - torch.arange(hc.vocab_size, dtype=torch.double) * 1e-9  # ties: lower id
-                    used = ranked.topk(hc.draft_vocab_size).indices.sort().values
-                    head.set_vocab(used)
-                    log.info("draft vocabulary: %d tokens cover %.1f%% of trained labels", hc.draft_vocab_size,
-                             100 * float(counts[used].sum() / counts.sum().clamp_min(1)))
+                if hc.draft_vocab_size < hc.vocab_size:
+                    head.set_vocab(_frequent_labels(dataset, hc.vocab_size, hc.draft_vocab_size))
                 ids = head.to_target_ids(torch.arange(hc.draft_vocab_size))
                 head.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[ids])
                 head.norm.weight.copy_(target.norm.weight.detach().float().cpu())
@@ -159,6 +158,44 @@ class EagleTrainer:
         """Save the head with bfloat16 weights (half the bytes; the loader casts to the run's dtype,
         and losslessness never depends on the head's precision)."""
         return save_head(module.head, out_dir, provenance=provenance, dtype=torch.bfloat16)
+
+
+def _frequent_labels(dataset, vocab_size: int, size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``[size]`` ascending target ids: ``keep`` (if given) plus the most frequent trained labels."""
+    counts = dataset.token_counts(vocab_size).double()
+    ranked = counts - torch.arange(vocab_size, dtype=torch.double) * 1e-9  # ties: lower id
+    if keep is not None:
+        ranked[keep] = float("inf")
+    used = ranked.topk(size).indices.sort().values
+    log.info("draft vocabulary: %d tokens cover %.1f%% of trained labels", size,
+             100 * float(counts[used].sum() / counts.sum().clamp_min(1)))
+    return used
+
+
+@torch.no_grad()
+def _widen(head: Eagle3Head, target, dataset, size: int) -> Eagle3Head:
+    """``head`` with a draft vocabulary of ``size`` tokens: its own tokens keep their trained LM-head
+    rows; the most frequent trained labels fill the rest, their rows taken from the target's LM
+    head and rescaled to the trained rows' mean norm (the head's final norm is not the target's)."""
+    old = head.config.draft_vocab_size
+    if size == old:
+        return head
+    if size < old:
+        raise DrafterError(f"draft_vocab_size={size} is below the saved head's {old}; a warm start can only widen it")
+    wide = new_head(dataclasses.replace(head.config, draft_vocab_size=size))
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = wide.load_state_dict(state, strict=False)
+    assert sorted(missing) == ["d2t", "lm_head.weight", "t2d"] and not unexpected, (missing, unexpected)
+    kept = head.to_target_ids(torch.arange(old))  # [old] ascending target ids
+    used = _frequent_labels(dataset, head.config.vocab_size, size, keep=kept)  # [size]
+    wide.set_vocab(used)
+    trained = head.lm_head.weight.float()  # [old, E]
+    source = target.lm_head.weight.detach().float().cpu()  # [V, E]
+    rows = source[used] * (trained.norm(dim=-1).mean() / source[kept].norm(dim=-1).mean())  # [size, E]
+    is_kept = head.t2d[used]  # [size]
+    rows[is_kept] = trained[(torch.cumsum(head.t2d.long(), 0) - 1)[used[is_kept]]]
+    wide.lm_head.weight.copy_(rows)
+    return wide.requires_grad_(True).train()
 
 
 def register_trainers(register) -> None:

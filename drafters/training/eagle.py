@@ -175,8 +175,10 @@ def _frequent_labels(dataset, vocab_size: int, size: int, keep: torch.Tensor | N
 @torch.no_grad()
 def _widen(head: Eagle3Head, target, dataset, size: int) -> Eagle3Head:
     """``head`` with a draft vocabulary of ``size`` tokens: its own tokens keep their trained LM-head
-    rows; the most frequent trained labels fill the rest, their rows taken from the target's LM
-    head and rescaled to the trained rows' mean norm (the head's final norm is not the target's)."""
+    rows; the most frequent trained labels fill the rest. Their rows are the target's LM-head rows
+    sent through the affine map that best takes the target's rows of the kept tokens to the trained
+    ones (least squares): the trained head's output space has drifted from the target's, so the
+    target's rows unmapped would outscore every trained token."""
     old = head.config.draft_vocab_size
     if size == old:
         return head
@@ -190,8 +192,10 @@ def _widen(head: Eagle3Head, target, dataset, size: int) -> Eagle3Head:
     used = _frequent_labels(dataset, head.config.vocab_size, size, keep=kept)  # [size]
     wide.set_vocab(used)
     trained = head.lm_head.weight.float()  # [old, E]
-    source = target.lm_head.weight.detach().float().cpu()  # [V, E]
-    rows = source[used] * (trained.norm(dim=-1).mean() / source[kept].norm(dim=-1).mean())  # [size, E]
+    source = torch.cat([target.lm_head.weight.detach().float().cpu(),
+                        torch.ones(head.config.vocab_size, 1)], dim=1)  # [V, E + 1]
+    fit = torch.linalg.lstsq(source[kept].double(), trained.double()).solution.float()  # [E + 1, E]
+    rows = source[used] @ fit  # [size, E]
     is_kept = head.t2d[used]  # [size]
     rows[is_kept] = trained[(torch.cumsum(head.t2d.long(), 0) - 1)[used[is_kept]]]
     wide.lm_head.weight.copy_(rows)

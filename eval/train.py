@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seqs, description, data_path = _sequences(args, target, spec)
         data_time = time.perf_counter() - t_start
         out.mkdir(parents=True, exist_ok=True)
-        layers = tuple(trainer.feature_layers(target.model))
+        layers = tuple(trainer.feature_layers(target.model, options))
         dataset = _features(args, layers, target, seqs, description, data_path, out, spec.max_len)
         feature_time = time.perf_counter() - t_start - data_time
         model = target.model.float()  # the loss runs the target's embedding / LM head in float32

@@ -322,6 +322,68 @@ def test_eagle3_warm_start_widens_the_draft_vocabulary_keeping_trained_rows(tiny
     assert trainer.build(m, ds, {"init": str(folder)}).head.config.draft_vocab_size == 72
 
 
+class _Sharpened:
+    """A target whose logits are scaled up: the same argmax, a point mass for a distribution."""
+
+    def __init__(self, model, scale):
+        self.model, self.scale = model, scale
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def logits(self, h):
+        return self.model.logits(h) * self.scale
+
+
+def test_eagle3_soft_labels_train_on_the_targets_distribution(tiny_models):
+    """``soft_labels``: each unrolled step's goal is the target's own next-token distribution at the
+    label's position, renormalised over the draft vocabulary (checked position by position); a
+    point-mass target gives back the greedy-label loss; the final layer joins the features."""
+    from refspec.drafters.training.loop import load_trainers
+    from refspec.drafting import DrafterError
+
+    m = tiny_models["llama"]
+    trainer = load_trainers()["eagle3"]
+    opts = {"draft_vocab_size": 72, "ttt_steps": 2}
+    assert m.num_layers not in trainer.feature_layers(m, opts)
+    layers = trainer.feature_layers(m, {**opts, "soft_labels": 1.0})
+    assert layers[-1] == m.num_layers
+    ds = T.collect_features(m, _sequences(8, seed=2), layers, progress=False)
+    batch = ds.sample_batch(3, 24, torch.Generator().manual_seed(0))
+    soft = trainer.build(m, ds, {**opts, "soft_labels": 1.0}).eval()
+    head = soft.head
+    with torch.no_grad():
+        loss, metrics = soft(batch, m)
+        h0 = head.prepare([batch.of(l).float() for l in head.config.feature_layers])
+        outs = head.unroll(lambda t: m.embed_tokens(t).float(), batch.tokens, h0, 2)
+        ids = head.to_target_ids(torch.arange(72))
+        want = 0.0
+        for j, out in enumerate(outs):
+            terms = []
+            for b in range(3):
+                for i in range(24 - j - 1):
+                    p = i + j + 1  # out[b, i] of step j predicts the label at position p
+                    if batch.loss_mask[b, p] and head.t2d[batch.labels[b, p]]:
+                        goal = torch.softmax(m.logits(batch.of(m.num_layers)[b, p].float())[ids], -1)
+                        q = torch.log_softmax(head.draft_logits(out[b, i][None], m)[0], -1)
+                        terms.append(-(goal * q).sum())
+            assert len(terms) > 10
+            want += 0.8 ** j * torch.stack(terms).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+
+    hard = trainer.build(m, ds, opts).eval()
+    hard.head.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        hard_loss, _ = hard(batch, m)
+        point_loss, _ = soft(batch, _Sharpened(m, 1e4))
+        mixed = trainer.build(m, ds, {**opts, "soft_labels": 0.25}).eval()
+        mixed.head.load_state_dict(head.state_dict())
+        mixed_loss, _ = mixed(batch, m)
+    torch.testing.assert_close(point_loss, hard_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mixed_loss, 0.75 * hard_loss + 0.25 * loss, rtol=1e-5, atol=1e-5)
+    with pytest.raises(DrafterError, match="soft_labels must be in"):
+        trainer.build(m, ds, {**opts, "soft_labels": 1.5})
+
 @dataclasses.dataclass(frozen=True)
 class _ThroughLMHead(_ProbeTrainer):
     """A probe whose only gradient path runs through the frozen target's LM head (as the block

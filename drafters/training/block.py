@@ -298,7 +298,7 @@ class BlockTrainer:
                                full_block_fraction=self.option(options, "full_block_fraction"),
                                gamma=self.option(options, "gamma"))
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target, options: dict[str, Any] | None = None) -> tuple[int, ...]:
         return default_feature_layers(target.num_layers)
 
     def build(self, target, dataset, options: dict[str, Any]) -> nn.Module:

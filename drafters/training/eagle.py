@@ -26,7 +26,9 @@ class EagleTrainingModule(nn.Module):
     """A head plus its training recipe; ``forward(batch, target)`` returns ``(loss, metrics)``.
 
     Per unrolled step j (weighted ``0.8 ** j``), over trained positions: cross-entropy of the
-    draft logits against the target's greedy next token (weighted ``ce_weight``); for
+    draft logits against the target's greedy next token, or with ``soft_labels`` a > 0 against
+    ``(1 - a) * onehot + a * p``, p the target's own distribution over the draft vocabulary
+    (renormalised; it ranks the runners-up a tree drafts), weighted ``ce_weight``; for
     ``eagle`` also a smooth-L1 regression of the predicted feature onto the target's
     final-normed feature (weight 1), as EAGLE-1 trains. Positions whose label lies outside a
     reduced draft vocabulary are not trained on (EAGLE-3 does the same).
@@ -39,20 +41,36 @@ class EagleTrainingModule(nn.Module):
         ce_fraction: share of trained positions (drawn at random each step) that enter the
             cross-entropy; the LM head over the whole vocabulary dominates the cost of an
             EAGLE-1 step on a CPU, and the regression term already sees every position.
+        soft_labels: weight in [0, 1] of the target's distribution in the cross-entropy's goal;
+            above 0 the batch must hold the target's final-normed layer.
     """
 
     def __init__(self, head: EagleHead, *, ttt_steps: int, noise: float, ce_weight: float,
-                 ce_fraction: float = 1.0) -> None:
+                 ce_fraction: float = 1.0, soft_labels: float = 0.0) -> None:
         super().__init__()
         if ttt_steps < 1:
             raise DrafterError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if not 0 < ce_fraction <= 1:
             raise DrafterError(f"ce_fraction must be in (0, 1], got {ce_fraction}")
+        if not 0 <= soft_labels <= 1:
+            raise DrafterError(f"soft_labels must be in [0, 1], got {soft_labels}")
         self.head = head
         self.ttt_steps, self.noise, self.ce_weight, self.ce_fraction = ttt_steps, noise, ce_weight, ce_fraction
+        self.soft_labels = soft_labels
         t2d = head.t2d if isinstance(head, Eagle3Head) else torch.ones(head.config.vocab_size, dtype=torch.bool)
         self.register_buffer("in_vocab", t2d.clone(), persistent=False)
         self.register_buffer("draft_index", torch.cumsum(t2d.long(), 0) - 1, persistent=False)  # target -> draft id
+        self.register_buffer("draft_ids", torch.nonzero(t2d).flatten(), persistent=False)  # draft -> target id
+
+    @torch.no_grad()
+    def target_probs(self, batch, target, trained: torch.Tensor) -> torch.Tensor:
+        """``[B, S, Vd]`` the target's next-token distribution over the draft vocabulary at the
+        ``trained`` positions (zero elsewhere), from its final-normed layer in the batch."""
+        h = batch.of(target.num_layers)[trained]  # [N, E]
+        logits = target.logits(h.to(target.lm_head.weight.dtype))[:, self.draft_ids]  # [N, Vd]
+        probs = logits.new_zeros(*trained.shape, self.draft_ids.numel())
+        probs[trained] = torch.softmax(logits, dim=-1)
+        return probs
 
     def forward(self, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         head = self.head
@@ -62,6 +80,7 @@ class EagleTrainingModule(nn.Module):
         s = batch.tokens.shape[1]
         outs = head.unroll(lambda t: target.embed_tokens(t).float(), batch.tokens, h0, self.ttt_steps)
         trained = batch.loss_mask & self.in_vocab[batch.labels]  # [B, S]
+        probs = self.target_probs(batch, target, trained) if self.soft_labels else None
         total = h0.new_zeros(())
         metrics: dict[str, float] = {}
         for j, out in enumerate(outs):
@@ -71,13 +90,19 @@ class EagleTrainingModule(nn.Module):
             n = mask.sum().clamp_min(1)
             labels = self.draft_index[batch.labels[:, shift:][mask[:, : s - shift]]]  # [M]
             picked = out[mask]  # [M, E]
+            goal = probs[:, shift:][mask[:, : s - shift]] if probs is not None else None  # [M, Vd]
             if self.ce_fraction < 1:
                 sub = torch.rand(labels.shape[0], device=labels.device) < self.ce_fraction
                 picked, labels = picked[sub], labels[sub]
+                goal = goal[sub] if goal is not None else None
             n_ce = torch.tensor(max(1, labels.shape[0]), device=labels.device)
             logits = head.draft_logits(picked, target)  # [M', Vd]
             ce = F.cross_entropy(logits, labels, reduction="sum") / n_ce
             step_loss = self.ce_weight * ce
+            if goal is not None:
+                soft = -(goal * F.log_softmax(logits, dim=-1)).sum() / n_ce
+                step_loss = self.ce_weight * ((1 - self.soft_labels) * ce + self.soft_labels * soft)
+                metrics[f"soft{j}"] = float(soft.detach())
             if isinstance(head, Eagle1Head):
                 goal = batch.of(head.config.feature_layers[0])[:, shift:][mask[:, : s - shift]].float()
                 reg = F.smooth_l1_loss(out[mask], goal, reduction="sum") / (n * out.shape[-1])
@@ -97,7 +122,7 @@ class EagleTrainer:
     eagle, 0 for eagle3), ``ce_weight`` (0.1 / 1.0), ``ce_fraction`` (0.25 / 1.0; see
     :class:`EagleTrainingModule`), ``draft_vocab_size`` (eagle3 only; default 8192, 0 keeps
     the whole vocabulary; given with ``init``, a larger size widens the saved head's vocabulary),
-    ``init`` (a head directory to start from, e.g. a shipped head, so a short run refines it on
+    ``soft_labels`` (default 0; see :class:`EagleTrainingModule`), ``init`` (a head directory to start from, e.g. a shipped head, so a short run refines it on
     new data; default: a fresh head).
     """
 
@@ -109,14 +134,17 @@ class EagleTrainer:
         eagle1 = self.name == "eagle"
         base = {"ttt_steps": 1 if eagle1 else 3, "noise": 0.1 if eagle1 else 0.0,
                 "ce_weight": 0.1 if eagle1 else 1.0, "ce_fraction": 0.25 if eagle1 else 1.0,
-                "draft_vocab_size": 0 if eagle1 else 8192, "init": ""}
+                "draft_vocab_size": 0 if eagle1 else 8192, "soft_labels": 0.0, "init": ""}
         unknown = set(options) - set(base)
         if unknown:
             raise DrafterError(f"unknown {self.name} training options {sorted(unknown)}; known: {sorted(base)}")
         return type(base[key])(options.get(key, base[key]))
 
-    def feature_layers(self, target) -> tuple[int, ...]:
-        return (target.num_layers,) if self.name == "eagle" else eagle3_layers(target.num_layers)
+    def feature_layers(self, target, options: dict[str, Any] | None = None) -> tuple[int, ...]:
+        if self.name == "eagle":
+            return (target.num_layers,)
+        soft = self.option(options or {}, "soft_labels")  # the target's distribution comes from its last layer
+        return eagle3_layers(target.num_layers) + ((target.num_layers,) if soft else ())
 
     def build(self, target, dataset, options: dict[str, Any]) -> nn.Module:
         vd = self.option(options, "draft_vocab_size")
@@ -149,7 +177,8 @@ class EagleTrainer:
     def _module(self, head: EagleHead, options: dict[str, Any]) -> nn.Module:
         return EagleTrainingModule(head.float(), ttt_steps=self.option(options, "ttt_steps"),
                                    noise=self.option(options, "noise"), ce_weight=self.option(options, "ce_weight"),
-                                   ce_fraction=self.option(options, "ce_fraction"))
+                                   ce_fraction=self.option(options, "ce_fraction"),
+                                   soft_labels=self.option(options, "soft_labels"))
 
     def loss(self, module: nn.Module, batch, target) -> tuple[torch.Tensor, dict[str, float]]:
         return module(batch, target)

@@ -29,8 +29,8 @@ class Trainer(Protocol):
     description: str
     defaults: dict[str, Any]
 
-    def feature_layers(self, target) -> tuple[int, ...]:
-        """Target layers whose hidden states the drafter trains on."""
+    def feature_layers(self, target, options: dict[str, Any] | None = None) -> tuple[int, ...]:
+        """Target layers whose hidden states the drafter trains on (under the trainer ``options``)."""
 
     def build(self, target, dataset: FeatureDataset, options: dict[str, Any]) -> nn.Module:
         """A fresh trainable module (deterministic given its inputs: resume rebuilds it)."""

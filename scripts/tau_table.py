@@ -9,7 +9,7 @@ Usage::
     python scripts/tau_table.py --corpora conversation,code,math --prompts 4 --new-tokens 32 \
         --temperatures 0,0.7 > tau.json
 
-Heads: the ones ``--drafter eagle|eagle3|block`` find, or ``--head KIND=DIR`` (repeatable).
+N-gram (prompt lookup) needs no head and drafts all K tokens (``trim=false``). Heads: the ones ``--drafter eagle|eagle3|block`` find, or ``--head KIND=DIR`` (repeatable).
 Trees: ``--tree-topk/--tree-depth/--tree-budget`` (default 4/5/16; EAGLE-2's own is 10/6/60).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-CONFIGS = ("eagle-chain", "eagle-tree", "eagle3-chain", "eagle3-tree", "block-chain")
+CONFIGS = ("ngram-chain", "eagle-chain", "eagle-tree", "eagle3-chain", "eagle3-tree", "block-chain")
 
 
 def _drafter(name: str, target, heads: dict[str, str], tree: dict[str, int]):
@@ -29,6 +29,8 @@ def _drafter(name: str, target, heads: dict[str, str], tree: dict[str, int]):
 
     kind, shape = name.split("-")
     options = {"head": heads[kind]} if kind in heads else {}
+    if kind == "ngram":
+        options["trim"] = "false"  # acceptance of the full K-token draft, not the cost-trimmed one
     if shape == "tree":
         options.update({"tree": "true", **{f"tree_{key}": str(v) for key, v in tree.items()}})
     ctx = registry.DrafterContext(target=target.model, target_name=target.name, tokenizer_fingerprint=target.fingerprint,

@@ -9,7 +9,8 @@ Usage::
     python scripts/tau_table.py --corpora conversation,code,math --prompts 4 --new-tokens 32 \
         --temperatures 0,0.7 > tau.json
 
-N-gram (prompt lookup) needs no head and drafts all K tokens (``trim=false``). Heads: the ones ``--drafter eagle|eagle3|block`` find, or ``--head KIND=DIR`` (repeatable).
+N-gram (prompt lookup) needs no head and drafts all K tokens (``trim=false``). Heads: the ones
+``--drafter eagle|eagle3|block`` find, or ``--head KIND=DIR`` (repeatable).
 Trees: ``--tree-topk/--tree-depth/--tree-budget`` (default 4/5/16; EAGLE-2's own is 10/6/60).
 """
 from __future__ import annotations

@@ -384,6 +384,44 @@ def test_eagle3_soft_labels_train_on_the_targets_distribution(tiny_models):
     with pytest.raises(DrafterError, match="soft_labels must be in"):
         trainer.build(m, ds, {**opts, "soft_labels": 1.5})
 
+
+def test_eagle1_soft_labels_mix_the_targets_distribution_into_the_goal(tiny_models):
+    """EAGLE-1 (whole vocabulary, the final layer already its feature): soft_labels=a is
+    ``(1 - a) * hard + a * soft`` on the cross-entropy term, the regression term untouched; a
+    point-mass target gives back the greedy-label loss."""
+    from refspec.drafters.training.loop import load_trainers
+
+    m = tiny_models["llama"]
+    trainer = load_trainers()["eagle"]
+    opts = {"ce_fraction": 1.0, "noise": 0.0}
+    assert trainer.feature_layers(m, {**opts, "soft_labels": 1.0}) == (m.num_layers,)
+    ds = T.collect_features(m, _sequences(8, seed=3), (m.num_layers,), progress=False)
+    batch = ds.sample_batch(3, 24, torch.Generator().manual_seed(1))
+    modules = {a: trainer.build(m, ds, {**opts, "soft_labels": a}).eval() for a in (0.0, 0.5, 1.0)}
+    for module in modules.values():
+        module.head.load_state_dict(modules[0.0].head.state_dict())
+    peaked = _Sharpened(m, 5.0)  # a random tiny target is nearly uniform: soft and hard goals would agree
+    with torch.no_grad():
+        losses = {a: module(batch, peaked) for a, module in modules.items()}
+        point, _ = modules[1.0](batch, _Sharpened(m, 1e4))
+    (hard, hard_terms), (soft, soft_terms) = losses[0.0], losses[1.0]
+    assert "soft0" in soft_terms and "soft0" not in hard_terms
+    head = modules[1.0].head
+    with torch.no_grad():  # soft0 by hand: the target's distribution at each label's position
+        out = head.unroll(lambda t: m.embed_tokens(t).float(), batch.tokens,
+                          head.prepare([batch.of(m.num_layers).float()]), 1)[0]  # [B, S, E]
+        mask = batch.loss_mask[:, 1:]  # out[:, i] predicts the label at i + 1
+        goal = torch.softmax(peaked.logits(batch.of(m.num_layers)[:, 1:][mask].float()), -1)
+        q = torch.log_softmax(head.draft_logits(out[:, :-1][mask], peaked), -1)
+        want = float(-(goal * q).sum(-1).mean())
+        q_hard = float(-q.gather(1, batch.labels[:, 1:][mask][:, None]).mean())
+    assert mask.sum() > 10 and abs(want - q_hard) > 1e-4, "the check needs goals that differ"
+    assert soft_terms["soft0"] == pytest.approx(want, rel=1e-5) and hard_terms["ce0"] == pytest.approx(q_hard, rel=1e-5)
+    torch.testing.assert_close(float(soft - hard), 0.1 * (soft_terms["soft0"] - hard_terms["ce0"]), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(losses[0.5][0], 0.5 * (hard + soft), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(point, hard, rtol=1e-4, atol=1e-5)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ThroughLMHead(_ProbeTrainer):
     """A probe whose only gradient path runs through the frozen target's LM head (as the block

@@ -122,8 +122,8 @@ class EagleTrainer:
     eagle, 0 for eagle3), ``ce_weight`` (0.1 / 1.0), ``ce_fraction`` (0.25 / 1.0; see
     :class:`EagleTrainingModule`), ``draft_vocab_size`` (eagle3 only; default 8192, 0 keeps
     the whole vocabulary; given with ``init``, a larger size widens the saved head's vocabulary),
-    ``soft_labels`` (default 0; see :class:`EagleTrainingModule`), ``init`` (a head directory to start from, e.g. a shipped head, so a short run refines it on
-    new data; default: a fresh head).
+    ``soft_labels`` (default 0; see :class:`EagleTrainingModule`), ``init`` (a head directory to
+    start from, e.g. a shipped head, so a short run refines it on new data; default: a fresh head).
     """
 
     name: str

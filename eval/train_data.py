@@ -233,7 +233,8 @@ def _describe(seqs: list, spec: DataSpec) -> dict[str, Any]:
     return {"sources": counts, "spec": spec.fields(), "tokens": sum(len(s.tokens) for s in seqs),
             "corpora": "train splits of refspec.eval.corpora: the target's greedy replies (self-distill) to "
                        "conversation/math/code prompts, reference answers of further prompts, english-sotu "
-                       "speech chunks; labels are always the target's own argmax",
+                       "speech chunks; the hard labels are always the target's own argmax "
+                       "(soft_labels adds its distribution)",
             "disjoint_from_eval": True}
 
 

@@ -416,7 +416,8 @@ def test_eagle1_soft_labels_mix_the_targets_distribution_into_the_goal(tiny_mode
         want = float(-(goal * q).sum(-1).mean())
         q_hard = float(-q.gather(1, batch.labels[:, 1:][mask][:, None]).mean())
     assert mask.sum() > 10 and abs(want - q_hard) > 1e-4, "the check needs goals that differ"
-    assert soft_terms["soft0"] == pytest.approx(want, rel=1e-5) and hard_terms["ce0"] == pytest.approx(q_hard, rel=1e-5)
+    assert soft_terms["soft0"] == pytest.approx(want, rel=1e-5)
+    assert hard_terms["ce0"] == pytest.approx(q_hard, rel=1e-5)
     torch.testing.assert_close(float(soft - hard), 0.1 * (soft_terms["soft0"] - hard_terms["ce0"]), rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(losses[0.5][0], 0.5 * (hard + soft), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(point, hard, rtol=1e-4, atol=1e-5)

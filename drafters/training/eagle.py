@@ -88,24 +88,26 @@ class EagleTrainingModule(nn.Module):
             mask = torch.zeros_like(trained)
             mask[:, : s - shift] = trained[:, shift:]
             n = mask.sum().clamp_min(1)
-            labels = self.draft_index[batch.labels[:, shift:][mask[:, : s - shift]]]  # [M]
+            ahead = mask[:, : s - shift]  # the predicted positions, seen from position i + j + 1
+            labels = self.draft_index[batch.labels[:, shift:][ahead]]  # [M]
             picked = out[mask]  # [M, E]
-            goal = probs[:, shift:][mask[:, : s - shift]] if probs is not None else None  # [M, Vd]
+            dist = probs[:, shift:][ahead] if probs is not None else None  # [M, Vd]
             if self.ce_fraction < 1:
                 sub = torch.rand(labels.shape[0], device=labels.device) < self.ce_fraction
                 picked, labels = picked[sub], labels[sub]
-                goal = goal[sub] if goal is not None else None
+                dist = dist[sub] if dist is not None else None
             n_ce = torch.tensor(max(1, labels.shape[0]), device=labels.device)
             logits = head.draft_logits(picked, target)  # [M', Vd]
             ce = F.cross_entropy(logits, labels, reduction="sum") / n_ce
-            step_loss = self.ce_weight * ce
-            if goal is not None:
-                soft = -(goal * F.log_softmax(logits, dim=-1)).sum() / n_ce
-                step_loss = self.ce_weight * ((1 - self.soft_labels) * ce + self.soft_labels * soft)
+            goal_loss = ce
+            if dist is not None:
+                soft = -(dist * F.log_softmax(logits, dim=-1)).sum() / n_ce
+                goal_loss = (1 - self.soft_labels) * ce + self.soft_labels * soft
                 metrics[f"soft{j}"] = float(soft.detach())
+            step_loss = self.ce_weight * goal_loss
             if isinstance(head, Eagle1Head):
-                goal = batch.of(head.config.feature_layers[0])[:, shift:][mask[:, : s - shift]].float()
-                reg = F.smooth_l1_loss(out[mask], goal, reduction="sum") / (n * out.shape[-1])
+                feature = batch.of(head.config.feature_layers[0])[:, shift:][ahead].float()
+                reg = F.smooth_l1_loss(out[mask], feature, reduction="sum") / (n * out.shape[-1])
                 step_loss = step_loss + reg
                 metrics[f"reg{j}"] = float(reg.detach())
             total = total + (0.8 ** j) * step_loss

@@ -35,7 +35,7 @@ from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_p
 from refspec.eval.cli_report import note_corrupt
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,
-                                     sigterm_as_interrupt)
+                                     sigterm_as_interrupt, unwrapped_interrupts)
 from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], pa
         bar.update(1)
 
     try:
-        with _logging_to_tqdm():
+        with _logging_to_tqdm(), unwrapped_interrupts():
             records = run_plan(session, configs, paths, resume=sweep, on_result=on_result, on_skip=on_skip)
     except KeyboardInterrupt:
         bar.close()
@@ -322,11 +322,12 @@ def _main(raw: list[str]) -> int:
         return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "report":
-            from refspec.eval.cli_report import report
+        with unwrapped_interrupts():  # else an interrupt wrapped on its way up reads as an error
+            if args.command == "report":
+                from refspec.eval.cli_report import report
 
-            return report(args)
-        return _execute(args, sweep=args.command == "sweep", argv=norm)
+                return report(args)
+            return _execute(args, sweep=args.command == "sweep", argv=norm)
     except (UsageError, ValueError, RuntimeError, OSError) as exc:  # the refspec errors derive from these
         if getattr(args, "debug", False):
             raise

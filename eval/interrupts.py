@@ -33,6 +33,30 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
+@contextlib.contextmanager
+def unwrapped_interrupts() -> Iterator[None]:
+    """An interrupt that Python wrapped on its way up leaves the block as the KeyboardInterrupt it
+    was (CPython 3.11 turns one raised in a ``__set_name__``, e.g. a dataclass field's while a
+    module imports mid-run, into a RuntimeError)."""
+    try:
+        yield
+    except Exception as exc:
+        if _holds_interrupt(exc):
+            raise KeyboardInterrupt from exc
+        raise
+
+
+def _holds_interrupt(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def import_torch() -> None:
     """Import torch with interrupts held back until it is done, then raise one if it came."""
     import_holding_interrupts("torch")

@@ -67,3 +67,45 @@ def test_an_interrupt_caught_inside_exec_of_a_string_still_exits_130(tmp_path):
         "forget_handled_interrupt()\nsys.exit(130)\n")
     proc = subprocess.run([sys.executable, "-m", "handled"], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 130
+
+
+class _InterruptedSetName:
+    """A class attribute whose ``__set_name__`` is interrupted, as a dataclass field's is when a
+    signal lands while its module imports (CPython 3.11 wraps that in a RuntimeError)."""
+
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_wrapped_on_its_way_up_leaves_as_an_interrupt():
+    from refspec.eval.interrupts import unwrapped_interrupts
+
+    with pytest.raises(KeyboardInterrupt):
+        with unwrapped_interrupts():
+            class _Owner:  # noqa: F841
+                field = _InterruptedSetName()
+    for wrapped in (RuntimeError("cleanup failed"), ValueError("x")):
+        with pytest.raises(KeyboardInterrupt) as got:
+            with unwrapped_interrupts():
+                try:
+                    raise KeyboardInterrupt
+                except KeyboardInterrupt as exc:
+                    raise wrapped from exc
+        assert got.value.__cause__ is wrapped
+    with pytest.raises(RuntimeError, match="plain"):
+        with unwrapped_interrupts():
+            raise RuntimeError("plain")
+
+
+def test_the_cli_exits_130_for_an_interrupt_wrapped_in_an_error(monkeypatch, tmp_path, capsys):
+    from refspec.eval import cli
+
+    def wrapped(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Error calling __set_name__") from exc
+
+    monkeypatch.setattr(cli, "_execute", wrapped)
+    assert cli.main(["--out", str(tmp_path / "out")]) == cli.EXIT_INTERRUPTED
+    assert "error:" not in capsys.readouterr().err

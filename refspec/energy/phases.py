@@ -55,6 +55,13 @@ class ForwardShape:
         experts_touched: distinct experts a mixture-of-experts forward routed to, summed over
             its MoE layers (the expert bytes it read); None for a dense model or a prediction,
             whose expert reads the cost model takes as the expectation over uniform routing.
+        query_tokens: query tokens of a ragged forward (a packed prefill of prompts of
+            different lengths), summed over rows; None: ``rows * tokens_per_row``.
+        attention_pairs: (query, key) pairs one full-attention layer computes, summed over
+            rows; None: ``tokens_per_row * context_tokens`` (every query of a row sees the
+            row's whole attended prefix).
+        sliding_attention_pairs: the same for a sliding-window layer; None: derived as for
+            ``sliding_context_tokens``.
     """
 
     args: ModelArgs
@@ -70,6 +77,9 @@ class ForwardShape:
     extra_flops: int = 0
     matrix_bytes: int | None = None
     experts_touched: int | None = None
+    query_tokens: int | None = None
+    attention_pairs: int | None = None
+    sliding_attention_pairs: int | None = None
 
 
 class WorkRecorder:
@@ -173,6 +183,12 @@ class PhaseEvent:
             (closed loop: its admission time), -1.0 elsewhere.
         queued: requests of the stream not yet admitted, after this phase.
         clock_s: engine clock at the phase's start (s).
+        k: drafts asked of the drafter this step (the speculation policy's choice; 0 on a
+            prefill and in plain decoding).
+        row_lengths: per slot, length ``batch``: the keys of its own sequence the slot's
+            queries attend in this phase (a prefill: its prompt length; a decode step: its
+            committed length plus the step's positions), 0 for an empty or finished slot;
+            what per-row work is charged by (empty when the caller tracks none).
     """
 
     step: int
@@ -190,6 +206,8 @@ class PhaseEvent:
     arrivals_s: tuple[float, ...] = ()
     queued: int = 0
     clock_s: float = 0.0
+    k: int = 0
+    row_lengths: tuple[int, ...] = ()
 
 
 PhaseObserver = Callable[[PhaseEvent], None]

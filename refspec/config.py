@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A config.json that refspec cannot build a model from."""
 
 
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (cache sizes and attended keys come in buckets)."""
+    return -(-x // m) * m
+
+
 def read_json(path: Path, error: Callable[[str], Exception], *, missing: str, fix: str | None = None) -> Any:
     """The JSON document in ``path``, or the caller's typed error naming the file.
 

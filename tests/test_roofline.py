@@ -64,6 +64,45 @@ def test_qwen2_bias_and_sliding_window_caps_keys():
     assert c.kv_read_bytes == keys * 2 * 1 * 32 * 2
 
 
+def test_a_packed_prefill_costs_its_prompts_once_and_reads_the_weights_once():
+    # prompts of 5, 3 and 2 tokens packed into one forward: N = 10 query tokens, sum S_i^2 = 38 pairs
+    lens = (5, 3, 2)
+    packed = forward_cost(ForwardShape(args=TINY, rows=3, tokens_per_row=5, query_tokens=10, context_tokens=10,
+                                       attention_pairs=38, lm_head_tokens=3, dtype_bytes=2))
+    alone = [forward_cost(ForwardShape(args=TINY, rows=1, tokens_per_row=s, context_tokens=s, lm_head_tokens=1,
+                                       dtype_bytes=2)) for s in lens]
+    for field in ("linear_flops", "attention_flops", "lm_head_flops", "kv_read_bytes", "kv_write_bytes",
+                  "activation_bytes"):
+        assert getattr(packed, field) == sum(getattr(c, field) for c in alone), field
+    assert packed.attention_flops == 4 * 4 * 16 * 38 * 2  # 4 H D per pair, 2 layers
+    assert packed.linear_flops == 2 * 10 * 2 * (12288 + 24576)  # 10 tokens, not 3 rows x 5
+    shared = packed.weight_bytes - 2 * 10 * 64  # every weight but the 10 gathered embedding rows
+    assert sum(c.weight_bytes for c in alone) == 3 * shared + 2 * 10 * 64, "alone, each prompt reads them again"
+    padded = forward_cost(ForwardShape(args=TINY, rows=3, tokens_per_row=5, context_tokens=15, lm_head_tokens=3,
+                                       dtype_bytes=2))
+    assert padded.flops > packed.flops, "rows padded to the longest prompt compute more"
+    with pytest.raises(ValueError, match="query_tokens"):
+        forward_cost(ForwardShape(args=TINY, rows=3, tokens_per_row=5, query_tokens=16, context_tokens=10,
+                                  dtype_bytes=2))
+
+
+def test_sliding_layers_take_their_own_reported_pairs():
+    gemma = ModelArgs.from_hf_config(dict(model_type="gemma3_text", vocab_size=96, hidden_size=64,
+                                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=1, head_dim=32, sliding_window=4,
+                                          layer_types=["sliding_attention", "full_attention"]))
+    # prompts of 6 and 2 packed: each layer kind computes the pairs the forward reports for it
+    c = forward_cost(ForwardShape(args=gemma, rows=2, tokens_per_row=6, query_tokens=8, context_tokens=8,
+                                  sliding_context_tokens=6, attention_pairs=40, sliding_attention_pairs=25,
+                                  dtype_bytes=2))
+    assert c.attention_flops == 4 * 4 * 32 * (40 + 25)
+    assert c.kv_read_bytes == (8 + 6) * 2 * 1 * 32 * 2
+    # without reported pairs each layer derives S x its keys, as before
+    d = forward_cost(ForwardShape(args=gemma, rows=2, tokens_per_row=6, context_tokens=8, sliding_context_tokens=6,
+                                  dtype_bytes=2))
+    assert d.attention_flops == 4 * 4 * 32 * 6 * (8 + 6)
+
+
 def test_overrides_layers_lm_head_and_extras():
     shape = ForwardShape(args=TINY, rows=1, tokens_per_row=1, context_tokens=4, dtype_bytes=2, layers=1,
                          lm_head_rows=10, lm_head_tokens=0, extra_weight_bytes=100, extra_flops=7)

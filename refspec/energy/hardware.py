@@ -13,10 +13,9 @@ import functools
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from refspec.energy.roofline import Cost
+from refspec.energy.cost import Cost
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +53,11 @@ class HardwareProfile:
         """Balance point in FLOP/byte: above it a forward is compute-bound."""
         return self.peak_flops / self.bandwidth_Bps
 
-    def time_s(self, cost: "Cost", forwards: int = 1) -> float:
+    def time_s(self, cost: Cost, forwards: int = 1) -> float:
         """Roofline time of ``cost`` spread over ``forwards`` sequential forwards, in s."""
         return max(cost.flops / self.peak_flops, cost.bytes / self.bandwidth_Bps) + forwards * self.overhead_s
 
-    def energy_j(self, cost: "Cost", time_s: float) -> float:
+    def energy_j(self, cost: Cost, time_s: float) -> float:
         """Energy in J of ``cost`` done in ``time_s`` seconds: static + per-FLOP + per-byte."""
         return self.static_w * time_s + PICO * (self.pj_per_flop * cost.flops + self.pj_per_byte * cost.bytes)
 

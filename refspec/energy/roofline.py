@@ -4,7 +4,8 @@ The model answers "what should one step cost on this hardware?" from the archite
 so measured ledgers can be checked against it and so the paper's batch/speculation trade-off
 can be predicted before a GPU is available.
 
-Cost of one forward (:func:`forward_cost`), for N = rows x tokens_per_row query tokens,
+Cost of one forward (:func:`forward_cost`), for N query tokens (rows x tokens_per_row, or a
+ragged forward's ``query_tokens``),
 L decoder layers, E model dim, I MLP dim, H / Hkv heads of dim D, V LM-head rows, b bytes per
 element (shape glossary in :mod:`refspec.config`):
 
@@ -22,10 +23,12 @@ element (shape glossary in :mod:`refspec.config`):
   (:func:`expected_experts`). So verifying K+1 tokens per row reads more expert bytes than
   decoding one, even while memory-bound.
 * **attention FLOPs**: 4 H D per (query, key) pair per layer (2 H D for Q K^T, 2 H D for P V);
-  pairs = tokens_per_row x keys per row, i.e. ``tokens_per_row * context_tokens`` summed over
-  rows, as a dense masked attention computes them. Sliding-window layers read
-  ``sliding_context_tokens`` when a forward reports it; otherwise (predictions) the keys per
-  row are capped at the window (the per-row mean of ``context_tokens`` is capped).
+  pairs = the forward's ``attention_pairs`` when it reports them (a packed prefill: the sum of
+  S_i^2 over its prompts), else tokens_per_row x keys per row, i.e. ``tokens_per_row *
+  context_tokens`` summed over rows, as a dense masked attention computes them. Sliding-window
+  layers take ``sliding_attention_pairs`` and read ``sliding_context_tokens`` when a forward
+  reports them; otherwise (predictions) the keys per row are capped at the window (the per-row
+  mean of ``context_tokens`` is capped).
 * **LM head FLOPs**: 2 V E per token that reaches the head.
 * **KV reads**: keys read per layer x 2 Hkv D b (K and V), with the same sliding cap;
   **KV writes**: N x L x 2 Hkv D b.
@@ -50,6 +53,7 @@ from typing import Sequence
 
 from refspec.config import ModelArgs
 from refspec.energy.architectures import ARCHS, arch, dense_equivalent  # noqa: F401  (re-exported)
+from refspec.energy.cost import Cost  # noqa: F401  (re-exported)
 from refspec.energy.hardware import (GPU_PROFILES, H100_SXM, H200_SXM, HardwareProfile,  # noqa: F401  (re-exported)
                                      cpu_profile, get_profile)
 from refspec.energy.experts import expected_experts, expert_parameters, expert_work  # noqa: F401  (re-exported)
@@ -57,57 +61,6 @@ from refspec.energy.phases import ForwardShape
 
 
 # ---- cost of one forward ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Cost:
-    """FLOPs and main-memory bytes of one or more forwards (add with ``+``).
-
-    Attributes:
-        linear_flops: FLOPs of the decoder-layer projections and MLP.
-        attention_flops: FLOPs of Q K^T and P V.
-        lm_head_flops: FLOPs of the LM head.
-        extra_flops: FLOPs the caller declared (e.g. an EAGLE ``fc``).
-        weight_bytes: weight bytes read.
-        kv_read_bytes: KV-cache bytes read.
-        kv_write_bytes: KV-cache bytes written.
-        activation_bytes: compulsory activation traffic (layer inputs/outputs, logits).
-    """
-
-    linear_flops: float = 0.0
-    attention_flops: float = 0.0
-    lm_head_flops: float = 0.0
-    extra_flops: float = 0.0
-    weight_bytes: float = 0.0
-    kv_read_bytes: float = 0.0
-    kv_write_bytes: float = 0.0
-    activation_bytes: float = 0.0
-
-    @property
-    def flops(self) -> float:
-        """All FLOPs."""
-        return self.linear_flops + self.attention_flops + self.lm_head_flops + self.extra_flops
-
-    @property
-    def bytes(self) -> float:
-        """All main-memory bytes (weights + KV reads/writes + activations)."""
-        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity in FLOP/byte (0 for an empty cost)."""
-        return self.flops / self.bytes if self.bytes else 0.0
-
-    def __add__(self, other: "Cost") -> "Cost":
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    def scale(self, factor: float) -> "Cost":
-        """Every field times ``factor``."""
-        return Cost(*(factor * a for a in dataclasses.astuple(self)))
-
-    def as_dict(self) -> dict[str, float]:
-        """Fields plus the ``flops`` and ``bytes`` totals."""
-        return {**dataclasses.asdict(self), "flops": self.flops, "bytes": self.bytes}
-
-
 def layer_parameters(args: ModelArgs, layer: int = 0) -> tuple[int, int]:
     """Parameters of decoder layer ``layer`` that every token reads (experts excluded).
 
@@ -136,12 +89,20 @@ def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
     return float(shape.context_tokens)
 
 
+def _pairs_per_layer(shape: ForwardShape, layer: int) -> float:
+    """(query, key) pairs ``layer`` computes, summed over rows: as reported, else S x its keys."""
+    reported = shape.sliding_attention_pairs if shape.args.is_sliding(layer) else shape.attention_pairs
+    return float(reported) if reported is not None else shape.tokens_per_row * _keys_per_layer(shape, layer)
+
+
 def forward_cost(shape: ForwardShape) -> Cost:
     """FLOPs and bytes of one forward (see the module docstring for every term).
 
     Args:
         shape: the forward. ``context_tokens`` is the keys each layer reads summed over rows:
-            the attended cache prefix, which includes the slots this forward writes.
+            the attended cache prefix, which includes the slots this forward writes;
+            ``query_tokens``, ``attention_pairs`` and ``sliding_attention_pairs``, when set,
+            replace ``rows * tokens_per_row`` and the pairs derived from the keys.
 
     Returns:
         The forward's :class:`Cost`.
@@ -149,9 +110,12 @@ def forward_cost(shape: ForwardShape) -> Cost:
     a = shape.args
     if shape.rows <= 0 or shape.tokens_per_row <= 0:
         raise ValueError(f"a forward needs rows and tokens_per_row >= 1, got {shape.rows}, {shape.tokens_per_row}")
+    if shape.query_tokens is not None and not 1 <= shape.query_tokens <= shape.rows * shape.tokens_per_row:
+        raise ValueError(f"query_tokens must lie in [1, rows x tokens_per_row = {shape.rows * shape.tokens_per_row}], "
+                         f"got {shape.query_tokens}")
     b = shape.dtype_bytes
     e = a.hidden_size
-    n = shape.rows * shape.tokens_per_row
+    n = shape.rows * shape.tokens_per_row if shape.query_tokens is None else shape.query_tokens
     layers = a.num_layers if shape.layers is None else shape.layers
     lm_tokens = n if shape.lm_head_tokens is None else shape.lm_head_tokens
     lm_rows = a.vocab_size if shape.lm_head_rows is None else shape.lm_head_rows
@@ -159,6 +123,7 @@ def forward_cost(shape: ForwardShape) -> Cost:
     matrices, other = sum(m for m, _ in per_layer), sum(o for _, o in per_layer)  # over the layers that ran
     kv_per_key = 2 * a.num_kv_heads * a.head_dim * b  # K and V of one key in one layer
     keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
+    pairs = sum(_pairs_per_layer(shape, i % a.num_layers) for i in range(layers))
     expert_flops, expert_bytes = expert_work(shape, n, layers)
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0
@@ -167,7 +132,7 @@ def forward_cost(shape: ForwardShape) -> Cost:
                + b * (other + e + min(n, a.vocab_size) * e) + expert_bytes)
     return Cost(
         linear_flops=2.0 * n * matrices + expert_flops,
-        attention_flops=4.0 * a.num_heads * a.head_dim * shape.tokens_per_row * keys,
+        attention_flops=4.0 * a.num_heads * a.head_dim * pairs,
         lm_head_flops=2.0 * lm_tokens * lm_rows * e,
         extra_flops=float(shape.extra_flops),
         weight_bytes=float(weights + shape.extra_weight_bytes),

@@ -151,6 +151,7 @@ def phase_record(event: PhaseEvent, run_id: str) -> dict[str, Any]:
         "slot_requests": list(event.slot_requests), "arrivals_s": list(event.arrivals_s),
         "queued": event.queued, "clock_s": event.clock_s,
         "experts_touched": _experts_touched(event.work),
+        **dict(m.extra),
     }
 
 
@@ -243,6 +244,11 @@ class Ledger:
         self._write(phase_record(event, self.run_id))
         self._seen.add(key)
         self.records_written += 1
+
+    def write_counter(self, fields: Mapping[str, Any]) -> None:
+        """Append one ``"counter"`` record, a read of the run's energy counter, to the current run
+        (fields: :data:`refspec.energy.counter_log.COUNTER_SCHEMA`)."""
+        self._write({"kind": "counter", "version": LEDGER_VERSION, "run_id": self.run_id, **fields})
 
     def close(self, status: str = "complete", reason: str | None = None) -> None:
         """End the current run with ``status``, flush and close the file (idempotent)."""
@@ -342,6 +348,8 @@ def _problem(record: Any) -> str | None:
         return None if "run_id" in record else "run header without run_id"
     if kind == "end":
         return None if "run_id" in record and "status" in record else "end record without run_id or status"
+    if kind == "counter":
+        return None if "run_id" in record and "energy_j" in record else "counter record without run_id or energy_j"
     if kind != "phase":
         return f"unknown kind {kind!r}"
     missing = [f for f in _REQUIRED if f not in record]

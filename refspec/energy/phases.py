@@ -137,11 +137,14 @@ class Measurement:
         energy_j: energy in joules, or None when the meter measures time only.
         source: where the energy came from, e.g. ``"measured:nvml-total-energy(gpu0)"`` or
             ``"modelled:roofline(h200-sxm)"`` or ``"none:time-only"``.
+        extra: further figures of the window the meter knows, as ``(field, value)`` pairs the
+            ledger copies into the phase record (a simulated counter's ``energy_true_j``).
     """
 
     time_s: float
     energy_j: float | None
     source: str
+    extra: tuple[tuple[str, Any], ...] = ()
 
     @property
     def measured(self) -> bool:

@@ -53,10 +53,18 @@ RECORD_FIELDS: dict[str, str] = {
                     "loop at concurrency batch",
     "prompts_unique": "distinct prompts (= requests_unique)", "rows": "requests decoded (= requests)",
     "batches": "ledger runs: 1 for continuous, ceil(N / B) lockstep batches for static",
-    "max_new_tokens": "budget per request (the first token from prefill included)",
+    "max_new_tokens": "the budget cap N: every request's budget (the first token from prefill included) is at "
+                      "most N",
+    "output_lengths": "how the budgets were drawn below N (refspec.eval.requests.resolve_budgets): dist "
+                      "(reference | uniform:R | fixed), reference_quantile and reference_scale_len (the corpus's "
+                      "eval-reference length mapped to N, tokens), scale (the factor applied), and the budgets' "
+                      "min, p50, max and mean",
+    "stream_digest": "sha256 over every request's id, prompt, budget and arrival: a configuration and its "
+                     "baseline served the same stream when theirs are equal",
     "run_ids": "ledger run ids, one per batch", "ledger": "ledger file name (in the output directory)",
-    "request_outputs": "per request, in id order: {id, prompt (token ids fed to the engine), tokens (emitted, a "
-                       "final EOS included)}; the same id is the same prompt in a configuration and its baseline",
+    "request_outputs": "per request, in id order: {id, prompt (token ids fed to the engine), budget (its "
+                       "max_new_tokens), arrival_s (null: closed loop), tokens (emitted, a final EOS included)}; "
+                       "the same id is the same prompt and budget in a configuration and its baseline",
     # the accounting of the batches pooled (refspec.energy.accounting.pool_runs), copied
     "emitted": "output tokens", "drafted": "draft tokens proposed", "accepted": "draft tokens accepted",
     "row_steps": "active row-steps with a verify", "steps": "decode steps, summed over batches",
@@ -105,12 +113,14 @@ RECORD_FIELDS: dict[str, str] = {
     "net_energy_per_token_j": "J/token net of idle power over the whole run (null without idle power)",
     "energy_source": "ledger source string(s): measured:<counter> | modelled:roofline(<profile>) | none:time-only",
     "energy_measured": "true only when every figure came from an energy counter",
-    "energy_source_text": "the source in words", "time_source": "measured (wall clock) | modelled (roofline)",
+    "energy_source_text": "the source in words", "time_source": "wall-clock (timed) | modelled (roofline)",
     # comparisons and provenance
     "roofline": "analytic (modelled) J/token and TPOT of a steady-state step of the same configuration",
     "baseline": "the baseline's figures (config_id, tau, tokens_per_s, TPOT, J/token, source, phases)",
     "energy_saving_vs_baseline": "1 - J/token / baseline J/token (negative: speculation costs energy)",
     "speedup_vs_baseline": "tokens/s / baseline tokens/s",
+    "same_stream_as_baseline": "the baseline served the same requests, budgets and arrivals (stream_digest "
+                               "equal); null without a baseline or a digest",
     "greedy_match_baseline": "greedy outputs equal the baseline's token for token (null: not comparable)",
     "greedy_rows_matching": "rows whose output equals the baseline's",
     "acceptance_injected": "acceptance drawn from a recorded distribution: outputs are not the model's",
@@ -204,10 +214,10 @@ def _drafter_cost_model(drafter: Any, target_args: Any) -> tuple[bool, Any]:
 
 
 def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]],
-                        tau: float | None) -> dict[str, Any] | None:
+                        tau: float | None, budgets: Sequence[int] | None = None) -> dict[str, Any] | None:
     """The analytic (modelled) J/token and TPOT of a steady-state step of ``cfg``, or None.
 
-    Context is the mean prompt length plus half the budget; acceptance is the per-draft
+    Context is the mean prompt length plus half the mean budget (``budgets``, else the cap); acceptance is the per-draft
     acceptance that reproduces the measured tau. Prefill is not part of the prediction. The
     drafter's cost is its own ``roofline_model`` (a plug-in drafter provides one the same way).
     """
@@ -220,7 +230,8 @@ def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts:
     provided, model = (True, None) if cfg.is_baseline else _drafter_cost_model(drafter, args)
     if not provided:
         return None  # a drafter without a cost model gets no prediction
-    context = int(sum(map(len, prompts)) / len(prompts) + cfg.max_new_tokens / 2)
+    mean_budget = sum(budgets) / len(budgets) if budgets else cfg.max_new_tokens
+    context = int(sum(map(len, prompts)) / len(prompts) + mean_budget / 2)
     a = acceptance_from_tau(tau or 1.0, cfg.k)
     p = predict_step(args, profile, batch=cfg.batch, k=cfg.k, context=context, acceptance=a,
                      dtype_bytes=session.dtype_bytes, drafter=model)
@@ -246,7 +257,8 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     """
     if record.get("drafter") == "none":  # the baseline itself: nothing to compare with
         record.update(baseline=None, energy_saving_vs_baseline=None, speedup_vs_baseline=None,
-                      greedy_match_baseline=None, greedy_rows_matching=None, **audit_fields(record, None))
+                      greedy_match_baseline=None, greedy_rows_matching=None, same_stream_as_baseline=None,
+                      **audit_fields(record, None))
         return
     if baseline is None:
         record.setdefault("baseline", None)
@@ -255,6 +267,8 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     fields = ("config_id", "tau", "tokens_per_s", "tpot_p50_s", "tpot_p99_s", "energy_per_token_j",
               "energy_source", "phase_energy_j", "phase_share", "net_energy_per_token_j", "run_ids")
     record["baseline"] = {f: baseline.get(f) for f in fields}
+    digests = (record.get("stream_digest"), baseline.get("stream_digest"))
+    record["same_stream_as_baseline"] = None if None in digests else digests[0] == digests[1]
     record["energy_saving_vs_baseline"] = energy_saving(record.get("energy_per_token_j"),
                                                         baseline.get("energy_per_token_j"))
     record["speedup_vs_baseline"] = speedup(record.get("tokens_per_s"), baseline.get("tokens_per_s"))

@@ -118,7 +118,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
             "threads": torch.get_num_threads(), "prompt_len": prompt_len, "new_tokens": new_tokens,
             "profile": {"name": prof.name, "bandwidth_GBps": prof.bandwidth_Bps / 1e9,
                         "peak_GFLOPs": prof.peak_flops / 1e9, "ridge_flop_per_byte": prof.ridge,
-                        "measured": prof.measured},
+                        "benchmarked": prof.benchmarked},
             "cells": cells,
             "raw": {**_errors(pred, meas), "what": "roofline time of the verify forward, no overhead term"},
             "fitted": {**_errors(fitted, meas), "scale": a, "overhead_ms": c0,

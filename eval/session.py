@@ -57,7 +57,8 @@ class Session:
         self._verify_fn: Any = None
         self._cuda_graphs: bool | None = None
         self._drafters: dict[tuple, Any] = {}
-        self._prompts: dict[tuple, list[list[int]]] = {}
+        self._prompts: dict[tuple, Any] = {}
+        self._streams: dict[tuple, Any] = {}
         self._warm: set[tuple] = set()
 
     # ---- shared objects -----------------------------------------------------------------------
@@ -100,8 +101,8 @@ class Session:
 
     @property
     def time_source(self) -> str:
-        """``modelled`` when the meter models time (a roofline meter in model mode), else ``measured``."""
-        return "modelled" if getattr(self.meter, "time_source", "measured") == "model" else "measured"
+        """``modelled`` when the meter models time (a roofline meter in model mode), else ``wall-clock``."""
+        return "modelled" if getattr(self.meter, "time_source", "wall_time") == "model" else "wall-clock"
 
     @property
     def roofline_profile(self) -> Any:
@@ -165,22 +166,47 @@ class Session:
             self._drafters[key] = registry.build(cfg.drafter, ctx)
         return self._drafters[key]
 
-    def prompts(self, corpus: str, wanted: int, cap: int | None = None) -> list[list[int]]:
-        """Token ids of up to ``min(wanted, cap)`` distinct eval prompts of ``corpus``
-        (:func:`refspec.eval.requests.corpus_prompts`)."""
+    def prompt_set(self, corpus: str, wanted: int, cap: int | None = None) -> Any:
+        """Up to ``min(wanted, cap)`` distinct eval prompts of ``corpus`` with their reference answers'
+        lengths (:func:`refspec.eval.requests.corpus_prompt_set`)."""
         key = (corpus, wanted, cap)
         if key not in self._prompts:
-            from refspec.eval.requests import corpus_prompts
+            from refspec.eval.requests import corpus_prompt_set
 
             tok = self.target.tokenizer
             chat = self.chat and bool(getattr(tok, "has_chat_template", False))
             try:
-                self._prompts[key] = corpus_prompts(corpus, tok, chat=chat, wanted=wanted, cap=cap)
+                self._prompts[key] = corpus_prompt_set(corpus, tok, chat=chat, wanted=wanted, cap=cap)
             except ValueError as exc:
                 if "no eval prompts" in str(exc):
                     raise UsageError(str(exc)) from None
                 raise
         return self._prompts[key]
+
+    def prompts(self, corpus: str, wanted: int, cap: int | None = None) -> list[list[int]]:
+        """The token ids of :meth:`prompt_set`'s prompts."""
+        return self.prompt_set(corpus, wanted, cap).prompts
+
+    def stream(self, cfg: RunConfig) -> Any:
+        """The request stream of ``cfg`` (:func:`refspec.eval.requests.build_stream`), built once per
+        stream setting: a configuration and its baseline serve the same requests, budgets and arrivals.
+
+        Raises:
+            UsageError: ``--output-len-dist reference`` on prompts without reference answers.
+        """
+        from refspec.eval.requests import LengthDist, build_stream
+
+        key = (cfg.corpus, cfg.num_requests, cfg.num_prompts, cfg.max_new_tokens, cfg.output_len_dist, cfg.seed,
+               cfg.request_rate)
+        if key not in self._streams:
+            prompt_set = self.prompt_set(cfg.corpus, cfg.num_requests, cfg.num_prompts)
+            try:
+                self._streams[key] = build_stream(prompt_set, cfg.num_requests, max_new_tokens=cfg.max_new_tokens,
+                                                  dist=LengthDist.parse(cfg.output_len_dist), rate=cfg.request_rate,
+                                                  seed=cfg.seed)
+            except ValueError as exc:
+                raise UsageError(f"--corpus {cfg.corpus}: {exc}") from None
+        return self._streams[key]
 
     def warm(self, engine: Any, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
         """One short unrecorded run at this (drafter, K, batch, schedule), once per session: a

@@ -182,7 +182,7 @@ def test_roofline_meter_wall_time():
     ticks = iter([10.0, 10.5])
     shape = ForwardShape(args=TINY, rows=1, tokens_per_row=1, context_tokens=3, dtype_bytes=4)
     c = forward_cost(shape)
-    m = RooflineMeter(TOY, time_source="measured", clock=lambda: next(ticks))
+    m = RooflineMeter(TOY, time_source="wall_time", clock=lambda: next(ticks))
     m.begin("verify")
     out = m.end("verify", (shape,))
     assert out.time_s == 0.5
@@ -200,7 +200,7 @@ def test_make_meter_kinds(monkeypatch):
     assert h200.source == "modelled:roofline(h200-sxm)" and h200.time_source == "model"
     monkeypatch.setattr(meters, "cpu_profile", lambda dtype_bytes=2: HardwareProfile(
         name="cpu-test", peak_flops=1e9, bandwidth_Bps=1e9, static_w=1, pj_per_flop=1, pj_per_byte=1, idle_w=1,
-        measured=True))
+        benchmarked=True))
     monkeypatch.setattr(meters, "nvml_energy_counter_available", lambda gpu_index=0: False)
     monkeypatch.setattr(meters, "_cuda_sync", lambda: None)
     auto = make_meter("auto")

@@ -196,9 +196,9 @@ def test_a_free_drafter_is_charged_no_forward_and_no_launch_overhead():
     assert costly.draft_time_s >= 3 * H200_SXM.overhead_s, "a drafter that runs forwards pays their launches"
 
 
-def test_cpu_profile_is_measured():
+def test_cpu_profile_is_benchmarked():
     p = cpu_profile(4, weight_mib=8)  # small matrix: fast (a real profile streams 64 MiB)
-    assert p.measured and p.peak_flops > 1e8 and p.bandwidth_Bps > 1e8
+    assert p.benchmarked and p.peak_flops > 1e8 and p.bandwidth_Bps > 1e8
     assert p.name.startswith("cpu-fp32-")
 
 

@@ -1,7 +1,7 @@
 """Hardware profiles of the roofline model: peak FLOP/s, bandwidth and energy coefficients.
 
 The GPU profiles' peak and bandwidth are data-sheet numbers; their energy coefficients are
-priors from the paper's range, to be calibrated on a real GPU. The CPU profile measures this
+priors from the paper's range, to be calibrated on a real GPU. The CPU profile times this
 machine's bandwidth and peak at first use; its energy coefficients are uncalibrated priors (no
 RAPL counter is readable here), so every CPU energy figure is modelled. The cost of a forward
 is :mod:`refspec.energy.roofline`'s.
@@ -35,7 +35,8 @@ class HardwareProfile:
         pj_per_byte: dynamic energy per byte moved from/to main memory in pJ.
         idle_w: power of the idle device in W (what "net of idle" subtracts).
         overhead_s: fixed time per forward (launch / dispatch) in s.
-        measured: whether peak and bandwidth were measured on this machine (not data sheet).
+        benchmarked: whether peak and bandwidth were timed on this machine by benchmarks (not the
+            data sheet); its energy coefficients stay modelled either way.
     """
 
     name: str
@@ -46,7 +47,7 @@ class HardwareProfile:
     pj_per_byte: float
     idle_w: float
     overhead_s: float = 0.0
-    measured: bool = False
+    benchmarked: bool = False
 
     @property
     def ridge(self) -> float:
@@ -97,7 +98,7 @@ def _bench(fn: Any, reps: int = 5, budget_s: float = 0.15) -> float:
 
 @functools.lru_cache(maxsize=None)
 def cpu_profile(dtype_bytes: int = 2, weight_mib: int = 64) -> HardwareProfile:
-    """Profile of this CPU, with bandwidth and peak measured now (~0.5 s, cached per process).
+    """Profile of this CPU, with bandwidth and peak timed now (~0.5 s, cached per process).
 
     Bandwidth is what a decode forward sees: ``F.linear`` of one token against a ``weight_mib`` MiB
     weight matrix (larger than the last-level cache), bytes of the matrix / best time. Peak is
@@ -110,8 +111,8 @@ def cpu_profile(dtype_bytes: int = 2, weight_mib: int = 64) -> HardwareProfile:
         weight_mib: size of the streamed matrix in MiB; keep it above the last-level cache.
 
     Returns:
-        A profile named ``cpu-<dtype>-<threads>t`` with ``measured=True`` and the CPU energy
-        priors (modelled, not measured: there is no energy counter on this machine).
+        A profile named ``cpu-<dtype>-<threads>t`` with ``benchmarked=True`` and the CPU energy
+        priors (modelled: there is no energy counter on this machine).
     """
     import torch
 
@@ -128,14 +129,14 @@ def cpu_profile(dtype_bytes: int = 2, weight_mib: int = 64) -> HardwareProfile:
         peak = 2 * n**3 / _bench(lambda: torch.nn.functional.linear(a, b))
     threads = torch.get_num_threads()
     name = f"cpu-{'bf16' if dtype_bytes == 2 else 'fp32'}-{threads}t"
-    logger.info("measured %s: %.1f GB/s matrix-vector, %.1f GFLOP/s matmul", name, bandwidth / 1e9, peak / 1e9)
+    logger.info("benchmarked %s: %.1f GB/s matrix-vector, %.1f GFLOP/s matmul", name, bandwidth / 1e9, peak / 1e9)
     return HardwareProfile(name=name, peak_flops=peak, bandwidth_Bps=bandwidth, static_w=CPU_STATIC_W,
                            pj_per_flop=CPU_PJ_PER_FLOP, pj_per_byte=CPU_PJ_PER_BYTE, idle_w=CPU_IDLE_W,
-                           overhead_s=0.0, measured=True)
+                           overhead_s=0.0, benchmarked=True)
 
 
 def get_profile(name: str, dtype_bytes: int = 2) -> HardwareProfile:
-    """Profile by name: ``h100``/``h100-sxm``, ``h200``/``h200-sxm``, or ``cpu`` (measured now)."""
+    """Profile by name: ``h100``/``h100-sxm``, ``h200``/``h200-sxm``, or ``cpu`` (benchmarked now)."""
     if name == "cpu" or name.startswith("cpu-"):
         return cpu_profile(dtype_bytes)
     try:

@@ -14,7 +14,7 @@ the same name nest last-in first-out. Each measurement's ``source`` says what it
                           (:mod:`refspec.energy.nvml_meter`)
 ``RooflineMeter``         ``modelled:roofline(<profile>)``: time and energy from the analytic
                           model of the window's work; or ``modelled:roofline(<profile>,wall-time)``
-                          when the time is measured and only the energy is modelled
+                          when the time is the wall clock and only the energy is modelled
 ``TimeMeter``             ``none:time-only``: wall time, energy None
 ``FakeMeter``             ``measured:fake-counter`` (configurable): injected clock and counter,
                           for tests that assert exact numbers
@@ -114,7 +114,7 @@ class FakeMeter:
         return m
 
 
-TimeSource = Literal["model", "measured"]
+TimeSource = Literal["model", "wall_time"]
 
 
 class RooflineMeter:
@@ -127,33 +127,33 @@ class RooflineMeter:
       Nothing is measured: the figures say what the profile's hardware would take, whatever
       machine ran the code. A window without forwards (commit) costs 0 s and 0 J. Source
       ``modelled:roofline(<profile>)``.
-    * ``"measured"``: time = wall clock between begin and end (after ``sync``); energy = static W
-      x measured time + the same dynamic terms. Use it when the profile describes the machine
+    * ``"wall_time"``: time = wall clock between begin and end (after ``sync``); energy = static W
+      x that time + the same dynamic terms. Use it when the profile describes the machine
       that runs (the CPU profile): the static power then integrates over real time, including
       Python and commit overhead the roofline ignores. Source
       ``modelled:roofline(<profile>,wall-time)``: the energy is still modelled.
 
     Args:
         profile: hardware profile.
-        time_source: ``"model"`` or ``"measured"``.
-        sync: called before each clock read in measured mode.
+        time_source: ``"model"`` or ``"wall_time"``.
+        sync: called before each clock read in wall-time mode.
         clock: seconds clock (injectable for tests).
     """
 
     def __init__(self, profile: HardwareProfile, *, time_source: TimeSource = "model",
                  sync: Callable[[], None] | None = None, clock: Clock = time.perf_counter) -> None:
-        if time_source not in ("model", "measured"):
-            raise ValueError(f"time_source must be 'model' or 'measured', got {time_source!r}")
+        if time_source not in ("model", "wall_time"):
+            raise ValueError(f"time_source must be 'model' or 'wall_time', got {time_source!r}")
         self.profile = profile
         self.time_source = time_source
         self.idle_w: float | None = profile.idle_w
         suffix = "" if time_source == "model" else ",wall-time"
         self.source = f"modelled:roofline({profile.name}{suffix})"
         # the windows and the wall clock are a TimeMeter's; with modelled time no clock is read
-        self._timer = TimeMeter(sync, clock) if time_source == "measured" else TimeMeter(clock=lambda: 0.0)
+        self._timer = TimeMeter(sync, clock) if time_source == "wall_time" else TimeMeter(clock=lambda: 0.0)
 
     def begin(self, name: str) -> None:
-        """Open a window (reads the clock only in measured mode)."""
+        """Open a window (reads the clock only in wall-time mode)."""
         self._timer.begin(name)
 
     def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
@@ -196,14 +196,14 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
             only), ``"fake"`` (needs ``clock`` and ``energy``), or ``"auto"``: the first
             measured meter of :func:`measured_gpu_meter`; a CUDA GPU none can read gets the
             roofline meter with its data-sheet profile (H100/H200) or, if unknown, the time
-            meter; no GPU gets the roofline meter with this CPU's measured profile in
+            meter; no GPU gets the roofline meter with this CPU's benchmarked profile in
             wall-time mode.
         gpu_index: GPU to meter.
         profile: roofline profile name (``cpu``, ``h100``, ``h200``) or object; default: the
             CPU profile without a GPU, else the GPU's.
-        time_source: roofline time source; default ``"measured"`` for the CPU profile (it is
+        time_source: roofline time source; default ``"wall_time"`` for the CPU profile (it is
             the machine that runs) and ``"model"`` for a GPU profile on a machine without it.
-        dtype_bytes: element size the CPU profile is measured for.
+        dtype_bytes: element size the CPU profile is benchmarked for.
         clock: clock for ``fake`` (and optionally ``time``).
         energy: cumulative energy counter in J for ``fake``.
         **fake_kwargs: passed to :class:`FakeMeter` (``source``, ``counter_period_s``, ``idle_w``).
@@ -228,7 +228,7 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
     if kind == "roofline":
         prof = _roofline_profile(profile, gpu_index, dtype_bytes)
         if time_source is None:
-            time_source = "measured" if prof.measured else "model"
+            time_source = "wall_time" if prof.benchmarked else "model"
         return RooflineMeter(prof, time_source=time_source, sync=_cuda_sync(), clock=clock or time.perf_counter)
     if kind == "auto":
         return _auto_meter(gpu_index, time_source, dtype_bytes)
@@ -236,7 +236,7 @@ def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | H
 
 
 def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dtype_bytes: int) -> HardwareProfile:
-    """The profile asked for, else this GPU's data-sheet profile, else this CPU's measured one."""
+    """The profile asked for, else this GPU's data-sheet profile, else this CPU's benchmarked one."""
     if isinstance(profile, HardwareProfile):
         return profile
     if profile is not None:
@@ -271,10 +271,10 @@ def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = 
 
 def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int) -> Any:
     """A measured meter on a GPU; a GPU none can read: its roofline profile or time only; no GPU:
-    this CPU's measured roofline profile."""
+    this CPU's benchmarked roofline profile."""
     sync = _cuda_sync()
     if sync is None:
-        return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "measured")
+        return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "wall_time")
     try:
         return measured_gpu_meter(gpu_index, sync=sync)
     except NoGPUError as exc:
@@ -284,7 +284,7 @@ def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int
         logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only", gpu_index)
         return TimeMeter(sync=sync)
     logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpu_index, prof.name)
-    return RooflineMeter(prof, time_source=time_source or "measured", sync=sync)
+    return RooflineMeter(prof, time_source=time_source or "wall_time", sync=sync)
 
 
 __all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "CounterMeter", "RooflineMeter", "make_meter",

@@ -82,7 +82,7 @@ def _measured_meter(dry: bool) -> tuple[Any, str, float | None] | str:
 def _modelled_meter(dry: bool, profile: Any, reason: str) -> tuple[Any, str, float | None]:
     from refspec.energy.meters import RooflineMeter
 
-    meter = RooflineMeter(profile, time_source="measured", sync=None if dry else torch.cuda.synchronize)
+    meter = RooflineMeter(profile, time_source="wall_time", sync=None if dry else torch.cuda.synchronize)
     return meter, f"MODELLED by {meter.source} ({reason})", profile.idle_w
 
 

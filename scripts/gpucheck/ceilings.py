@@ -108,4 +108,4 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, shapes: CeilingSh
 def profile_with_ceilings(profile: Any, ceilings: dict[str, Any]) -> Any:
     """``profile`` with the measured copy bandwidth and GEMM peak (best trials) in place of its own."""
     return dataclasses.replace(profile, name=f"{profile.name}@run-ceilings", peak_flops=ceilings["gemm"]["best"],
-                               bandwidth_Bps=ceilings["copy"]["best"], measured=True)
+                               bandwidth_Bps=ceilings["copy"]["best"], benchmarked=True)

@@ -38,7 +38,7 @@ DEFAULT_BATCH = 8
 DEFAULT_NUM_PROMPTS = None
 """No cap: a run draws as many distinct prompts as it serves requests."""
 SCHEDULES = ("continuous", "static")
-SUMMARY_FIELDS = ("schedule", "requests", "requests_unique", "request_rate", "mean_active_rows",
+SUMMARY_FIELDS = ("schedule", "requests", "requests_unique", "request_rate", "output_lengths", "mean_active_rows",
                   "window_mean_active_rows", "window_s", "window_tokens", "window_energy_j", "window_first_step",
                   "window_last_step", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s",
                   "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "energy_per_token_j", "energy_per_token_j_run")
@@ -90,6 +90,11 @@ def _add_serving(g: Any, *, sweep: bool) -> None:
     g.add_argument("--request-rate", type=float, default=None, metavar="R",
                    help="open loop: requests arrive as a seeded Poisson process of R per second (engine clock); "
                         "default: closed loop at concurrency --batch (continuous schedule only)")
+    g.add_argument("--output-len-dist", default="auto", metavar="DIST",
+                   help="each request's budget below --max-new-tokens N: reference (the corpus's reference-answer "
+                        "lengths, scaled so the corpus's 99th percentile maps to N), uniform:R (seeded, uniform over "
+                        "[R x N, N]), fixed (N each: lockstep waves), or auto (reference where the corpus has "
+                        "reference answers, else uniform:0.25); EOS still ends a request early")
 
 
 def _add_hardware(p: argparse.ArgumentParser) -> None:
@@ -138,7 +143,8 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
                    help="at most this many distinct prompts from each corpus (default: as many as --requests; "
                         "requests beyond them repeat prompts cyclically)")
     _add_serving(g, sweep=sweep)
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="budget per request")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="the budget cap N: each request's own budget is at most N (see --output-len-dist)")
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
@@ -334,6 +340,12 @@ def check_serving_flags(args: argparse.Namespace, *, sweep: bool) -> list[str]:
     if bad or (len(schedules) > 1 and not sweep):
         raise UsageError(f"--schedule {args.schedule!r}: use {' or '.join(SCHEDULES)}"
                          + ("" if sweep else " (a sweep takes several, comma-separated)"))
+    from refspec.eval.requests import LengthDist
+
+    try:
+        LengthDist.parse(args.output_len_dist)
+    except ValueError as exc:
+        raise UsageError(f"--output-len-dist: {exc}") from None
     if args.requests is not None:
         integer("--requests", args.requests, low=1, high=10_000_000, fix="the number of requests a run serves")
     if args.request_rate is not None:
@@ -367,7 +379,8 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                      device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat,
-                     schedule=schedules[0], requests=args.requests, request_rate=args.request_rate)
+                     schedule=schedules[0], requests=args.requests, request_rate=args.request_rate,
+                     output_len_dist=args.output_len_dist)
     grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
                      default_k=default_k, schedules=tuple(schedules))

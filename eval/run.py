@@ -59,7 +59,7 @@ class RunConfig:
         batch: rows per batch B.
         corpus: built-in corpus name or prompt file.
         num_prompts: at most this many distinct prompts (None: as many as requests).
-        max_new_tokens: budget per request.
+        max_new_tokens: the budget cap N: each request's own budget is at most N.
         dtype: ``fp32``, ``bf16`` or ``fp16`` (resolved, never ``auto``).
         device: torch device string (resolved).
         meter: meter kind (``auto``, ``zeus``, ``roofline``, ``roofline:<profile>``, ``time``).
@@ -73,6 +73,8 @@ class RunConfig:
         schedule: ``continuous`` (slots refilled from the stream) or ``static`` (lockstep batches).
         requests: requests served (None: :func:`refspec.eval.requests.default_requests`).
         request_rate: open-loop Poisson arrivals per second, None for closed loop.
+        output_len_dist: how the budgets are drawn below N (:class:`refspec.eval.requests.LengthDist`):
+            ``auto``, ``reference``, ``fixed`` or ``uniform:R``.
     """
 
     model: str
@@ -97,6 +99,7 @@ class RunConfig:
     schedule: str = "continuous"
     requests: int | None = None
     request_rate: float | None = None
+    output_len_dist: str = "auto"
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -113,6 +116,12 @@ class RunConfig:
             raise UsageError("--request-rate needs --schedule continuous (static batches have no arrivals)")
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        from refspec.eval.requests import LengthDist
+
+        try:
+            LengthDist.parse(self.output_len_dist)
+        except ValueError as exc:
+            raise UsageError(f"--output-len-dist: {exc}") from None
         if self.k < 0:
             raise UsageError(f"k must be >= 0, got {self.k}")
         if (self.drafter == "none") != (self.k == 0):
@@ -198,6 +207,7 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     """
     _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
     prompts = _prompts(session, cfg)
+    session.stream(cfg)  # budgets: --output-len-dist reference without reference answers fails here
     drafter = session.drafter(cfg)
     if cfg.schedule == "continuous" and drafter is not None and not callable(getattr(drafter, "reset_rows", None)):
         raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
@@ -264,9 +274,8 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
     chunk a ledger run of its own (the first is open); returns the ``ServeResult`` of each."""
     from tqdm.auto import tqdm
 
-    budget = cfg.max_new_tokens
     results = []
-    with tqdm(total=sum(map(len, chunks)) * budget, unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
+    with tqdm(total=sum(q.max_new_tokens for c in chunks for q in c), unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
               disable=not session.progress, leave=False) as bar:
         for i, run_id in enumerate(run_ids):
             if i:
@@ -284,7 +293,7 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
             res = engine.serve(list(chunks[i]), batch=cfg.batch if continuous else len(chunks[i]), generator=gen,
                                refill=continuous)
             results.append(res)
-            bar.update(len(chunks[i]) * budget - counted[0])
+            bar.update(sum(q.max_new_tokens for q in chunks[i]) - counted[0])
             bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {res.tau:.2f}")
     return results
 
@@ -293,7 +302,8 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
             ledger_path: Path, injection: dict[str, Any] | None) -> dict[str, Any]:
     """The configuration's record: its identity, what ran, and the pooled accounting's figures."""
     served = {r.id: r for res in results for r in res.requests}
-    outputs = [{"id": q.id, "prompt": list(q.prompt), "tokens": list(served[q.id].tokens)} for q in stream.requests]
+    outputs = [{"id": q.id, "prompt": list(q.prompt), "budget": q.max_new_tokens, "arrival_s": q.arrival_s,
+                "tokens": list(served[q.id].tokens)} for q in stream.requests]
     output_digest, row_digests = _digest([o["tokens"] for o in outputs])
     return {
         "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
@@ -304,7 +314,8 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
         "compiled_step": bool(getattr(session, "compile_step", False)),
         "schedule": cfg.schedule, "requests": len(stream.requests), "requests_unique": stream.unique,
         "request_rate": cfg.request_rate, "prompts_unique": stream.unique, "rows": len(stream.requests),
-        "batches": len(acc.run_ids), "max_new_tokens": cfg.max_new_tokens, "run_ids": list(acc.run_ids),
+        "batches": len(acc.run_ids), "max_new_tokens": cfg.max_new_tokens, "output_lengths": stream.lengths,
+        "stream_digest": stream.digest, "run_ids": list(acc.run_ids),
         "ledger": ledger_path.name, **accounting_fields(acc),
         "time_source": session.time_source, "threads": torch.get_num_threads(),
         "acceptance_injected": injection is not None, "injection": injection,
@@ -337,12 +348,9 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     """
     from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
 
-    from refspec.eval.requests import make_stream
-
     t_start = time.perf_counter()
     prompts = _prompts(session, cfg)
-    stream = make_stream(prompts, cfg.num_requests, max_new_tokens=cfg.max_new_tokens, rate=cfg.request_rate,
-                         seed=cfg.seed)
+    stream = session.stream(cfg)  # the same requests, budgets and arrivals for every configuration
     chunks = [stream.requests] if cfg.schedule == "continuous" else stream.chunks(cfg.batch)
     drafter = session.drafter(cfg)
     acceptance_fn, injection, inj_label = _acceptance_injection(cfg, session.device)
@@ -361,7 +369,8 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         record = _record(session, cfg, acc, stream=stream, results=results, ledger_path=ledger_path,
                          injection=injection)
         record.update(experts_fields(ledger_records, ledger.run_ids))
-        record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau)
+        record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,
+                                                 budgets=[q.max_new_tokens for q in stream.requests])
         compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
         record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
                       wall_s=time.perf_counter() - t_start, created_unix_s=time.time())

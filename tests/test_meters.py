@@ -203,13 +203,15 @@ def test_make_meter_kinds(monkeypatch):
         benchmarked=True))
     monkeypatch.setattr(meters, "nvml_energy_counter_available", lambda gpu_index=0: False)
     monkeypatch.setattr(meters, "_cuda_sync", lambda: None)
-    auto = make_meter("auto")
+    auto = make_meter("auto", powercap_root="/nonexistent/powercap")  # no RAPL: the modelled CPU profile
     assert isinstance(auto, RooflineMeter)
     assert auto.source == "modelled:roofline(cpu-test,wall-time)" and auto.idle_w == 1
     with pytest.raises(ValueError):
         make_meter("fake")
-    with pytest.raises(ValueError, match="unknown meter kind"):
-        make_meter("rapl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown meter 'joules'"):
+        make_meter("joules")
+    with pytest.raises(meters.NoCounterError, match="no readable intel-rapl zone"):
+        make_meter("rapl", powercap_root="/nonexistent/powercap")
 
 
 # ---- NVML through pynvml (no Zeus) and Zeus's "no GPU" errors ---------------------------------
@@ -272,7 +274,7 @@ def test_refused_counter_falls_back_to_an_exact_power_integral():
     # begin samples 100 W; two thread-free samples 140 W and 180 W, 1 s apart; end reads 180 W
     nv = fake_pynvml(w, counter=False, power_w=[999.0, 100.0, 140.0, 180.0, 180.0])
     m = meters.nvml_meter(0, pynvml_module=nv, clock=w.clock, start_thread=False)
-    assert m.source == "measured:nvml-power-integral(gpu0)"
+    assert m.source == "measured:nvml-power-integral-of-average(gpu0)"  # no instantaneous field in this pynvml
     m.begin("decode")
     integral = m._counter.__self__  # the PowerIntegral behind the meter
     w.advance(1.0, 0.0)

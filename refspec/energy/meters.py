@@ -3,40 +3,58 @@
 Every meter implements :class:`refspec.energy.phases.EnergyMeter`: ``begin(name)`` opens a window,
 ``end(name, work)`` closes the most recent open window of that name and returns a
 :class:`~refspec.energy.phases.Measurement`. Windows of different names may nest or overlap; windows of
-the same name nest last-in first-out. Each measurement's ``source`` says what it is:
+the same name nest last-in first-out. Each measurement's ``source`` says what it is.
+
+A run's phases (milliseconds) are below any energy counter's resolution, so the meters of a run
+over a counter are :class:`~refspec.energy.windowed.WindowedMeter`: phases timed, ``energy_j``
+None, the counter read at the run's start and end and over sub-windows of at least ten counter
+periods, the reads written as ``counter`` records (:mod:`refspec.energy.counter_log`):
 
 ========================  ===================================================================
-``ZeusMeter``             ``measured:nvml-total-energy(gpu<i>)``: NVML's total-energy counter
-                          read by Zeus (GPU only; updates every 20-100 ms, so a single
-                          millisecond phase often reads 0 J, see :mod:`refspec.energy.attribution`)
-``CounterMeter``          the same counter read through ``pynvml`` where Zeus is missing, or
-                          ``measured:nvml-power-integral(gpu<i>)`` where NVML refuses the counter
-                          (:mod:`refspec.energy.nvml_meter`)
+``WindowedMeter``         over NVML's total-energy counter (``measured:nvml-total-energy(gpu0,gpu1)``,
+                          read by Zeus or pynvml; a power integral where NVML refuses it,
+                          :mod:`refspec.energy.nvml_meter`), RAPL's package and DRAM counters
+                          (``measured:rapl(package-0,dram-0)``, :mod:`refspec.energy.rapl`)
+``SimulatedMeter``        ``modelled:simulated-counter(...)``: a counter sampling the roofline's
+                          per-phase energy like NVML (:mod:`refspec.energy.simulated`)
+========================  ===================================================================
+
+Meters that give every window its energy directly:
+
+========================  ===================================================================
 ``RooflineMeter``         ``modelled:roofline(<profile>)``: time and energy from the analytic
                           model of the window's work; or ``modelled:roofline(<profile>,wall-time)``
                           when the time is the wall clock and only the energy is modelled
 ``TimeMeter``             ``none:time-only``: wall time, energy None
 ``FakeMeter``             ``measured:fake-counter`` (configurable): injected clock and counter,
                           for tests that assert exact numbers
+``ZeusMeter``,            ``measured:nvml-total-energy(gpu<i>)``: explicit windows over one GPU's
+``CounterMeter``          counter (Zeus; pynvml), for windows long enough to resolve (phase loops,
+                          idle power; :func:`measured_gpu_meter`)
 ========================  ===================================================================
 
-:func:`make_meter` picks one by name; ``"auto"`` takes the first measured meter of :func:`measured_gpu_meter`
-(Zeus, then pynvml's counter, then pynvml's power integral) and, where none can be built, the
-roofline model (labelled modelled).
+:func:`make_meter` builds one from a ``--meter`` spec (:mod:`refspec.energy.meter_spec`); ``"auto"``
+takes a GPU's NVML counter (Zeus, then pynvml), else this CPU's RAPL counter, else the roofline
+model (labelled modelled).
 """
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from refspec.energy.hardware import HardwareProfile, cpu_profile, get_profile
 from refspec.energy.phases import ForwardShape, Measurement
 from refspec.energy.roofline import total_cost, work_time_s
-from refspec.energy.windows import (DEFAULT_COUNTER_PERIOD_S, MeterError, NoGPUError,  # noqa: F401  (re-exported)
-                                    ShortWindowWarner, Windows)
-from refspec.energy.nvml_meter import CounterMeter, nvml_meter
-from refspec.energy.zeus_meter import ZeusMeter, nvml_energy_counter_available  # noqa: F401  (re-exported)
+from refspec.energy.windows import (DEFAULT_COUNTER_PERIOD_S, MeterError, NoCounterError,  # noqa: F401  (re-exported)
+                                    NoGPUError, ShortWindowWarner, Windows)
+from refspec.energy.meter_spec import MeterSpecError, parse_meter_spec  # noqa: F401  (re-exported)
+from refspec.energy.nvml_meter import CounterMeter, nvml_counter, nvml_meter
+from refspec.energy.rapl import POWERCAP_ROOT, rapl_counter
+from refspec.energy.simulated import DEFAULT_PERIOD_MS, SimulatedMeter
+from refspec.energy.windowed import WindowedMeter
+from refspec.energy.zeus_meter import ZeusCounter, ZeusMeter, nvml_energy_counter_available  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +182,6 @@ class RooflineMeter:
         return Measurement(time_s=time_s, energy_j=self.profile.energy_j(cost, time_s), source=self.source)
 
 
-MeterKind = Literal["auto", "zeus", "nvml", "roofline", "time", "fake"]
-
-
 def _cuda_sync() -> Callable[[], None] | None:
     try:
         import torch
@@ -185,54 +200,69 @@ def _profile_for_this_gpu(gpu_index: int) -> HardwareProfile | None:
     return None
 
 
-def make_meter(kind: MeterKind = "auto", *, gpu_index: int = 0, profile: str | HardwareProfile | None = None,
-               time_source: TimeSource | None = None, dtype_bytes: int = 2,
-               clock: Clock | None = None, energy: Counter | None = None, **fake_kwargs: Any) -> Any:
-    """Build an energy meter by name.
+def make_meter(kind: str = "auto", *, gpu_index: int = 0, profile: str | HardwareProfile | None = None,
+               time_source: TimeSource | None = None, dtype_bytes: int = 2, clock: Clock | None = None,
+               energy: Counter | None = None, powercap_root: str | Path = POWERCAP_ROOT, **fake_kwargs: Any) -> Any:
+    """Build an energy meter from a ``--meter`` spec (:mod:`refspec.energy.meter_spec`).
 
     Args:
-        kind: ``"zeus"`` (NVML counter through Zeus), ``"nvml"`` (NVML through pynvml: the
-            counter, else a power integral), ``"roofline"`` (modelled), ``"time"`` (time
-            only), ``"fake"`` (needs ``clock`` and ``energy``), or ``"auto"``: the first
-            measured meter of :func:`measured_gpu_meter`; a CUDA GPU none can read gets the
-            roofline meter with its data-sheet profile (H100/H200) or, if unknown, the time
-            meter; no GPU gets the roofline meter with this CPU's benchmarked profile in
-            wall-time mode.
-        gpu_index: GPU to meter.
-        profile: roofline profile name (``cpu``, ``h100``, ``h200``) or object; default: the
-            CPU profile without a GPU, else the GPU's.
-        time_source: roofline time source; default ``"wall_time"`` for the CPU profile (it is
-            the machine that runs) and ``"model"`` for a GPU profile on a machine without it.
+        kind: the spec, ``KIND[:PROFILE][:key=value]...``: ``zeus`` / ``nvml`` (NVML's counter of
+            the GPU, or of ``gpus=0,1`` summed), ``rapl`` (CPU package and DRAM), ``simulated:PROFILE``
+            (a simulated counter over the roofline's truth), ``roofline[:PROFILE]`` (modelled),
+            ``time`` (time only), ``auto`` (a GPU's NVML counter, else this CPU's RAPL, else the
+            roofline: a GPU's data-sheet profile, or this CPU's benchmarked one in wall-time
+            mode), or ``fake`` (API only: needs ``clock`` and ``energy``). Counter meters are
+            :class:`~refspec.energy.windowed.WindowedMeter`: they time phases and read the counter
+            only over windows it resolves.
+        gpu_index: GPU to meter when the spec names none.
+        profile: roofline profile name or object; overrides the spec's.
+        time_source: roofline time source; default ``"wall_time"`` for a benchmarked (CPU)
+            profile, the machine that runs, and ``"model"`` for a data-sheet (GPU) profile.
         dtype_bytes: element size the CPU profile is benchmarked for.
         clock: clock for ``fake`` (and optionally ``time``).
         energy: cumulative energy counter in J for ``fake``.
+        powercap_root: where RAPL's powercap tree is (a fake tree in tests).
         **fake_kwargs: passed to :class:`FakeMeter` (``source``, ``counter_period_s``, ``idle_w``).
 
     Returns:
         An object implementing :class:`refspec.energy.phases.EnergyMeter`.
 
     Raises:
-        NoGPUError: ``kind="zeus"`` or ``"nvml"`` without a usable GPU.
-        ValueError: an unknown kind or profile, or ``fake`` without clock and counter.
+        MeterSpecError: a spec that does not parse (a ValueError).
+        NoCounterError: ``zeus``/``nvml`` without a usable GPU (:class:`NoGPUError`), ``rapl``
+            without a readable RAPL counter.
+        ValueError: an unknown profile, ``fake`` without clock and counter, or a sub-window
+            shorter than ten counter periods.
     """
     if kind == "fake":
         if clock is None or energy is None:
             raise ValueError("make_meter('fake') needs clock= and energy= callables")
         return FakeMeter(clock, energy, **fake_kwargs)
-    if kind == "time":
+    spec = parse_meter_spec(kind)
+    opts = spec.options
+    gpus = opts.get("gpus", (gpu_index,))
+    sub = opts.get("sub_window_s")
+    if spec.kind == "time":
         return TimeMeter(sync=_cuda_sync(), clock=clock or time.perf_counter)
-    if kind == "zeus":
-        return ZeusMeter(gpu_index)
-    if kind == "nvml":
-        return nvml_meter(gpu_index, sync=_cuda_sync())
-    if kind == "roofline":
-        prof = _roofline_profile(profile, gpu_index, dtype_bytes)
-        if time_source is None:
-            time_source = "wall_time" if prof.benchmarked else "model"
+    if spec.kind == "zeus":
+        return WindowedMeter(ZeusCounter(gpus), sub_window_s=sub)
+    if spec.kind == "nvml":
+        return WindowedMeter(nvml_counter(gpus), sub_window_s=sub)
+    if spec.kind == "rapl":
+        return WindowedMeter(rapl_counter(opts.get("domains"), root=opts.get("root", powercap_root)), sub_window_s=sub)
+    if spec.kind == "auto":
+        return _auto_meter(gpus, time_source, dtype_bytes, sub, opts.get("root", powercap_root))
+    prof = _roofline_profile(profile if profile is not None else spec.profile, gpu_index, dtype_bytes)
+    time_source = time_source or ("wall_time" if prof.benchmarked else "model")
+    if spec.kind == "roofline":
         return RooflineMeter(prof, time_source=time_source, sync=_cuda_sync(), clock=clock or time.perf_counter)
-    if kind == "auto":
-        return _auto_meter(gpu_index, time_source, dtype_bytes)
-    raise ValueError(f"unknown meter kind {kind!r}; choose auto, zeus, roofline, time or fake")
+    if spec.kind == "simulated":
+        period_s = opts.get("period_ms", DEFAULT_PERIOD_MS) / 1e3
+        sample_s = opts["sample_ms"] / 1e3 if "sample_ms" in opts else None
+        return SimulatedMeter(prof, time_source=time_source, period_s=period_s, sample_s=sample_s,
+                              noise=opts.get("noise", 0.0), seed=opts.get("seed", 0), sub_window_s=sub,
+                              clock=clock or time.perf_counter)
+    raise AssertionError(f"meter kind {spec.kind!r} parsed but not built")
 
 
 def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dtype_bytes: int) -> HardwareProfile:
@@ -247,8 +277,8 @@ def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dty
 
 def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = None,
                        pynvml_module: Any | None = None) -> Any:
-    """The first measured meter that can be built for GPU ``gpu_index``: Zeus (NVML's counter),
-    else pynvml's total-energy counter, else pynvml's power integral.
+    """A window meter of GPU ``gpu_index`` for explicit long windows (phase loops, idle power):
+    Zeus (NVML's counter), else pynvml's total-energy counter, else pynvml's power integral.
 
     Raises:
         NoGPUError: none can be built; the message gives each one's reason.
@@ -269,23 +299,52 @@ def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = 
     raise NoGPUError("no measured energy meter for GPU %d: %s" % (gpu_index, "; ".join(reasons)))
 
 
-def _auto_meter(gpu_index: int, time_source: TimeSource | None, dtype_bytes: int) -> Any:
-    """A measured meter on a GPU; a GPU none can read: its roofline profile or time only; no GPU:
-    this CPU's benchmarked roofline profile."""
+def measured_gpu_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None = None) -> Any:
+    """The cumulative counter of a run's :class:`~refspec.energy.windowed.WindowedMeter` over
+    ``gpu_indices``: Zeus, else pynvml (the total-energy counter, else the power integral).
+
+    Raises:
+        NoGPUError: neither can be built; the message gives each one's reason.
+    """
+    reasons = []
+    if pynvml_module is None:
+        try:
+            return ZeusCounter(gpu_indices)
+        except NoGPUError as exc:
+            reasons.append(f"zeus: {exc}")
+        except Exception as exc:  # a broken zeus install must not cost the counter pynvml can read
+            logger.warning("zeus failed unexpectedly (%s: %s); trying pynvml", type(exc).__name__, exc)
+            reasons.append(f"zeus: {type(exc).__name__}: {exc}")
+    try:
+        return nvml_counter(gpu_indices, pynvml_module=pynvml_module)
+    except NoGPUError as exc:
+        reasons.append(f"pynvml: {exc}")
+    raise NoGPUError(f"no measured energy counter for GPU {','.join(map(str, gpu_indices))}: {'; '.join(reasons)}")
+
+
+def _auto_meter(gpus: Sequence[int], time_source: TimeSource | None, dtype_bytes: int, sub_window_s: float | None,
+                powercap_root: str | Path) -> Any:
+    """A GPU's measured counter; a GPU none can read: its roofline profile or time only; no GPU:
+    this CPU's RAPL counter, else its benchmarked roofline profile (modelled)."""
     sync = _cuda_sync()
     if sync is None:
+        try:
+            return WindowedMeter(rapl_counter(root=powercap_root), sub_window_s=sub_window_s)
+        except NoCounterError as exc:
+            logger.info("no RAPL counter, so CPU energy is modelled: %s", exc)
         return RooflineMeter(cpu_profile(dtype_bytes), time_source=time_source or "wall_time")
     try:
-        return measured_gpu_meter(gpu_index, sync=sync)
+        return WindowedMeter(measured_gpu_counter(gpus), sub_window_s=sub_window_s)
     except NoGPUError as exc:
         logger.warning("%s", exc)
-    prof = _profile_for_this_gpu(gpu_index)
+    prof = _profile_for_this_gpu(gpus[0])
     if prof is None:
-        logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only", gpu_index)
+        logger.warning("GPU %d has no NVML energy counter and no known profile: metering time only", gpus[0])
         return TimeMeter(sync=sync)
-    logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpu_index, prof.name)
+    logger.warning("GPU %d has no NVML energy counter: energy is modelled with %s", gpus[0], prof.name)
     return RooflineMeter(prof, time_source=time_source or "wall_time", sync=sync)
 
 
-__all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "CounterMeter", "RooflineMeter", "make_meter",
-                          "measured_gpu_meter", "MeterError", "NoGPUError", "nvml_energy_counter_available")
+__all__: Sequence[str] = ("TimeMeter", "FakeMeter", "ZeusMeter", "CounterMeter", "RooflineMeter", "WindowedMeter",
+                          "SimulatedMeter", "make_meter", "measured_gpu_meter", "measured_gpu_counter", "MeterError",
+                          "NoGPUError", "NoCounterError", "nvml_energy_counter_available")

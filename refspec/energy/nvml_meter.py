@@ -5,20 +5,25 @@ Two counters, tried in this order by :func:`nvml_meter`:
 * ``measured:nvml-total-energy(gpu<i>)``: NVML's cumulative total-energy counter (mJ since the
   driver loaded; Volta and newer), the counter Zeus reads. It updates every 20-100 ms.
 * ``measured:nvml-power-integral(gpu<i>)``: where that counter is refused (old GPUs, some
-  virtualised runtimes), the board power (mW) sampled by a background thread and integrated by
-  the trapezoid rule. NVML's power reading is itself averaged over a short window, so this is
-  coarser than the counter: trust it for windows of seconds, not milliseconds.
+  virtualised runtimes), the board power sampled by a background thread and integrated by the
+  trapezoid rule. The power is NVML's instantaneous field ``NVML_FI_DEV_POWER_INSTANT`` (read
+  through ``nvmlDeviceGetFieldValues``); where that is refused, ``nvmlDeviceGetPowerUsage``, a
+  one-second average on Ampere and later, with the reason logged and the source saying so
+  (``nvml-power-integral-of-average``): trust it for windows of many seconds only.
 
-Both are plain cumulative counters in J, so one :class:`CounterMeter` brackets windows over
-either. Tests inject a fake ``pynvml`` module and clock and assert exact numbers.
+All are plain cumulative counters in J: :class:`CounterMeter` brackets explicit windows over
+one GPU's (:func:`nvml_meter`), and :func:`nvml_counter` gives a run's
+:class:`~refspec.energy.windowed.WindowedMeter` one or several GPUs' (each recorded, then
+summed). Tests inject a fake ``pynvml`` module and clock and assert exact numbers.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from refspec.energy.counters import Device, DeviceCounter
 from refspec.energy.phases import ForwardShape, Measurement
 from refspec.energy.windows import DEFAULT_COUNTER_PERIOD_S, NoGPUError, ShortWindowWarner, Windows
 
@@ -161,11 +166,89 @@ def _nvml_error(nv: Any) -> type[BaseException]:
     return getattr(nv, "NVMLError", RuntimeError)
 
 
+class _FieldRefused(RuntimeError):
+    """NVML answered a field-value query with an error for that field."""
+
+
+_FIELD_VALUE = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by NVML_VALUE_TYPE_*
+
+
+def _instant_power_w(nv: Any, handle: Any) -> float:
+    """Board power now in W from ``NVML_FI_DEV_POWER_INSTANT`` (mW) through ``nvmlDeviceGetFieldValues``."""
+    value = nv.nvmlDeviceGetFieldValues(handle, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
+    if value.nvmlReturn != getattr(nv, "NVML_SUCCESS", 0):
+        raise _FieldRefused(f"NVML_FI_DEV_POWER_INSTANT returned NVML error {value.nvmlReturn}")
+    return float(getattr(value.value, _FIELD_VALUE[value.valueType])) / 1000.0
+
+
+def power_reader(nv: Any, handle: Any, gpu_index: int) -> tuple[Callable[[], float], str]:
+    """The best power reading of a GPU in W and its kind: the instantaneous field
+    (``power-instant``), else ``nvmlDeviceGetPowerUsage`` (``power-average``: a one-second
+    average on Ampere and later, except GA100), the reason logged.
+
+    Raises:
+        NVMLError (the module's): neither can be read.
+    """
+    err = _nvml_error(nv)
+    if not hasattr(nv, "NVML_FI_DEV_POWER_INSTANT") or not hasattr(nv, "nvmlDeviceGetFieldValues"):
+        reason = "this pynvml has no NVML_FI_DEV_POWER_INSTANT field (a newer nvidia-ml-py has it)"
+    else:
+        try:
+            _instant_power_w(nv, handle)
+            return (lambda: _instant_power_w(nv, handle)), "power-instant"
+        except (err, _FieldRefused, IndexError, AttributeError) as exc:
+            reason = f"NVML refused the instantaneous power field ({exc})"
+    nv.nvmlDeviceGetPowerUsage(handle)
+    logger.warning("gpu%d: %s; integrating nvmlDeviceGetPowerUsage instead, a one-second average on Ampere and "
+                   "later: trust windows of many seconds only", gpu_index, reason)
+    return (lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0), "power-average"
+
+
+def _gpu_energy(nv: Any, handle: Any, gpu_index: int, *, clock: Clock, power_period_s: float,
+                start_thread: bool) -> tuple[str, Callable[[], float], Callable[[], None] | None]:
+    """``(kind, cumulative J, stop)`` of one GPU: NVML's total-energy counter, else the integral
+    of its power. Raises NoGPUError when neither can be read."""
+    err = _nvml_error(nv)
+    try:
+        nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+        return "nvml-total-energy", (lambda: nv.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0), None
+    except err as exc:
+        refused = exc
+    logger.warning("NVML refused the total-energy counter of gpu%d (%s): integrating power samples instead",
+                   gpu_index, refused)
+    try:
+        power, kind = power_reader(nv, handle, gpu_index)
+    except err as exc:
+        raise NoGPUError(f"NVML on GPU {gpu_index} refused both the total-energy counter ({refused}) and the "
+                         f"power reading ({exc}): no energy can be measured") from exc
+    integral = PowerIntegral(power, clock=clock, period_s=power_period_s)
+    if start_thread:
+        integral.start()
+    suffix = "" if kind == "power-instant" else "-of-average"
+    return f"nvml-power-integral{suffix}", integral.energy, integral.stop
+
+
+def _open_nvml(nv: Any, gpu_indices: Sequence[int]) -> list[Any]:
+    try:
+        nv.nvmlInit()
+    except _nvml_error(nv) as exc:
+        raise NoGPUError(f"NVML cannot open GPU {gpu_indices[0]}: {exc}") from exc
+    handles = []
+    for i in gpu_indices:
+        try:
+            handles.append(nv.nvmlDeviceGetHandleByIndex(i))
+        except _nvml_error(nv) as exc:
+            getattr(nv, "nvmlShutdown", lambda: None)()
+            raise NoGPUError(f"NVML cannot open GPU {i}: {exc}") from exc
+    return handles
+
+
 def nvml_meter(gpu_index: int = 0, *, pynvml_module: Any | None = None, sync: Callable[[], None] | None = None,
                clock: Clock = time.perf_counter, power_period_s: float = 0.02,
                start_thread: bool = True) -> CounterMeter:
-    """A measured meter of GPU ``gpu_index`` read through ``pynvml``: the total-energy counter,
-    else the integral of power samples.
+    """A window meter of GPU ``gpu_index`` read through ``pynvml``: the total-energy counter,
+    else the integral of power samples (for explicit long windows; a run's phases go through
+    :func:`nvml_counter` and :class:`~refspec.energy.windowed.WindowedMeter`).
 
     Args:
         gpu_index: NVML index of the GPU (equal to the CUDA index when all GPUs are visible).
@@ -180,40 +263,55 @@ def nvml_meter(gpu_index: int = 0, *, pynvml_module: Any | None = None, sync: Ca
             energy counter nor the power reading is supported; the message gives each reason.
     """
     nv = pynvml_module if pynvml_module is not None else import_pynvml()
-    err = _nvml_error(nv)
-    try:
-        nv.nvmlInit()
-        handle = nv.nvmlDeviceGetHandleByIndex(gpu_index)
-    except err as exc:
-        raise NoGPUError(f"NVML cannot open GPU {gpu_index}: {exc}") from exc
+    (handle,) = _open_nvml(nv, [gpu_index])
     shutdown = getattr(nv, "nvmlShutdown", lambda: None)
     try:
-        nv.nvmlDeviceGetTotalEnergyConsumption(handle)
-        return CounterMeter(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0,
-                            source=f"measured:nvml-total-energy(gpu{gpu_index})", sync=sync, clock=clock,
-                            close=shutdown)
-    except err as exc:
-        refused = exc
-    logger.warning("NVML refused the total-energy counter of gpu%d (%s): integrating power samples instead",
-                   gpu_index, refused)
-    try:
-        nv.nvmlDeviceGetPowerUsage(handle)
-    except err as exc:
+        kind, energy, stop = _gpu_energy(nv, handle, gpu_index, clock=clock, power_period_s=power_period_s,
+                                         start_thread=start_thread)
+    except NoGPUError:
         shutdown()
-        raise NoGPUError(f"NVML on GPU {gpu_index} refused both the total-energy counter ({refused}) and the "
-                         f"power reading ({exc}): no energy can be measured") from exc
-    integral = PowerIntegral(lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0, clock=clock,
-                             period_s=power_period_s)
-    if start_thread:
-        integral.start()
+        raise
 
     def close() -> None:
-        integral.stop()
+        if stop is not None:
+            stop()
         shutdown()
 
-    return CounterMeter(integral.energy, source=f"measured:nvml-power-integral(gpu{gpu_index})", sync=sync,
-                        clock=clock, counter_period_s=max(DEFAULT_COUNTER_PERIOD_S, 10 * power_period_s),
-                        close=close)
+    period = DEFAULT_COUNTER_PERIOD_S if stop is None else max(DEFAULT_COUNTER_PERIOD_S, 10 * power_period_s)
+    return CounterMeter(energy, source=f"measured:{kind}(gpu{gpu_index})", sync=sync, clock=clock,
+                        counter_period_s=period, close=close)
+
+
+def nvml_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None = None,
+                 clock: Clock = time.perf_counter, power_period_s: float = 0.02,
+                 start_thread: bool = True) -> DeviceCounter:
+    """A cumulative counter over one or more GPUs read through ``pynvml``, each device its
+    total-energy counter (else its power integral), recorded apart and summed.
+
+    Raises:
+        NoGPUError: as :func:`nvml_meter`, for any of the GPUs.
+    """
+    nv = pynvml_module if pynvml_module is not None else import_pynvml()
+    handles = _open_nvml(nv, list(gpu_indices))
+    devices, stops = [], []
+    try:
+        for i, handle in zip(gpu_indices, handles):
+            kind, energy, stop = _gpu_energy(nv, handle, i, clock=clock, power_period_s=power_period_s,
+                                             start_thread=start_thread)
+            devices.append(Device(f"gpu{i}", kind, energy))
+            stops += [stop] if stop is not None else []
+    except NoGPUError:
+        for stop in stops:
+            stop()
+        getattr(nv, "nvmlShutdown", lambda: None)()
+        raise
+
+    def close() -> None:
+        for stop in stops:
+            stop()
+        getattr(nv, "nvmlShutdown", lambda: None)()
+
+    return DeviceCounter(devices, period_s=DEFAULT_COUNTER_PERIOD_S, clock=clock, close=close)
 
 
 def sm_clock_reader(gpu_index: int = 0, *, pynvml_module: Any | None = None) -> Callable[[], float] | None:

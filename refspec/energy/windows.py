@@ -15,7 +15,11 @@ class MeterError(RuntimeError):
     """A window was misused: ended without being begun, or a meter cannot be built."""
 
 
-class NoGPUError(RuntimeError):
+class NoCounterError(RuntimeError):
+    """No energy counter of the kind asked for can be read on this machine (the message says why)."""
+
+
+class NoGPUError(NoCounterError):
     """An operation needs an NVIDIA GPU (with NVML) and none is visible."""
 
 

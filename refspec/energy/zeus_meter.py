@@ -1,10 +1,13 @@
-"""The measured meter: NVML's total-energy counter of one GPU, read through Zeus."""
+"""NVML's total-energy counter read through Zeus: a window meter of one GPU (:class:`ZeusMeter`)
+and a cumulative counter of one or more (:class:`ZeusCounter`) for a run's
+:class:`~refspec.energy.windowed.WindowedMeter`."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from refspec.energy.counters import CounterRead
 from refspec.energy.phases import ForwardShape, Measurement
 from refspec.energy.windows import DEFAULT_COUNTER_PERIOD_S, NoGPUError, ShortWindowWarner, Windows
 
@@ -41,8 +44,10 @@ class ZeusMeter:
         self.short_windows = ShortWindowWarner(self.source, counter_period_s)
 
     @staticmethod
-    def _build_monitor(gpu_index: int) -> Any:
+    def _build_monitor(gpu_index: int | Sequence[int]) -> Any:
         import torch
+
+        gpus = [gpu_index] if isinstance(gpu_index, int) else list(gpu_index)
 
         if not torch.cuda.is_available():
             raise NoGPUError("ZeusMeter needs an NVIDIA GPU: torch.cuda.is_available() is False. "
@@ -52,11 +57,12 @@ class ZeusMeter:
         except ImportError as exc:
             raise NoGPUError(f"ZeusMeter needs the 'zeus' package (pip install 'zeus>=0.12'): {exc}") from None
         try:
-            return ZeusMonitor(gpu_indices=[gpu_index], cpu_indices=[], sync_execution_with="torch")
+            return ZeusMonitor(gpu_indices=gpus, cpu_indices=[], sync_execution_with="torch")
         except Exception as exc:
             if not is_no_gpu_error(exc):
                 raise
-            raise NoGPUError(f"Zeus cannot monitor GPU {gpu_index}: {type(exc).__name__}: {exc}") from exc
+            raise NoGPUError(f"Zeus cannot monitor GPU {', '.join(map(str, gpus))}: {type(exc).__name__}: {exc}") \
+                from exc
 
     def begin(self, name: str) -> None:
         """Open a Zeus window for ``name``."""
@@ -85,6 +91,49 @@ class ZeusMeter:
         self.idle_w = (m.energy_j or 0.0) / m.time_s
         logger.info("idle power of gpu%d: %.1f W over %.2f s (%s)", self.gpu_index, self.idle_w, m.time_s, self.source)
         return self.idle_w
+
+
+class ZeusCounter:
+    """NVML's total-energy counter of one or more GPUs read through Zeus, as a cumulative
+    counter: one Zeus window stays open, and each read closes it, adds its per-GPU energy to
+    the totals and opens the next. Zeus synchronises CUDA at every read, so read only where the
+    host has synchronised anyway (a run's bounds, the end of a step).
+
+    Args:
+        gpu_indices: CUDA indices of the GPUs, each recorded as ``gpu<i>`` and summed.
+        period_s: the counter's update period.
+        monitor: ZeusMonitor's window API (tests inject a fake); built from ``zeus`` when None.
+        clock: time base of the reads.
+
+    Raises:
+        NoGPUError: no CUDA GPU, no ``zeus``, or Zeus cannot monitor the GPUs.
+    """
+
+    def __init__(self, gpu_indices: Sequence[int] = (0,), *, period_s: float = DEFAULT_COUNTER_PERIOD_S,
+                 monitor: Any | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.gpu_indices = tuple(gpu_indices)
+        self.source = f"measured:nvml-total-energy({','.join(f'gpu{i}' for i in self.gpu_indices)})"
+        self.period_s = period_s
+        self._monitor = monitor if monitor is not None else ZeusMeter._build_monitor(self.gpu_indices)
+        self._totals = {f"gpu{i}": 0.0 for i in self.gpu_indices}
+        self._clock = clock
+        self._key: str | None = None
+        self._serial = 0
+
+    def read(self) -> CounterRead:
+        """Close the open window into the totals and open the next one."""
+        if self._key is not None:
+            zm = self._monitor.end_window(self._key)
+            for i, joules in zm.gpu_energy.items():
+                self._totals[f"gpu{i}"] += float(joules)
+        self._serial += 1
+        self._key = f"refspec:counter:{self._serial}"
+        self._monitor.begin_window(self._key)
+        totals = dict(self._totals)
+        return CounterRead(energy_j=sum(totals.values()), devices=totals, wall_s=self._clock())
+
+    def close(self) -> None:
+        """Nothing to release (Zeus keeps NVML open for the process)."""
 
 
 def is_no_gpu_error(exc: BaseException) -> bool:

@@ -176,6 +176,36 @@ def resolve_budgets(prompt_set: PromptSet, n: int, *, max_new_tokens: int, dist:
     return budgets, info
 
 
+def baseline_refill_groups(budgets: Sequence[int], batch: int) -> list[int]:
+    """The refill group sizes of a plain-decoding continuous run of ``budgets``, by scheduling alone.
+
+    A pure simulation of the engine's schedule without EOS: the first fill takes ``batch``
+    requests (one token each from prefill); every step each generating row emits one token; a
+    request that reached its budget frees its slot after the step, and the freed slots take the
+    next requests of the stream together, one refill group (a budget-1 request, finished by its
+    prefill, frees its slot after the next step, or at once when no row is generating). The
+    first fill, and refills before the first decode step, are the ramp-up: not returned.
+
+    Returns:
+        The size of each refill group, in order.
+    """
+    assert batch >= 1 and all(b >= 1 for b in budgets)
+    queue = list(budgets)[::-1]
+    left = [queue.pop() - 1 for _ in range(min(batch, len(queue)))]  # tokens still to emit per busy slot
+    groups: list[int] = []
+    stepped = False
+    while left:
+        if any(left):  # one decode step: every generating row emits one token
+            left, stepped = [n - 1 if n > 0 else n for n in left], True
+        freed = sum(n == 0 for n in left)
+        left = [n for n in left if n > 0]
+        group = min(freed, len(queue))
+        if group:
+            groups += [group] if stepped else []
+            left += [queue.pop() - 1 for _ in range(group)]
+    return groups
+
+
 # ---- the stream --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RequestStream:
@@ -342,5 +372,5 @@ def corpus_prompts(corpus: str, tokenizer: Any, *, chat: bool, wanted: int, cap:
 
 __all__ = ["RequestStream", "REQUESTS_PER_SLOT", "DEFAULT_RANGE_RATIO", "REFERENCE_QUANTILE", "LengthDist",
            "PromptSet", "default_requests", "poisson_arrivals", "make_stream", "build_stream", "resolve_budgets",
-           "reference_budgets", "uniform_budgets", "quantile_length", "corpus_prompts", "corpus_prompt_set",
+           "reference_budgets", "uniform_budgets", "baseline_refill_groups", "quantile_length", "corpus_prompts", "corpus_prompt_set",
            "corpus_reference_scale"]

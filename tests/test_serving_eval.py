@@ -173,6 +173,51 @@ def test_default_stream_is_four_requests_per_slot(tiny, tmp_path):
     assert r["requests"] == 8 and r["requests_unique"] == 5 and r["prompts_unique"] == 5
 
 
+def test_budgets_come_from_references_and_are_the_same_for_every_configuration(tiny, tmp_path):
+    """Reference answers of 2 to 40 words: budgets scaled into [1, N], equal for ngram and its baseline."""
+    from refspec.assets.tokenizer import load_tokenizer
+    from refspec.eval.requests import quantile_length, reference_budgets
+
+    refs = [" ".join(f"w{3 + j % 17}" for j in range(n)) for n in (2, 40, 9, 25, 14)]
+    corpus = tmp_path / "with_refs.jsonl"
+    prompts = [json.loads(line)["prompt"] for line in tiny["prompts"].read_text().splitlines()]
+    corpus.write_text("".join(json.dumps({"prompt": p, "kind": "code", "reference": r}) + "\n"
+                              for p, r in zip(prompts, refs)))
+    argv = ["--model", str(tiny["model"]), "--corpus", str(corpus), "--max-new-tokens", "8", "--meter",
+            "roofline:h200", *QUIET, "--batch", "2", "--requests", "7", "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 0
+    base, spec = json.loads((tmp_path / "o" / "summary.json").read_text())
+    tok = load_tokenizer(tiny["model"])
+    lengths = [len(tok.encode(r)) for r in refs]
+    expected = reference_budgets([lengths[i % 5] for i in range(7)], 8, quantile_length(lengths))
+    assert len(set(expected)) >= 4, "the references spread the budgets"
+    for r in (base, spec):
+        assert r["output_lengths"]["dist"] == "reference"
+        assert [o["budget"] for o in r["request_outputs"]] == expected
+        assert all(len(o["tokens"]) <= o["budget"] for o in r["request_outputs"])
+    assert spec["stream_digest"] == base["stream_digest"] and spec["same_stream_as_baseline"] is True
+    assert [o["tokens"] for o in spec["request_outputs"]] == [o["tokens"] for o in base["request_outputs"]]
+
+
+def test_uniform_budgets_repeat_with_the_seed_and_fixed_gives_the_cap(tiny, tmp_path):
+    def budgets(name, *extra):
+        (r,) = _run(tiny, tmp_path / name, "--batch", "2", "--requests", "6", "--drafter", "none", *extra)
+        return r["output_lengths"]["dist"], [o["budget"] for o in r["request_outputs"]]
+
+    a, b = budgets("a", "--seed", "3"), budgets("b", "--seed", "3")
+    assert a == b and a[0] == "uniform:0.25", "no references in the tiny prompts: auto is uniform:0.25"
+    assert budgets("c", "--seed", "4")[1] != a[1]
+    assert budgets("f", "--output-len-dist", "fixed") == ("fixed", [BUDGET] * 6)
+
+
+def test_reference_lengths_without_references_is_one_error_line(tiny, tmp_path, capsys):
+    rc = cli.main(["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--meter", "time", *QUIET,
+                   "--output-len-dist", "reference", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("error:") == 1 and "no reference answer" in err and "uniform" in err
+    assert not (tmp_path / "r" / "records.jsonl").exists()
+
+
 def test_help_documents_the_summary_fields(capsys):
     assert cli.main(["run", "--help"]) == 0
     text = capsys.readouterr().out

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from refspec.energy.accounting import Accounting, energy_saving, speedup
 from refspec.energy.ledger import ensure_line_end
+from refspec.energy.ledger_format import experts_touched
 from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def _serving_fields(acc: Accounting) -> dict[str, Any]:
         "window_energy_j": _known(w.energy_j), "window_mean_active_rows": _known(w.mean_active_rows),
         "window_tokens_per_s": ratio, "window_note": w.note,
         **{f"{m}_p{q}_s": getattr(acc, f"{m}_p{q}_s") for m in ("ttft", "itl", "e2e") for q in (50, 99)},
-        "energy_per_token_j": _known(acc.window_j_per_token) if acc.serving else acc.j_per_token,
+        "energy_per_token_j": _known(acc.window_j_per_token),
         "energy_per_token_j_run": acc.j_per_token,
     }
 
@@ -291,8 +292,9 @@ def experts_fields(records: Sequence[Mapping[str, Any]], run_ids: Sequence[str])
     runs = set(run_ids)
     out: dict[str, Any] = {}
     for key, phase in (("experts_touched_per_step", "verify"), ("draft_experts_touched_per_step", "draft")):
-        vals = [r["experts_touched"] for r in records if r.get("kind") == "phase" and r.get("run_id") in runs
-                and r.get("phase") == phase and r.get("experts_touched") is not None]
+        phases = [r for r in records if r.get("kind") == "phase" and r.get("run_id") in runs
+                  and r.get("phase") == phase]
+        vals = [n for r in phases if (n := experts_touched(r)) is not None]
         out[key] = sum(vals) / len(vals) if vals else None
     return out
 

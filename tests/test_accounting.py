@@ -1,6 +1,7 @@
 """Ledger round trip, accounting arithmetic on hand-checkable runs (one, and two pooled), phase attribution."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -15,12 +16,14 @@ from refspec.energy.accounting_text import format_accounting, format_closure
 from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 from refspec.config import ModelArgs
 from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, RepeatedPhaseError, read_ledger
+from refspec.energy.ledger_format import LEDGER_VERSION, MODEL_SCHEMA, experts_touched, phase_work, run_models
 from refspec.energy.meters import FakeMeter
 from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
-from refspec.energy.roofline import forward_cost
+from refspec.energy.roofline import forward_cost, total_cost
 
-# The run of docs/accounting.md: batch 2, k = 3. Per phase: (step, phase, seconds, joules, counts).
-# Row 0 accepts 3, 2, 1 drafts in steps 0-2; row 1 accepts 1, then 0 and stops at EOS in step 1.
+# The run of docs/accounting.md: batch 2, k = 3, requests 0 and 1 in slots 0 and 1. Per phase:
+# (step, phase, seconds, joules, counts). Row 0 accepts 3, 2, 1 drafts in steps 0-2; row 1
+# accepts 1, then 0 and stops at EOS in step 1, so its slot is empty in step 2.
 RUN = [
     (-1, "prefill", 0.5, 95.0, dict(rows_active=2, emitted=2, emitted_per_row=(1, 1))),
     (0, "draft", 0.125, 12.0, dict(rows_active=2, drafted=6)),
@@ -43,9 +46,20 @@ RUN2 = [
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "accounting.md"
 
 
-def write_run(path, run=RUN, idle_w=20.0, repeat_counts=False, run_id="demo", mode="w"):
+def slots_of(run, first_request=0):
+    """Slot requests per step of a lockstep batch of two: -1 once a row emitted nothing in a decode step."""
+    ids, out = [first_request, first_request + 1], {}
+    for step, _, _, _, c in run:
+        out.setdefault(step, tuple(ids))
+        if step >= 0 and "emitted_per_row" in c:
+            ids = [-1 if n == 0 else i for i, n in zip(ids, c["emitted_per_row"])]
+    return out
+
+
+def write_run(path, run=RUN, idle_w=20.0, repeat_counts=False, run_id="demo", mode="w", first_request=0):
     """Meter ``run`` with a FakeMeter over a scripted clock and counter, and write its ledger."""
     world = {"t": 0.0, "e": 1000.0}
+    slots = slots_of(run, first_request)
     meter = FakeMeter(lambda: world["t"], lambda: world["e"], idle_w=idle_w)
     step_counts: dict[int, dict] = {}
     if repeat_counts:  # the same step counts on every phase record of the step
@@ -54,13 +68,16 @@ def write_run(path, run=RUN, idle_w=20.0, repeat_counts=False, run_id="demo", mo
     with Ledger(path, run_id=run_id, labels={"k": 3, "batch": 2}, meter_source=meter.source, idle_w=idle_w,
                 mode=mode) as led:
         for step, phase, dt, de, counts in run:
+            clock = world["t"]
             meter.begin(phase)
             world["t"] += dt
             world["e"] += de
             m = meter.end(phase)
             c = dict(step_counts[step]) if repeat_counts else dict(counts)
             c["emitted_per_row"] = tuple(c.get("emitted_per_row", ()))
-            led(PhaseEvent(step=step, phase=phase, batch=2, measurement=m, **c))
+            arrivals = (0.0, 0.0) if phase == "prefill" else ()
+            led(PhaseEvent(step=step, phase=phase, batch=2, measurement=m, slot_requests=slots[step],
+                           arrivals_s=arrivals, clock_s=clock, **c))
     return path
 
 
@@ -91,7 +108,7 @@ def test_accounting_of_the_documented_run(tmp_path):
     assert acc.net_phase_energy_j["verify"] == 110.0 - 20.0 * 0.75
     # tau: (accepted + bonus) / row-steps = (7 + 5) / 5
     assert acc.tau == 2.4 and acc.acceptance_rate == 7 / 15
-    # TPOT: row 0 emitted 10 tokens, active through step 2; row 1 emitted 4, through step 1
+    # TPOT: request 0 emitted 10 tokens, the last at step 2's end; request 1 emitted 4, the last at step 1's
     assert acc.tpot_per_row_s == pytest.approx((3 * 0.4375 / 9, 2 * 0.4375 / 3))
     assert acc.tpot_p50_s == pytest.approx((3 * 0.4375 / 9 + 2 * 0.4375 / 3) / 2)
     assert acc.tpot_p99_s == pytest.approx(3 * 0.4375 / 9 + 0.99 * (2 * 0.4375 / 3 - 3 * 0.4375 / 9))
@@ -115,9 +132,9 @@ def test_idle_power_argument_overrides_header_and_none_disables_net(tmp_path):
 def test_time_only_ledger_has_no_energy_figures(tmp_path):
     with Ledger(tmp_path / "t.jsonl", run_id="t") as led:
         led(PhaseEvent(step=-1, phase="prefill", batch=1, rows_active=1, emitted=1, emitted_per_row=(1,),
-                       measurement=Measurement(0.5, None, "none:time-only")))
+                       slot_requests=(0,), measurement=Measurement(0.5, None, "none:time-only")))
         led(PhaseEvent(step=0, phase="verify", batch=1, rows_active=1, verified=1, emitted=1, emitted_per_row=(1,),
-                       measurement=Measurement(0.25, None, "none:time-only")))
+                       slot_requests=(0,), clock_s=0.5, measurement=Measurement(0.25, None, "none:time-only")))
     acc = account(read_ledger(tmp_path / "t.jsonl"))
     assert acc.total_energy_j is None and acc.j_per_token is None and acc.closes is None
     assert acc.tau == 1.0 and acc.tpot_p50_s == 0.25
@@ -134,7 +151,7 @@ def test_several_runs_need_a_run_id(tmp_path):
     path = tmp_path / "two.jsonl"
     write_run(path)
     with Ledger(path, run_id="second", mode="a") as led:
-        led(PhaseEvent(step=-1, phase="prefill", batch=1, rows_active=1, emitted=1,
+        led(PhaseEvent(step=-1, phase="prefill", batch=1, rows_active=1, emitted=1, slot_requests=(0,),
                        measurement=Measurement(1.0, 2.0, "measured:fake-counter")))
     records = read_ledger(path)
     with pytest.raises(AccountingError, match="pass run_id"):
@@ -161,7 +178,7 @@ def test_closure_line_says_when_items_do_not_close():
 # ---- pooling several runs of one configuration ------------------------------------------------
 def _two_batches(path):
     write_run(path, run_id="demo.b0")
-    write_run(path, run=RUN2, run_id="demo.b1", mode="a")
+    write_run(path, run=RUN2, run_id="demo.b1", mode="a", first_request=2)
     return read_ledger(path)
 
 
@@ -209,7 +226,7 @@ def test_pooling_one_run_is_its_accounting(tmp_path):
 def test_pooling_refuses_runs_that_disagree_on_idle_power(tmp_path):
     path = tmp_path / "idle.jsonl"
     write_run(path, run_id="a")
-    write_run(path, run=RUN2, run_id="b", idle_w=30.0, mode="a")
+    write_run(path, run=RUN2, run_id="b", idle_w=30.0, mode="a", first_request=2)
     records = read_ledger(path)
     with pytest.raises(AccountingError, match="disagree on idle power"):
         pool_runs(records, ["a", "b"])
@@ -237,6 +254,7 @@ def test_saving_and_speedup_against_a_baseline():
 # ---- the ledger refuses what would be merged ------------------------------------------------------
 def _event(step, phase, energy=1.0):
     return PhaseEvent(step=step, phase=phase, batch=1, rows_active=1, verified=1, emitted=1, emitted_per_row=(1,),
+                      clock_s=0.5 * (step + 1),
                       measurement=Measurement(0.5, energy, "measured:fake-counter"))
 
 
@@ -286,22 +304,47 @@ TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_s
                                      tie_word_embeddings=True))
 
 
-def test_ledger_round_trip_with_modelled_work(tmp_path):
+def test_ledger_round_trip_records_the_work_not_its_cost(tmp_path):
     shape = ForwardShape(args=TINY, rows=2, tokens_per_row=4, context_tokens=24, dtype_bytes=2)
-    event = PhaseEvent(step=3, phase="verify", batch=2, rows_active=2, verified=8, work=(shape, shape),
-                       measurement=Measurement(0.01, 1.5, "measured:fake-counter"), emitted_per_row=(2, 1))
+    head = ForwardShape(args=dataclasses.replace(TINY, num_layers=1), rows=2, tokens_per_row=1, context_tokens=10,
+                        dtype_bytes=2, lm_head_rows=32, extra_flops=7, query_tokens=2)
+    event = PhaseEvent(step=3, phase="verify", batch=2, rows_active=2, verified=8, work=(shape, head, shape),
+                       measurement=Measurement(0.01, 1.5, "measured:fake-counter"), emitted_per_row=(2, 1),
+                       slot_requests=(4, 7), clock_s=2.0, k=3, row_lengths=(12, 12))
     with Ledger(tmp_path / "l.jsonl", run_id="r1", labels={"model": "tiny"}, meter_source="measured:fake-counter",
                 idle_w=3.0) as led:
         led(event)
-    header, rec, end = read_ledger(tmp_path / "l.jsonl")
-    assert end["kind"] == "end" and end["status"] == "complete" and header["ends"] is True
+        led(dataclasses.replace(event, step=4))
+    header, target, drafter, rec, rec2, end = read_ledger(tmp_path / "l.jsonl")
+    assert end["kind"] == "end" and end["status"] == "complete" and header["version"] == LEDGER_VERSION
     assert header["kind"] == "run" and header["labels"] == {"model": "tiny"} and header["idle_w"] == 3.0
-    assert set(rec) == set(SCHEMA)
-    cost = forward_cost(shape)
-    assert rec["flops"] == 2 * cost.flops and rec["bytes"] == 2 * cost.bytes and rec["forwards"] == 2
-    assert rec["kv_read_bytes"] == 2 * cost.kv_read_bytes
+    assert set(rec) == set(SCHEMA) and set(target) == set(MODEL_SCHEMA)
+    assert (target["model"], drafter["model"]) == (0, 1), "each architecture declared once, before its first use"
+    assert [f["model"] for f in rec["work"]] == [0, 1, 0] and rec2["work"] == rec["work"]
+    assert rec["work"][0] == {"model": 0, "rows": 2, "tokens_per_row": 4, "context_tokens": 24, "dtype_bytes": 2}
+    assert "flops" not in rec and "bytes" not in rec, "the ledger records work; the model costs it"
+    records = read_ledger(tmp_path / "l.jsonl")
+    work = phase_work(rec, run_models(records, "r1"))
+    assert work == (shape, head, shape)
+    assert total_cost(work) == total_cost(event.work) and forward_cost(work[1]) == forward_cost(head)
     assert (rec["step"], rec["phase"], rec["verified"], rec["time_s"], rec["energy_j"]) == (3, "verify", 8, 0.01, 1.5)
     assert rec["emitted_per_row"] == [2, 1] and rec["run_id"] == "r1"
+    assert (rec["k"], rec["row_lengths"], rec["slot_requests"]) == (3, [12, 12], [4, 7])
+    assert experts_touched(rec) is None
+    assert experts_touched({"work": [{"experts_touched": 3}, {}, {"experts_touched": 4}]}) == 7
+
+
+def test_a_ledger_of_another_version_is_refused_whole(tmp_path):
+    path = write_run(tmp_path / "old.jsonl")
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(ln.replace(f'"version": {LEDGER_VERSION}', '"version": 2') for ln in lines) + "\n")
+    with pytest.raises(LedgerError, match=f"ledger format version 2; this refspec reads and appends only version "
+                                          f"{LEDGER_VERSION}") as err:
+        read_ledger(path)
+    assert "line" not in str(err.value), "one message for the file, not one per line"
+    with pytest.raises(LedgerError, match="version 2"):
+        Ledger(path, run_id="more", mode="a")
+    assert len(path.read_text().splitlines()) == len(lines), "nothing appended to the old file"
 
 
 def test_ledger_is_flushed_per_record(tmp_path):
@@ -317,8 +360,8 @@ def test_corrupt_lines_are_reported_by_number(tmp_path, caplog):
     path = write_run(tmp_path / "c.jsonl")
     with open(path, "a") as fh:
         fh.write("not json\n")
-        fh.write(json.dumps({"kind": "phase", "version": 1, "run_id": "demo"}) + "\n")
-        fh.write('{"kind": "phase", "version": 1, "step": 9, "pha')  # truncated by a crash
+        fh.write(json.dumps({"kind": "phase", "version": LEDGER_VERSION, "run_id": "demo"}) + "\n")
+        fh.write('{"kind": "phase", "version": 3, "step": 9, "pha')  # truncated by a crash
     with caplog.at_level(logging.WARNING, logger="refspec.energy.ledger"):
         records = read_ledger(path)
     assert len(records) == 12  # header + 10 phases + end survive

@@ -283,7 +283,7 @@ def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
     distinct experts it routed to, and the ledger's phase record sums them; a dense phase
     records null."""
     from refspec.cuda_graphs import GraphRunner
-    from refspec.energy.ledger import phase_record
+    from refspec.energy.ledger_format import experts_touched, phase_record
     from refspec.engine import Engine, EngineConfig
 
     m = moe_models["mixtral"][1]
@@ -296,8 +296,8 @@ def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
         for ev in verify:
             (shape,) = ev.work
             assert m.args.moe_layers() <= shape.experts_touched <= m.args.moe_layers() * m.args.num_experts
-            assert phase_record(ev, "r")["experts_touched"] == shape.experts_touched
-        assert all(phase_record(ev, "r")["experts_touched"] is None for ev in events if not ev.work)
+            assert experts_touched(phase_record(ev, "r", lambda args: 0)) == shape.experts_touched
+        assert all(experts_touched(phase_record(ev, "r", lambda args: 0)) is None for ev in events if not ev.work)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])

@@ -12,15 +12,15 @@ import pytest
 
 from refspec.energy.accounting import AccountingError, account, pool_runs
 from refspec.energy.accounting_text import format_accounting
-from refspec.energy.ledger import read_ledger
+from refspec.energy.ledger import LEDGER_VERSION, LedgerError, read_ledger
 
 
 def rec(step, phase, clock, time, energy, *, slots, queued=0, arrivals=(), emitted_per_row=(), run="r", batch=2,
         rows_active=None, **counts):
-    """One version-2 phase record."""
+    """One phase record."""
     rows = rows_active if rows_active is not None else sum(s >= 0 for s in slots)
-    return {"kind": "phase", "version": 2, "run_id": run, "step": step, "phase": phase, "batch": batch,
-            "rows_active": rows, "time_s": time, "energy_j": energy, "source": "measured:hand",
+    return {"kind": "phase", "version": LEDGER_VERSION, "run_id": run, "step": step, "phase": phase, "batch": batch,
+            "rows_active": rows, "time_s": time, "energy_j": energy, "source": "measured:hand", "work": [],
             "emitted_per_row": list(emitted_per_row), "slot_requests": list(slots), "arrivals_s": list(arrivals),
             "queued": queued, "clock_s": clock, "emitted": sum(emitted_per_row), **counts}
 
@@ -36,7 +36,7 @@ def decode_step(step, clock, slots, emitted_per_row, *, queued=0, energy=(2.0, 5
 
 
 def header(run="r"):
-    return {"kind": "run", "version": 2, "run_id": run, "labels": {}, "idle_w": None, "ends": False}
+    return {"kind": "run", "version": LEDGER_VERSION, "run_id": run, "labels": {}, "idle_w": None}
 
 
 # Closed loop, batch 2, three requests. Request 0 (budget 3) and 1 (4) fill both slots at t = 0;
@@ -54,15 +54,18 @@ CLOSED = [
 
 
 def _ledger(tmp_path, records, name="l.jsonl"):
+    """``records`` written and read back, each run closed by a complete end record."""
+    ends = [{"kind": "end", "version": LEDGER_VERSION, "run_id": r["run_id"], "status": "complete"}
+            for r in records if r["kind"] == "run"]
     path = tmp_path / name
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records + ends))
     return read_ledger(path, strict=True)
 
 
 def test_window_bounds_energy_and_tokens(tmp_path):
     acc = account(_ledger(tmp_path, CLOSED))
     w = acc.window
-    assert acc.serving and w.bounds == ((0, 2),) and (w.first_step, w.last_step) == (0, 1) and w.steps == 2
+    assert w.bounds == ((0, 2),) and (w.first_step, w.last_step) == (0, 1) and w.steps == 2
     assert w.time_s == 2.0 + 0.5 + 2.0                         # steps 0 and 1, and the refill after step 0
     assert w.energy_j == (2 + 5 + 1) + 4 + (2 + 5 + 1)
     assert w.tokens == 3 + 1 + 3                               # step 0, the refill's first token, step 1
@@ -143,15 +146,11 @@ def test_static_runs_pool_their_windows(tmp_path):
     assert acc.mean_active_rows == pytest.approx(1.5)
 
 
-def test_old_ledger_without_serving_keys_accounts_as_before(tmp_path):
-    old = [{k: v for k, v in r.items() if k not in ("slot_requests", "arrivals_s", "queued", "clock_s")}
-           | {"version": 1} for r in CLOSED[:1] + CLOSED[1:5]]  # the first fill and step 0 only
-    acc = account(_ledger(tmp_path, old))
-    assert not acc.serving and acc.requests == () and acc.window.empty
-    assert "old static ledger" in acc.window.note
-    assert acc.emitted == 5 and acc.j_per_token == 18.0 / 5 and acc.steps == 1
-    # per-row TPOT as before: (time of steps 0 .. last emitting step) / (tokens - 1)
-    assert acc.tpot_per_row_s == (2.0 / 2, 2.0 / 1) and acc.mean_active_rows == 2.0
+def test_a_ledger_of_an_older_version_is_refused_not_read_as_static(tmp_path):
+    old = [{k: v for k, v in r.items() if k not in ("slot_requests", "arrivals_s", "queued", "clock_s", "work")}
+           | {"version": 1} for r in CLOSED[:5]]
+    with pytest.raises(LedgerError, match="version 1; this refspec reads and appends only version"):
+        _ledger(tmp_path, old)
 
 
 def test_inconsistent_serving_ledger_is_refused(tmp_path):

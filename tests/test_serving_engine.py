@@ -13,7 +13,7 @@ import torch
 from refspec.cuda_graphs import GraphRunner
 from refspec.drafters.eagle import TreeConfig
 from refspec.drafters.example import BigramDrafter
-from refspec.energy.ledger import LEDGER_VERSION, Ledger, read_ledger
+from refspec.energy.ledger import LEDGER_VERSION, Ledger, LedgerError, read_ledger
 from refspec.energy.phases import Measurement
 from refspec.engine import Engine, EngineConfig, GenerationError
 from refspec.sampling import SamplingConfig
@@ -302,10 +302,10 @@ def test_the_ledger_carries_slots_arrivals_queue_and_clock(tiny_models, tmp_path
         i >= 0 for i in phases[0]["slot_requests"])
     queued = [rec["queued"] for rec in phases]
     assert queued == sorted(queued, reverse=True)
-    old = {k: v for k, v in phases[0].items() if k not in ("slot_requests", "arrivals_s", "queued", "clock_s")}
-    old_path = tmp_path / "v1.jsonl"
-    old_path.write_text(json.dumps({**old, "version": 1}) + "\n")
-    assert len(read_ledger(old_path, strict=True)) == 1, "a version-1 (static) ledger still reads"
+    old_path = tmp_path / "v2.jsonl"
+    old_path.write_text(json.dumps({**phases[0], "version": 2}) + "\n")
+    with pytest.raises(LedgerError, match="version 2"):
+        read_ledger(old_path)  # an older ledger is refused, never read as another kind of run
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))

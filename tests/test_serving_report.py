@@ -328,7 +328,8 @@ def test_active_rows_come_from_the_ledger_steps_and_the_plot_is_drawn(tmp_path):
                   {"kind": "phase", "run_id": "other", "step": step, "phase": "verify", "rows_active": 2}]
     from refspec.energy.ledger import LEDGER_VERSION
 
-    common = {"version": LEDGER_VERSION, "batch": 4, "time_s": 0.1, "source": "modelled:roofline(cpu)"}
+    common = {"version": LEDGER_VERSION, "batch": 4, "time_s": 0.1, "energy_j": 0.1, "source": "modelled:roofline(cpu)",
+              "work": [], "slot_requests": [], "clock_s": 0.0}
     ledger.write_text("".join(json.dumps({**common, **x}) + "\n" for x in lines))
     assert active_rows_by_step([ledger], {"r"}) == {"r": list(enumerate(rows))}, "refill prefills are not decode"
     rec = {**SWEEP[1], "run_ids": ["r"], "window_first_step": 0, "window_last_step": 2}

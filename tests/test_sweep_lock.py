@@ -124,11 +124,11 @@ def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp
     assert "1 ledger run(s) did not finish (1 aborted)" in (out / "report.md").read_text()
 
 
-def test_a_killed_run_has_no_end_record_and_legacy_runs_count(tmp_path):
+def test_a_killed_run_has_no_end_record(tmp_path):
     path = tmp_path / "l.jsonl"
     Ledger(path, run_id="killed")._fh.flush()  # opened, never closed: as after SIGKILL
-    with open(path, "a") as fh:
-        fh.write(json.dumps({"kind": "run", "version": 1, "run_id": "legacy", "labels": {}}) + "\n")
+    with Ledger(path, run_id="done", mode="a"):
+        pass
     assert unfinished_runs(read_ledger(path)) == {"killed": "killed"}
 
 

@@ -39,13 +39,11 @@ Gross and net of idle
     the run header (measured on a GPU, the profile's value when modelled).
 
 Throughput, TPOT and tau
-    tokens/s = emitted / total time. In a serving ledger (one with ``slot_requests`` and
-    ``clock_s``; :mod:`refspec.energy.serving_window`) TPOT, TTFT, ITL and end-to-end latency
-    are per request, from its emissions on the engine clock. In an old static ledger TPOT of a
-    row = (sum of the times of decode steps 0 ... the row's last emitting step) / (tokens the
-    row emitted - 1): the first token comes from prefill and its latency is TTFT, not TPOT.
-    Rows (requests) with fewer than two tokens have no TPOT. p50 / p99 are linear-interpolated
-    percentiles across rows (requests). tau (acceptance length) =
+    tokens/s = emitted / total time. TPOT, TTFT, ITL and end-to-end latency are per request,
+    from its emissions on the engine clock (:mod:`refspec.energy.serving_window`): the first
+    token comes from prefill and its latency is TTFT, not TPOT; requests with fewer than two
+    tokens have no TPOT. p50 / p99 are linear-interpolated percentiles across requests.
+    tau (acceptance length) =
     (accepted + bonus) / row-steps = (sum accepted + sum rows_active) / sum rows_active over
     steps with a verify, i.e. the mean of accepted + 1 per active row per step.
 
@@ -72,9 +70,10 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
+from refspec.energy.ledger_read import unfinished_runs
 from refspec.energy.serving_window import (RequestTimes, Window, latency_percentiles, mean_active_rows, percentile,
                                            pool_windows, request_times, run_window)
-from refspec.energy.steps import COUNTS, AccountingError, Record, Step, decode_steps, group_steps, is_serving
+from refspec.energy.steps import COUNTS, AccountingError, Record, Step, group_steps
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other")
 CLOSURE_RTOL = 1e-9
@@ -134,7 +133,6 @@ class Accounting:
     net_energy_j: float | None
     net_j_per_token: float | None
     net_phase_energy_j: dict[str, float] | None
-    serving: bool = False
     mean_active_rows: float = math.nan
     window: Window | None = None
     requests: tuple[RequestTimes, ...] = ()
@@ -206,20 +204,6 @@ def _line_items(st: Step) -> dict[str, float]:
     return items
 
 
-def _row_tpots(steps: Sequence[Step]) -> list[float | None]:
-    """TPOT of every row of one old static run (s), None for rows with fewer than two tokens."""
-    decode = decode_steps(steps)
-    out: list[float | None] = []
-    for row in range(max((len(st.emitted_per_row) for st in steps), default=0)):
-        n = sum(st.emitted(row) for st in steps)
-        emitting = [st.index for st in decode if st.emitted(row) > 0]
-        if n < 2 or not emitting:
-            out.append(None)
-            continue
-        out.append(sum(st.time_s for st in decode if st.index <= emitting[-1]) / (n - 1))
-    return out
-
-
 # ---- accounting ----------------------------------------------------------------------------
 def _sum_by(records: Iterable[Record], field: str) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
@@ -269,11 +253,10 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
     total_time = sum(st.time_s for st in steps)
     prefill_time = sum(st.time_s for st in steps if st.prefill)
     phase_time = _sum_by(phases, "time_s")
-    serving = all(is_serving(run) for run in per_run)
     reqs = [r for run_id, run in zip((r for r, _, _ in runs), per_run) for r in request_times(run, run_id)]
-    tpots = [r.tpot_s for r in reqs] if serving else [t for run in per_run for t in _row_tpots(run)]
+    tpots = [r.tpot_s for r in reqs]
     valid = [t for t in tpots if t is not None]
-    latency = latency_percentiles(reqs) if serving else {}
+    latency = latency_percentiles(reqs)
     has_energy = all(r.get("energy_j") is not None for r in phases)
     energy = (_energy(phases, steps, total["emitted"], total["verified"], total_time, phase_time, idle_w)
               if has_energy else dict.fromkeys(ENERGY_FIELDS))
@@ -290,16 +273,14 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
         tau=acceptance_length(total["accepted"], row_steps),
         acceptance_rate=_ratio(total["accepted"], total["drafted"]),
         tpot_per_row_s=tuple(tpots), tpot_p50_s=percentile(valid, 50), tpot_p99_s=percentile(valid, 99),
-        idle_w=idle_w, **energy, serving=serving, mean_active_rows=mean_active_rows(steps),
+        idle_w=idle_w, **energy, mean_active_rows=mean_active_rows(steps),
         window=pool_windows([run_window(run) for run in per_run]), requests=tuple(reqs),
         **{k: v for k, v in latency.items() if not k.startswith("tpot")})
 
 
 def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dict[str, Any] | None, list[Record]]:
     header = next((dict(r) for r in records if r.get("kind") == "run" and r.get("run_id") == run_id), None)
-    phases = [r for r in records if r.get("kind", "phase") == "phase" and r.get("run_id") == run_id]
-    from refspec.energy.ledger import unfinished_runs
-
+    phases = [r for r in records if r.get("kind") == "phase" and r.get("run_id") == run_id]
     if run_id in (gone := unfinished_runs(records)):  # a partial run would count a fraction of a generation
         raise AccountingError(f"run {run_id!r} did not finish ({gone[run_id]}); its records are not counted")
     if not phases:

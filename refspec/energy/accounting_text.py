@@ -49,7 +49,7 @@ def _energy_lines(acc: Accounting) -> list[str]:
 
 
 def _serving_lines(acc: Accounting) -> list[str]:
-    """Active rows, the steady-state window and (serving ledgers) the per-request latencies."""
+    """Active rows, the steady-state window and the per-request latencies."""
     w = acc.window
     lines = [f"mean active rows {acc.mean_active_rows:.3f} of {acc.batch} (time-weighted over decode steps)"]
     if w is None or w.empty:
@@ -60,11 +60,10 @@ def _serving_lines(acc: Accounting) -> list[str]:
         lines.append(f"window: {where} ({w.steps} decode steps), {w.time_s:.6g} s, {w.tokens:g} tokens, "
                      f"{_fmt(w.energy_j, '.6g')} J, J/token {_fmt(w.j_per_token, '.6g')}, "
                      f"mean active rows {w.mean_active_rows:.3f}")
-    if acc.serving:
-        ms = lambda x: _fmt(x, ".3f", 1e3)  # noqa: E731
-        lines.append(f"requests {len(acc.requests)}: TTFT p50 {ms(acc.ttft_p50_s)} ms p99 {ms(acc.ttft_p99_s)} ms; "
-                     f"ITL p50 {ms(acc.itl_p50_s)} ms p99 {ms(acc.itl_p99_s)} ms; "
-                     f"end-to-end p50 {ms(acc.e2e_p50_s)} ms p99 {ms(acc.e2e_p99_s)} ms")
+    ms = lambda x: _fmt(x, ".3f", 1e3)  # noqa: E731
+    lines.append(f"requests {len(acc.requests)}: TTFT p50 {ms(acc.ttft_p50_s)} ms p99 {ms(acc.ttft_p99_s)} ms; "
+                 f"ITL p50 {ms(acc.itl_p50_s)} ms p99 {ms(acc.itl_p99_s)} ms; "
+                 f"end-to-end p50 {ms(acc.e2e_p50_s)} ms p99 {ms(acc.e2e_p99_s)} ms")
     return lines
 
 
@@ -79,7 +78,7 @@ def format_accounting(acc: Accounting) -> str:
              f"accepted {acc.accepted}, verified {acc.verified}, rejected positions {acc.rejected_positions}",
              f"tau {_fmt(acc.tau, '.3f')}  acceptance {_fmt(acc.acceptance_rate, '.3f')}  "
              f"tokens/s {_fmt(acc.tokens_per_s, '.2f')}  TPOT p50 {_fmt(acc.tpot_p50_s, '.3f', 1e3)} ms  "
-             f"p99 {_fmt(acc.tpot_p99_s, '.3f', 1e3)} ms ({acc.rows_with_tpot} {'requests' if acc.serving else 'rows'})",
+             f"p99 {_fmt(acc.tpot_p99_s, '.3f', 1e3)} ms ({acc.rows_with_tpot} requests)",
              f"time {acc.total_time_s:.6g} s (prefill {acc.prefill_time_s:.6g} s, decode {acc.decode_time_s:.6g} s)",
              *_serving_lines(acc)]
     if acc.total_energy_j is None:

@@ -12,15 +12,15 @@ Steady-state window
     else one past the last step. The window's time, energy and tokens are those of every
     record with ``s0 <= step < s1``: decode phases and the refill prefills that ran after
     those steps. J/token of the window = its energy / its tokens. Without an ``s0`` (never
-    every slot busy, or a ledger without serving keys) the window is empty: its figures are
-    NaN and :attr:`Window.note` says why. Runs pool by adding their windows.
+    every slot busy) the window is empty: its figures are NaN and :attr:`Window.note` says why.
+    Runs pool by adding their windows.
 
 Mean active rows
     Time-weighted over decode steps: ``sum(rows_active x step time) / sum(step time)``, the
     step time being its decode phases' (refill prefills excluded); over the whole run, and
     over the window's decode steps.
 
-Per request (serving ledgers)
+Per request
     Its slot and arrival come from the prefill that admitted it (``arrivals_s``: the given
     arrival in open loop, the admission time in closed loop). Its emissions, what a streaming
     client sees: the prefill's end (``clock_s + time_s``, the first token), then the end of
@@ -38,9 +38,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from refspec.energy.ledger import phase_record
+from refspec.energy.ledger_format import phase_record
 from refspec.energy.phases import PhaseEvent
-from refspec.energy.steps import AccountingError, Step, decode_steps, group_steps, is_serving
+from refspec.energy.steps import AccountingError, Step, decode_steps, group_steps
 
 NAN = math.nan
 
@@ -157,7 +157,7 @@ def window_bounds(steps: Sequence[Step]) -> tuple[int, int] | None:
 
 def event_steps(events: Sequence[PhaseEvent]) -> list[Step]:
     """A run's phase events grouped as its ledger's records would be (for a run written to no ledger)."""
-    return group_steps(None, [phase_record(e, "events") for e in events])
+    return group_steps(None, [phase_record(e, "events", lambda args: 0) for e in events])  # work is not read here
 
 
 def _empty(bounds: tuple[None, ...], note: str) -> Window:
@@ -167,8 +167,6 @@ def _empty(bounds: tuple[None, ...], note: str) -> Window:
 
 def run_window(steps: Sequence[Step]) -> Window:
     """The steady-state window of one run (see the module docstring)."""
-    if not is_serving(steps):
-        return _empty((None,), "no serving keys in the ledger (an old static ledger): no steady-state window")
     bounds = window_bounds(steps)
     if bounds is None:
         return _empty((None,), "no decode step had every slot busy: no steady state, the window is empty")
@@ -211,14 +209,12 @@ def _admit(reqs: dict[int, dict[str, Any]], st: Step, run_id: str | None) -> Non
 
 
 def request_times(steps: Sequence[Step], run_id: str | None = None) -> list[RequestTimes]:
-    """Every request of one serving run, in id order (empty for a ledger without serving keys).
+    """Every request of one run, in id order.
 
     Raises:
         AccountingError: a request prefilled twice, or tokens emitted in a slot for a request
             it never admitted.
     """
-    if not is_serving(steps):
-        return []
     reqs: dict[int, dict[str, Any]] = {}
     for st in sorted(steps, key=lambda s: (s.index, s.prefill)):  # a refill runs after its step's commit
         if st.prefill:

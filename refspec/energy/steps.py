@@ -1,20 +1,21 @@
 """The phase records of one ledger run grouped into steps: what the accounting modules read.
 
-A step groups the records of one decode step (draft, verify, commit, other). Prefills are
-groups of their own: the first fill (step -1) and, in a continuous-batching run, each refill
-(its ``step`` is the decode step after which it ran), so a refill's first tokens never merge
-with the counts of the decode step that carries the same index.
+A step groups the records of one decode step (draft, verify, commit, other). Each prefill is
+a group of its own: the first fill (step -1) and, in a continuous-batching run, each refill (its
+``step`` is the decode step after which it ran), so a refill's first tokens never merge with the
+counts of the decode step that carries the same index. The key of a group is the ledger's own
+(:func:`refspec.energy.ledger_format.group_key`), so writer and readers share one rule.
 
 Counts are the maximum over a group's records (a count may be written on one record or
-repeated on several); times add (phases do not overlap). Serving keys (``slot_requests``,
-``arrivals_s``, ``queued``, ``clock_s``) are absent in version-1 ledgers; such a run reads as
-an old static ledger (:attr:`Step.slot_requests` empty).
+repeated on several); times add (phases do not overlap).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
+
+from refspec.energy.ledger_format import group_key
 
 COUNTS = ("drafted", "accepted", "emitted", "verified")
 
@@ -32,12 +33,10 @@ class Step:
     Attributes:
         index: the records' ``step`` (-1 for the first prefill).
         prefill: a prefill group (the first fill or a refill after decode step ``index``).
-        slot_requests: request id per slot (-1 empty), from the commit record when there is one;
-            empty for a ledger without serving keys.
+        slot_requests: request id per slot (-1 empty), from the commit record when there is one.
         arrivals_s: a prefill's arrival time per slot (-1.0 elsewhere); empty otherwise.
         queued: requests not yet admitted after the group (the largest its records say).
-        end_s: engine clock at the group's end (the commit's end when there is one), or None
-            without ``clock_s``.
+        end_s: engine clock at the group's end (the commit's end when there is one).
     """
 
     index: int
@@ -51,7 +50,7 @@ class Step:
     slot_requests: tuple[int, ...]
     arrivals_s: tuple[float, ...]
     queued: int
-    end_s: float | None
+    end_s: float
 
     @property
     def decode(self) -> bool:
@@ -75,16 +74,15 @@ class Step:
         return None if any(e is None for e in es) else sum(float(e) for e in es)
 
 
-def _end(r: Record) -> float | None:
-    return None if r.get("clock_s") is None else float(r["clock_s"]) + float(r["time_s"])
+def _end(r: Record) -> float:
+    return float(r["clock_s"]) + float(r["time_s"])
 
 
-def _serving_keys(recs: Sequence[Record]) -> tuple[tuple[int, ...], tuple[float, ...], float | None]:
+def _serving_keys(recs: Sequence[Record]) -> tuple[tuple[int, ...], tuple[float, ...], float]:
     """Slot requests, arrivals and end clock of a group: the commit's when it has one, else the last record's."""
     commit = [r for r in recs if r["phase"] == "commit"]
-    main = commit[-1] if commit else max(recs, key=lambda r: _end(r) or 0.0)
-    slots = tuple(int(x) for x in (main.get("slot_requests") or next(
-        (r["slot_requests"] for r in recs if r.get("slot_requests")), ())))
+    main = commit[-1] if commit else max(recs, key=_end)
+    slots = tuple(int(x) for x in main["slot_requests"])
     arrivals = tuple(float(x) for x in (next((r["arrivals_s"] for r in recs if r.get("arrivals_s")), ())))
     return slots, arrivals, _end(main)
 
@@ -114,18 +112,13 @@ def group_steps(run_id: str | None, phases: Sequence[Record]) -> list[Step]:
     by_key: dict[tuple[int, bool, tuple[int, ...]], list[Record]] = defaultdict(list)
     seen: set[tuple[int, str, tuple[int, ...]]] = set()
     for r in phases:
-        step, phase = int(r["step"]), str(r["phase"])
-        # two prefills may share a step (a refill whose requests all finished at their first token
-        # is refilled again): they differ in the requests they prefilled, as the ledger keys them
-        slots = tuple(int(x) for x in r.get("slot_requests") or ()) if phase == "prefill" else ()
-        if (step, phase, slots) in seen:
+        key = step, phase, slots = group_key(int(r["step"]), str(r["phase"]), r["slot_requests"])
+        if key in seen:
             raise AccountingError(f"run {run_id!r} holds step {step} phase {phase!r} twice: two generations "
                                   f"were written under one run id; give each its own run")
-        seen.add((step, phase, slots))
-        # an old ledger's step -1 stays one group; a serving prefill, or a refill, is a group of its own
-        own = phase == "prefill" and (bool(slots) or step >= 0)
-        by_key[(step, own, slots if own else ())].append(r)
-    return [_step(s, own or s < 0, recs) for (s, own, _), recs in by_key.items()]
+        seen.add(key)
+        by_key[(step, phase == "prefill", slots)].append(r)
+    return [_step(s, prefill, recs) for (s, prefill, _), recs in by_key.items()]
 
 
 def decode_steps(steps: Sequence[Step]) -> list[Step]:
@@ -133,9 +126,4 @@ def decode_steps(steps: Sequence[Step]) -> list[Step]:
     return sorted((st for st in steps if st.decode), key=lambda st: st.index)
 
 
-def is_serving(steps: Sequence[Step]) -> bool:
-    """Whether the run's records carry the serving keys (slot requests and engine clock)."""
-    return any(st.slot_requests for st in steps) and all(st.end_s is not None for st in steps)
-
-
-__all__ = ["AccountingError", "COUNTS", "Record", "Step", "group_steps", "decode_steps", "is_serving"]
+__all__ = ["AccountingError", "COUNTS", "Record", "Step", "group_steps", "decode_steps"]

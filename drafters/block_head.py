@@ -35,6 +35,7 @@ from refspec.drafters.block_checkpoint import (CONFIG_FILE, HEAD_FORMAT, HEAD_VE
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
 from refspec.energy.phases import ForwardShape, record_forward, recording
+from refspec.models.attention import CacheAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.ops import apply_rope, attention_bias, rope_inv_freq, rope_tables
 
@@ -206,8 +207,9 @@ class BlockHead(nn.Module):
         rope = rope_tables(positions, self.inv_freq, x.dtype)
         attn = self.layers[0].attn
         bias = attention_bias(mask, attn.hkv, attn.h // attn.hkv, x.dtype)
+        ctx = CacheAttention(cache, slots, num_keys, (rope, None), (bias, None))  # full-attention layers only
         for blk in self.layers:
-            x = blk(x, rope, cache, slots, bias, num_keys)
+            x = blk(x, ctx)
         return self.norm(x)
 
     def block_inputs(self, target, first: torch.Tensor, k: int, last_ctx: torch.Tensor) -> torch.Tensor:

@@ -101,16 +101,8 @@ def _static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache,
                     mask: torch.Tensor | None, sliding_mask: torch.Tensor | None, num_keys: int,
                     logits_at: torch.Tensor | None, hidden_layers: tuple[int, ...]):
     """``Transformer.forward`` without its work record (the wrapper records outside the graph)."""
-    x = model.embed_tokens(tokens)  # [B, S, E]
-    rope, bias = model._attention_inputs(positions, num_keys, mask, sliding_mask, x.dtype)
-    slots = positions if slots is None else slots
-    hidden: dict[int, torch.Tensor] = {}
-    for i, blk in enumerate(model.layers):
-        x = blk(x, rope[blk.sliding], cache, slots, bias[blk.sliding], num_keys)
-        if i in hidden_layers:
-            hidden[i] = x
-    logits = model._head(x, logits_at, hidden, model.num_layers in hidden_layers)
-    return logits, [hidden[i] for i in hidden_layers]
+    return model.forward_unrecorded(tokens, positions, cache, num_keys, slots=slots, mask=mask,
+                                    sliding_mask=sliding_mask, logits_at=logits_at, hidden_layers=hidden_layers)
 
 
 class CompiledStep:

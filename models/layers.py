@@ -1,19 +1,30 @@
-"""Decoder modules: the parameter holders (:class:`Linear`, :class:`RMSNorm`,
-:class:`Attention`, :class:`MLP`) and :class:`Block`, whose forward runs one decoder block over
-a step plan gathered from them (see :meth:`Block.forward`). The tensor functions they call
-live in :mod:`refspec.models.ops`.
+"""Decoder modules: :class:`Attention`, :class:`MLP`, :class:`RMSNorm` and :class:`Block`, the
+residual form that calls them. The tensor functions they use live in
+:mod:`refspec.models.ops`; where a step's keys and values go lives in
+:mod:`refspec.models.attention`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.models.moe import MoE
-from refspec.models.ops import WeightCopy, apply_rope, attend, gated_mlp, linear, rms_norm
+from refspec.models.ops import WeightCopy, apply_rope, gated_act, linear, rms_norm
+
+
+
+class AttentionContext(Protocol):
+    """Where a forward's keys and values go and which keys each query sees
+    (:class:`~refspec.models.attention.CacheAttention`, :class:`~refspec.models.attention.PackedAttention`)."""
+
+    rope: tuple  # ((cos, sin) of full-attention layers, (cos, sin) of sliding layers or None)
+
+    def __call__(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """Write ``k, v [B, S, Hkv, D]``, attend with ``q [B, S, H, D]``; returns ``[B, S, H*D]``."""
 
 
 class Linear(nn.Linear):
@@ -71,14 +82,15 @@ class _SplitNames:
 
 
 class Attention(_SplitNames, nn.Module):
-    """Parameters of grouped-query attention: one fused q/k/v projection (saved as
-    ``wq``/``wk``/``wv``), the output projection and gemma3/qwen3's q/k norms. The block's
-    forward (:meth:`Block.forward`) runs them."""
+    """Grouped-query attention: one fused q/k/v projection (saved as ``wq``/``wk``/``wv``), the
+    output projection and gemma3/qwen3's q/k norms; rotary positions, and a sliding window on
+    the layers that have one."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         e, d = args.hidden_size, args.head_dim
         self.layer = layer
+        self.sliding = args.is_sliding(layer)
         self.h, self.hkv, self.d = args.num_heads, args.num_kv_heads, d
         self.wqkv = Linear(e, (self.h + 2 * self.hkv) * d, bias=args.attention_bias)
         self.wo = Linear(self.h * d, e, bias=False)
@@ -89,6 +101,17 @@ class Attention(_SplitNames, nn.Module):
     def _splits(self):
         d = self.d
         return {"wqkv": (("wq", self.h * d), ("wk", self.hkv * d), ("wv", self.hkv * d))}
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``x [B, S, E]`` (normed) -> ``[B, S, E]``; ``ctx`` writes K/V and attends."""
+        b, s, _ = x.shape
+        qkv = self.wqkv(x).view(b, s, self.h + 2 * self.hkv, self.d)
+        q, k, v = qkv.split((self.h, self.hkv, self.hkv), dim=2)  # [B, S, H | Hkv | Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope[self.sliding]  # [B, S, 1, D] each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(ctx(self.layer, self.sliding, q, k, v, self.scale))  # [B, S, H*D] -> [B, S, E]
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (before q/k-norm and rope) and values of ``x [B, S, E]``, each ``[B, S, Hkv, D]``."""
@@ -113,36 +136,10 @@ class MLP(_SplitNames, nn.Module):
         return {"gate_up": (("gate", self.intermediate), ("up", self.intermediate))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.gate_up, self.down
-        return gated_mlp(x, gate_up.weight, gate_up._copy, down.weight, down._copy, self.gelu)
-
-
-class _StepPlan(NamedTuple):
-    """What a block's forward reads, gathered from its modules once (:meth:`Block._plan`)."""
-
-    guards: tuple  # ((dict, key, object), ...): every lookup the plan was built from
-    layer: int
-    h: int
-    hkv: int
-    d: int
-    scale: float
-    gelu: bool
-    attn_norm: tuple  # (weight, eps, plus_one), the arguments of rms_norm after x
-    mlp_norm: tuple
-    attn_post_norm: tuple | None  # gemma3's sandwich norms
-    mlp_post_norm: tuple | None
-    q_norm: tuple | None  # qwen3/gemma3
-    k_norm: tuple | None
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None  # qwen2
-    qkv_copy: WeightCopy | None
-    wo: torch.Tensor
-    wo_copy: WeightCopy | None
-    gate_up: torch.Tensor | None  # None in an MoE block
-    gate_up_copy: WeightCopy | None
-    down: torch.Tensor | None
-    down_copy: WeightCopy | None
-    moe: MoE | None  # the routed MLP of an MoE block (called as a module)
+        """``x [..., E]`` -> ``[..., E]``: ``down(act(gate x) * up x)`` (act: SiLU, or
+        tanh-approximated GELU for gemma3)."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(gated_act(gate, up, self.gelu))
 
 
 class Block(nn.Module):
@@ -162,93 +159,10 @@ class Block(nn.Module):
             self.mlp_post_norm = RMSNorm(args.hidden_size, eps, p1)
         self.sliding = args.is_sliding(layer)
 
-    def _plan(self) -> _StepPlan:
-        """The tensors the forward reads, reused while every sub-module, parameter and weight
-        copy they came from is still the same object (a replaced parameter or module, a
-        ``load_state_dict(assign=True)``, new weight copies: the plan is rebuilt). In-place
-        changes and ``.data`` swaps need no rebuild: the plan holds the parameters themselves.
-        Plain attributes (``eps``, ``scale``, head counts) are read when the plan is built."""
-        plan = self.__dict__.get("_step_plan")
-        if plan is not None and all(d.get(k) is o for d, k, o in plan.guards):
-            return plan
-        guards: list = []
-
-        def sub(mod: nn.Module, name: str):
-            m = mod._modules.get(name)
-            guards.append((mod._modules, name, m))
-            return m
-
-        def param(mod: nn.Module, name: str):
-            t = mod._parameters.get(name)
-            guards.append((mod._parameters, name, t))
-            return t
-
-        def norm(mod: nn.Module | None):
-            return None if mod is None else (param(mod, "weight"), mod.eps, mod.plus_one)
-
-        def lin(mod: nn.Linear):
-            copy = mod.__dict__.get("_copy")
-            guards.append((mod.__dict__, "_copy", copy))
-            return param(mod, "weight"), param(mod, "bias"), copy
-
-        attn, mlp = sub(self, "attn"), sub(self, "mlp")
-        wqkv, bqkv, qkv_copy = lin(sub(attn, "wqkv"))
-        wo, _, wo_copy = lin(sub(attn, "wo"))
-        moe = mlp if isinstance(mlp, MoE) else None
-        gate_up, _, gate_up_copy = (None, None, None) if moe is not None else lin(sub(mlp, "gate_up"))
-        down, _, down_copy = (None, None, None) if moe is not None else lin(sub(mlp, "down"))
-        norms = {name: norm(sub(owner, name)) for owner, name in
-                 ((self, "attn_norm"), (self, "mlp_norm"), (attn, "q_norm"), (attn, "k_norm"))}
-        post = [norm(sub(self, name)) if self.sandwich else None for name in ("attn_post_norm", "mlp_post_norm")]
-        plan = _StepPlan(
-            guards=tuple(guards), layer=attn.layer, h=attn.h, hkv=attn.hkv, d=attn.d, scale=attn.scale,
-            gelu=getattr(mlp, "gelu", False), **norms, attn_post_norm=post[0], mlp_post_norm=post[1],
-            wqkv=wqkv, bqkv=bqkv, qkv_copy=qkv_copy, wo=wo, wo_copy=wo_copy,
-            gate_up=gate_up, gate_up_copy=gate_up_copy, down=down, down_copy=down_copy,
-            moe=moe)
-        self.__dict__["_step_plan"] = plan
-        return plan
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: StaticKVCache,
-                slots: torch.Tensor, bias: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """One decoder block: write this step's K/V, attend over the cache prefix, then the MLP.
-
-        The step is spelled out here over the tensors of :meth:`_plan` rather than as calls of
-        the sub-modules: on the project's CPU every module call, attribute lookup, indexing
-        or ``Tensor.split`` costs microseconds, some 1,500 times per SmolLM2 decode step
-        (against calling the sub-modules, the plan saved ~1.5 ms of ~12 ms of pure overhead per
-        step on a 30-layer SmolLM2-shaped toy). Forward hooks on the sub-modules therefore do
-        not fire; hooks on the block do.
-
-        Args:
-            x: ``[B, S, E]`` input.
-            rope: ``(cos, sin)`` from :func:`rope_tables`, each ``[B, S, 1, D]``.
-            cache: static cache (or anything with its ``write``/``read``).
-            slots: ``[B, S]`` where this step's K/V go.
-            bias: ``[B*Hkv, G*S, Tk]`` from :func:`attention_bias`.
-            num_keys: Tk.
-
-        Returns:
-            ``[B, S, E]``.
-        """
-        p = self._plan()
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [B*S, E] rows: every projection is one 2-D GEMM
-        b, s = slots.shape
-        h, hkv = p.h, p.hkv
-        qkv = linear(rms_norm(x, *p.attn_norm), p.wqkv, p.bqkv, p.qkv_copy).view(b, s, h + 2 * hkv, p.d)
-        cos, sin = rope
-        if p.q_norm is None:
-            qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)
-            q, k = apply_rope(qk, cos, sin).split_with_sizes((h, hkv), dim=2)  # q and k rotated together
-        else:
-            q, k, v = qkv.split_with_sizes((h, hkv, hkv), dim=2)
-            q, k = apply_rope(rms_norm(q, *p.q_norm), cos, sin), apply_rope(rms_norm(k, *p.k_norm), cos, sin)
-        cache.write(p.layer, slots, k, v)
-        keys, values = cache.read(p.layer, num_keys)  # [B, Hkv, Tk, D] each
-        a = linear(attend(q, keys, values, bias, p.scale), p.wo, None, p.wo_copy)
-        x = x + (a if p.attn_post_norm is None else rms_norm(a, *p.attn_post_norm))
-        h = rms_norm(x, *p.mlp_norm)
-        m = p.moe(h) if p.moe is not None else gated_mlp(h, p.gate_up, p.gate_up_copy, p.down, p.down_copy, p.gelu)
-        x = x + (m if p.mlp_post_norm is None else rms_norm(m, *p.mlp_post_norm))
-        return x.view(shape)
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``x [B, S, E]`` -> ``[B, S, E]``; ``ctx`` places this step's K/V and masks the keys
+        (:mod:`refspec.models.attention`)."""
+        h = self.attn(self.attn_norm(x), ctx)
+        x = x + (self.attn_post_norm(h) if self.sandwich else h)
+        h = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_post_norm(h) if self.sandwich else h)

@@ -147,7 +147,9 @@ class MoE(nn.Module):
         self.touched = torch.zeros((), dtype=torch.int64, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, E]`` -> ``[N, E]``; updates :attr:`touched`."""
+        """``x [..., E]`` -> ``[..., E]`` (N tokens); updates :attr:`touched`."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, E]
         weights, experts = route(x, self.router.weight, self.top_k, self.renormalise)
         mode = self.dispatch
         if mode == "gather" and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -162,7 +164,7 @@ class MoE(nn.Module):
         if self.shared:
             gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # [N, 1]
             out = out + gate * _expert_mlp(x, self.shared_gate_up, self.shared_down)
-        return out
+        return out.view(shape)
 
     # ---- per-expert names in the state dict (Hugging Face's layout) -----------------------------
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -214,10 +214,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torc
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_copy: WeightCopy | None, down: torch.Tensor,
-              down_copy: WeightCopy | None, gelu: bool) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` with the fused ``[2 I, E]`` gate/up matrix (act: SiLU, or
-    tanh-approximated GELU for gemma3)."""
-    g, u = linear(x, gate_up, None, gate_up_copy).chunk(2, dim=-1)
-    g = F.gelu(g, approximate="tanh") if gelu else F.silu(g)
-    return linear(g.mul_(u), down, None, down_copy)
+def gated_act(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """``act(gate) * up`` of a gated MLP (act: SiLU, or tanh-approximated GELU for gemma3)."""
+    g = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return g.mul_(up)

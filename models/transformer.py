@@ -8,12 +8,17 @@ Hugging Face checkpoint names onto them.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from typing import Sequence
+
 import torch
 from torch import nn
 
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
 from refspec.energy.phases import ForwardShape, record_forward, recording
+from refspec.models.attention import CacheAttention, PackedAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.moe import DISPATCH, MoE
 from refspec.models.ops import WeightCopy, gemm_plan, attention_bias, rope_inv_freq, rope_tables
@@ -38,6 +43,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.sliding_window = _window(args, self.layers)
         self.init_buffers()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -97,6 +103,7 @@ class Transformer(nn.Module):
         small.embed, small.norm, small.lm_head = self.embed, self.norm, self.lm_head
         small.layers = nn.ModuleList(list(self.layers)[:num_layers])
         small.inv_freq_global, small.inv_freq_local = self.inv_freq_global, self.inv_freq_local
+        small.sliding_window = _window(self.args, small.layers)
         return small
 
     def _copied_linears(self) -> list[nn.Linear]:
@@ -163,13 +170,23 @@ class Transformer(nn.Module):
         a CUDA-graph replay records the same for the forward it replays). An MoE model's shape
         carries the distinct experts its last forward routed to (:meth:`experts_touched`)."""
         a = self.args
-        sliding = any(blk.sliding for blk in self.layers)
+        sliding = self.sliding_window is not None
         return ForwardShape(args=a, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
                             sliding_context_tokens=rows * num_keys if sliding else None,
                             dtype_bytes=torch.finfo(self.dtype).bits // 8, lm_head_tokens=lm_head_tokens,
                             layers=self.num_layers,
                             matrix_bytes=self.multirow_matrix_bytes(rows * tokens_per_row),
                             experts_touched=self.experts_touched())
+
+    def prefill_shape(self, seq_lens: Sequence[int]) -> ForwardShape:
+        """The work of one :meth:`prefill` of prompts of ``seq_lens``: their real tokens only, and
+        per prompt dense masked attention over its own S_i keys (S_i^2 pairs per layer)."""
+        n, pairs, sliding = sum(seq_lens), sum(s * s for s in seq_lens), self.sliding_window is not None
+        shape = self.forward_shape(len(seq_lens), max(seq_lens), 0, len(seq_lens))
+        return dataclasses.replace(shape, query_tokens=n, context_tokens=n, attention_pairs=pairs,
+                                   sliding_context_tokens=n if sliding else None,
+                                   sliding_attention_pairs=pairs if sliding else None,
+                                   matrix_bytes=self.multirow_matrix_bytes(n))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, *,
                 slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -199,37 +216,103 @@ class Transformer(nn.Module):
         Returns:
             ``(logits [B, M, V] fp32 or None, [hidden [B, S, E] per requested layer])``.
         """
-        b, s = positions.shape
         tk = cache.max_len if num_keys is None else num_keys
-        slots = positions if slots is None else slots
-        x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        rope, bias = self._attention_inputs(positions, tk, mask, sliding_mask, x.dtype)
-        hidden: dict[int, torch.Tensor] = {}
-        wanted = set(hidden_layers)
-        for i, blk in enumerate(self.layers):
-            x = blk(x, rope[blk.sliding], cache, slots, bias[blk.sliding], tk)  # [1]: the sliding layers'
-            if i in wanted:
-                hidden[i] = x
-        logits = self._head(x, logits_at, hidden, self.num_layers in wanted)
-        missing = wanted - hidden.keys()
-        if missing:
-            raise ValueError(f"hidden layers {sorted(missing)} are out of range for {self.num_layers} layers")
+        logits, hidden = self.forward_unrecorded(tokens, positions, cache, tk, slots=slots, mask=mask,
+                                                 sliding_mask=sliding_mask, logits_at=logits_at,
+                                                 hidden_layers=hidden_layers, inputs_embeds=inputs_embeds)
         if recording():
+            b, s = positions.shape
             record_forward(self.forward_shape(b, s, tk, 0 if logits is None else logits.shape[0] * logits.shape[1]))
+        return logits, hidden
+
+    def forward_unrecorded(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
+                           num_keys: int, *, slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                           sliding_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                           hidden_layers: tuple[int, ...] = (), inputs_embeds: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """:meth:`forward` with Tk given and no work record (a compiled step records outside its graph)."""
+        self._check_hidden_layers(hidden_layers)
+        x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds  # [B, S, E]
+        rope = self._rope(positions, x.dtype)
+        full = causal_mask(positions, num_keys) if mask is None else mask
+        if self.sliding_window is not None and sliding_mask is None:
+            sliding_mask = causal_mask(positions, num_keys, self.sliding_window)
+        bias = (self.attention_bias(full, x.dtype),
+                None if self.sliding_window is None else self.attention_bias(sliding_mask, x.dtype))
+        ctx = CacheAttention(cache, positions if slots is None else slots, num_keys, rope, bias)
+        x, hidden = self._blocks(x, ctx, hidden_layers)
+        logits = self._head(x, logits_at, hidden, self.num_layers in hidden_layers)
         return logits, [hidden[i] for i in hidden_layers]
 
-    def _attention_inputs(self, positions: torch.Tensor, tk: int, mask: torch.Tensor | None,
-                          sliding_mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[tuple, tuple]:
-        """Rotary tables and attention biases, each as ``(full layers, sliding layers)`` (the
-        sliding entries are None for a model without sliding layers)."""
-        rope_g = rope_tables(positions, self.inv_freq_global, dtype)
-        bias = self.attention_bias(causal_mask(positions, tk) if mask is None else mask, dtype)
-        if not any(blk.sliding for blk in self.layers):
-            return (rope_g, None), (bias, None)
-        rope_l = rope_tables(positions, self.inv_freq_local, dtype)
-        if sliding_mask is None:
-            sliding_mask = causal_mask(positions, tk, self.args.sliding_window)
-        return (rope_g, rope_l), (bias, self.attention_bias(sliding_mask, dtype))
+    def prefill(self, tokens: torch.Tensor, seq_lens: Sequence[int], cache: StaticKVCache, rows: torch.Tensor, *,
+                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill R prompts of different lengths in one packed forward over their real tokens only;
+        records :meth:`prefill_shape`.
+
+        Prompt i's K/V go to cache row ``rows[i]``, slots ``0..S_i-1``; each of its tokens attends
+        only the prompt's earlier tokens (causal, within the window on sliding layers). No
+        position past a prompt is computed and no padded key is attended.
+
+        Args:
+            tokens: ``[N]`` the R prompts concatenated (N = sum of ``seq_lens``).
+            seq_lens: R prompt lengths S_i >= 1 (host ints).
+            cache: the cache written (a :class:`~refspec.cache.StaticKVCache` or a CUDA-graph
+                runner's :class:`~refspec.graph_buffers.CacheView`).
+            rows: ``[R]`` distinct cache row of each prompt.
+            hidden_layers: as for :meth:`forward`.
+
+        Returns:
+            ``(logits [R, V] fp32 at each prompt's last token, [hidden [R, S_max, E] per
+            requested layer, zero past each prompt])``.
+        """
+        seq_lens = [int(s) for s in seq_lens]
+        r, n = len(seq_lens), sum(seq_lens)
+        if not seq_lens or min(seq_lens) < 1 or max(seq_lens) > cache.max_len:
+            raise ValueError(f"prefill needs 1 or more prompts of 1..{cache.max_len} tokens, got lengths {seq_lens}")
+        if tuple(tokens.shape) != (n,) or tuple(rows.shape) != (r,):
+            raise ValueError(f"prefill takes tokens [N={n}] and rows [R={r}], got {tuple(tokens.shape)} "
+                             f"and {tuple(rows.shape)}")
+        self._check_hidden_layers(hidden_layers)
+        dev, a = tokens.device, self.args
+        positions = torch.cat([torch.arange(s, device=dev) for s in seq_lens])[None]  # [1, N] place in its prompt
+        x = self.embed_tokens(tokens[None])  # [1, N, E]
+        ctx = PackedAttention(cache, rows.to(dev), seq_lens, positions, self._rope(positions, x.dtype),
+                              (a.num_kv_heads, a.num_heads // a.num_kv_heads), self.sliding_window, x.dtype)
+        x, hidden = self._blocks(x, ctx, hidden_layers)
+        last = torch.tensor(list(itertools.accumulate(seq_lens)), device=dev) - 1  # [R] each prompt's last token
+        if self.num_layers in hidden_layers:
+            hidden[self.num_layers] = self.norm(x)
+            logits = self.logits(hidden[self.num_layers][0, last])  # [R, V]
+        else:
+            logits = self.logits(self.norm(x[0, last]))
+        prompt = torch.arange(r, device=dev).repeat_interleave(torch.tensor(seq_lens, device=dev))  # [N]
+        padded = []
+        for i in hidden_layers:  # [1, N, E] -> [R, S_max, E], zero past each prompt
+            h = hidden[i]
+            padded.append(h.new_zeros(r, max(seq_lens), h.shape[-1]).index_put_((prompt, positions[0]), h[0]))
+        if recording():
+            record_forward(self.prefill_shape(seq_lens))
+        return logits, padded
+
+    def _check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
+        bad = sorted(i for i in hidden_layers if not 0 <= i <= self.num_layers)
+        if bad:
+            raise ValueError(f"hidden layers {bad} are out of range for {self.num_layers} layers")
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Rotary tables ``(full layers, sliding layers)`` of ``positions`` (sliding None without sliding layers)."""
+        full = rope_tables(positions, self.inv_freq_global, dtype)
+        return full, (None if self.sliding_window is None else rope_tables(positions, self.inv_freq_local, dtype))
+
+    def _blocks(self, x: torch.Tensor, ctx, hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every block over ``x [B, S, E]``; returns the output and the residual stream after each
+        requested block."""
+        hidden: dict[int, torch.Tensor] = {}
+        for i, blk in enumerate(self.layers):
+            x = blk(x, ctx)
+            if i in hidden_layers:
+                hidden[i] = x
+        return x, hidden
 
     def _head(self, x: torch.Tensor, logits_at: torch.Tensor | None, hidden: dict[int, torch.Tensor],
               want_final: bool) -> torch.Tensor | None:
@@ -248,3 +331,8 @@ class Transformer(nn.Module):
             if logits_at is not None:
                 h = h.gather(1, logits_at[..., None].expand(b, logits_at.shape[1], h.shape[-1]))
         return self.logits(h) if need_logits else None
+
+
+def _window(args: ModelArgs, layers: nn.ModuleList) -> int | None:
+    """The window of the sliding-attention layers, or None when no layer slides."""
+    return args.sliding_window if any(blk.sliding for blk in layers) else None

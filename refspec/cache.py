@@ -57,9 +57,21 @@ class StaticKVCache:
             k: ``[B, S, Hkv, D]`` new keys (the layout projections produce).
             v: ``[B, S, Hkv, D]`` new values.
         """
+        rows = self._rows if k.shape[0] == self.batch else self._rows.narrow(0, 0, k.shape[0])
+        self.write_at(layer, rows, slots, k, v)
+
+    def write_at(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write keys/values of one layer at (row, slot) pairs (a packed prefill's tokens).
+
+        Args:
+            layer: layer index.
+            rows: cache row of each entry, broadcastable with ``slots`` (``[N]``, or ``[B, 1]``).
+            slots: slot of each entry (``[N]``, or ``[B, S]``).
+            k: ``[*index shape, Hkv, D]`` keys.
+            v: same shape, values.
+        """
         # index_put_ on [B, T, Hkv, D] views: one indexed copy per tensor (3-10x faster on CPU
         # than scatter_ with an expanded index, and no index tensor of K's size)
-        rows = self._rows if k.shape[0] == self.batch else self._rows.narrow(0, 0, k.shape[0])
         self.k[layer].transpose(1, 2).index_put_((rows, slots), k)
         self.v[layer].transpose(1, 2).index_put_((rows, slots), v)
 

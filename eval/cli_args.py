@@ -102,9 +102,17 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
     h.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with avx512_bf16/AMX, else fp32), fp32, bf16 or fp16")
     h.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    h.add_argument("--meter", default="auto",
-                   help="auto (Zeus on a GPU with NVML, else the roofline model), zeus, roofline, "
-                        "roofline:PROFILE (cpu, h100, h200: time modelled too) or time (no energy)")
+    h.add_argument("--meter", default="auto", metavar="SPEC",
+                   help="auto (a GPU's NVML counter, else this CPU's RAPL counter, else the roofline model, labelled "
+                        "modelled), zeus or nvml (NVML's counter; :gpus=0,1 sums several GPUs), rapl (CPU package "
+                        "and DRAM; :domains=package,dram), roofline, roofline:PROFILE (cpu, h100, h200: time modelled "
+                        "too), time (no energy), or simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]: "
+                        "a counter updating every P ms (default 100) from the first S ms of each period (default "
+                        "P/4), its truth the profile's modelled energy of each phase and idle power between phases, "
+                        "for tests and teaching. A counter is never read per phase: phases are timed, the counter "
+                        "read at the run's bounds and every :sub_window_s=W (default ten periods). With a GPU profile "
+                        "the clock is modelled: a 135M model's whole run lasts about 50 ms, under one period, and "
+                        "cannot be resolved; use simulated:cpu (wall time) or a large target")
     h.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="verify through CUDA graphs (default: on for CUDA, eager elsewhere)")
     h.add_argument("--compile", action="store_true",
@@ -328,9 +336,10 @@ class Plan:
 def _check_meter_device(meter: str, device: "torch.device") -> None:
     import torch
 
-    if meter == "zeus" and (device.type != "cuda" or not torch.cuda.is_available()):
-        raise UsageError("--meter zeus reads an NVIDIA GPU's energy counter (NVML) and this run has no GPU; use "
-                         "--meter roofline (modelled energy) or --meter time")
+    kind = meter.partition(":")[0]
+    if kind in ("zeus", "nvml") and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise UsageError(f"--meter {kind} reads an NVIDIA GPU's energy counter (NVML) and this run has no GPU; use "
+                         f"--meter roofline (modelled energy), rapl (a CPU's counter) or time")
 
 
 def check_serving_flags(args: argparse.Namespace, *, sweep: bool) -> list[str]:

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from refspec.energy.meter_spec import KINDS, MeterSpecError, parse_meter_spec
 from refspec.eval.flags import UsageError, check_sampling, finite, int_list, integer
 
-METERS = ("auto", "zeus", "roofline", "time")
-ROOFLINE_PROFILES = ("cpu", "h100", "h100-sxm", "h200", "h200-sxm")
+METERS = KINDS
 # The options each built-in drafter reads (its register_builtin); anything else would be stored
 # in the record without having run. ``tree``/``tree_budget`` come from --tree and K.
 BUILTIN_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -71,13 +71,14 @@ def check_drafter_options(drafters: Sequence[str], options: Sequence[tuple[str, 
 
 
 def check_meter(meter: str) -> None:
-    kind, sep, profile = meter.partition(":")
-    if kind not in METERS:
-        raise UsageError(f"--meter {meter!r} is unknown; use {', '.join(METERS)} or roofline:PROFILE")
-    known = profile.lower() in ROOFLINE_PROFILES or profile.lower().startswith("cpu-")
-    if sep and (kind != "roofline" or not known):
-        raise UsageError(f"--meter {meter!r}: a profile goes with roofline only, one of "
-                         f"{', '.join(ROOFLINE_PROFILES)} (e.g. --meter roofline:h200)")
+    """The ``--meter`` spec parses (:func:`refspec.energy.meter_spec.parse_meter_spec`)."""
+    if meter.partition(":")[0].lower() not in KINDS:
+        raise UsageError(f"--meter {meter!r} is unknown; use {', '.join(KINDS)} (e.g. roofline:h200, "
+                         f"simulated:cpu:period_ms=100:sample_ms=25)")
+    try:
+        parse_meter_spec(meter)
+    except MeterSpecError as exc:
+        raise UsageError(f"--meter {meter!r}: {exc}") from None
 
 
 def check_path_for_file(flag: str, path: Path) -> None:

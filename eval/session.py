@@ -86,14 +86,10 @@ class Session:
         if self._meter is None:
             from refspec.energy.meters import make_meter
 
-            kind, _, profile = self.meter_kind.partition(":")
-            if kind not in ("auto", "zeus", "roofline", "time"):
-                raise UsageError(f"unknown meter {self.meter_kind!r}; use auto, zeus, roofline, roofline:PROFILE "
-                                 f"(cpu, h100, h200) or time")
-            kwargs: dict[str, Any] = {"dtype_bytes": self.dtype_bytes}
-            if profile:
-                kwargs["profile"] = profile
-            self._meter = make_meter(kind, **kwargs)  # type: ignore[arg-type]
+            try:  # the whole --meter spec (refspec.energy.meter_spec) goes through
+                self._meter = make_meter(self.meter_kind, dtype_bytes=self.dtype_bytes)
+            except ValueError as exc:  # a spec, profile or sub-window that does not fit
+                raise UsageError(f"--meter {self.meter_kind!r}: {exc}") from None
             if hasattr(self._meter, "measure_idle_w") and getattr(self._meter, "idle_w", None) is None:
                 self._meter.measure_idle_w(5.0)
             log.info("energy meter: %s", describe_source(self._meter.source))

@@ -435,3 +435,22 @@ def test_make_meter_nvml_with_several_gpus(monkeypatch):
     assert m.sub_window_s == 3.0
     with pytest.raises(ValueError, match="shorter than 10 periods"):
         meters.make_meter("nvml:gpus=0:sub_window_s=0.5")
+
+
+def test_cli_checks_the_spec_and_the_session_passes_it_through():
+    from refspec.eval.cli_checks import check_meter
+    from refspec.eval.flags import UsageError
+    from refspec.eval.session import Session
+
+    check_meter("simulated:cpu:period_ms=100:sample_ms=25:noise=0.02:seed=1")
+    with pytest.raises(UsageError, match="--meter 'bogus' is unknown"):
+        check_meter("bogus")
+    with pytest.raises(UsageError, match="--meter 'simulated:cpu:sample_ms=200': sample_ms=200 exceeds period_ms=100"):
+        check_meter("simulated:cpu:sample_ms=200")
+    session = Session(model="unused", dtype="fp32", device=torch.device("cpu"),
+                      meter="simulated:h200:period_ms=50:sample_ms=12.5")
+    assert session.meter.source == "modelled:simulated-counter(h200-sxm,P=50ms,S=12.5ms)"
+    assert session.time_source == "modelled" and session.meter.idle_w == 70.0
+    short = "simulated:h200:period_ms=100:sub_window_s=0.5"
+    with pytest.raises(UsageError, match=f"--meter '{short}': .*shorter than 10 periods"):
+        Session(model="unused", dtype="fp32", device=torch.device("cpu"), meter=short).meter

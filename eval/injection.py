@@ -142,34 +142,44 @@ def injection_record(model: AcceptanceModel) -> dict[str, Any]:
     return {"injected": True, "label": injection_label(model), "model": model.to_json()}
 
 
-def make_acceptance_fn(model: AcceptanceModel, generator: torch.Generator
-                       ) -> Callable[[Any, torch.Tensor, torch.Generator | None], Acceptance]:
-    """The engine's ``acceptance_fn`` drawing accepted counts from ``model``.
+def make_acceptance_fn(model: AcceptanceModel, generator: torch.Generator, *, k: int | None = None
+                       ) -> Callable[[Any, torch.Tensor, Any, torch.Generator | None], Acceptance]:
+    """The engine's ``acceptance_fn`` (:data:`refspec.step.AcceptFn`) drawing accepted counts
+    from ``model`` instead of comparing drafts with the target.
 
-    Per row: ``n_acc`` is drawn from ``model`` restricted to the draft's K, and the emitted
-    token after the accepted drafts is the target's argmax at position ``n_acc``. The draws use
-    ``generator`` (the engine's own generator argument is ignored, so injection never perturbs
+    Per row: ``n_acc`` is drawn from ``model`` restricted to the step's draft length, and the
+    emitted token after the accepted drafts is the target's argmax at position ``n_acc``. The
+    draws use ``generator`` (the engine's own generator is ignored, so injection never perturbs
     sampling elsewhere). Device ops only: no host sync.
 
     Args:
         model: the distribution (recorded at K >= the engine's k).
         generator: explicit random generator on the target's device.
+        k: the engine's K: a draft of another length (a drafter that cut its draft short, as
+            n-gram trimming does when it finds no match) is refused, since injecting acceptance
+            into drafts that were never made would credit them.
 
     Returns:
-        ``fn(draft, logits [B, K+1, V], engine_generator) -> Acceptance``.
+        ``fn(draft, logits [B, K+1, V], sampling, engine_generator) -> Acceptance``.
     """
+    from refspec.engine import GenerationError
+
     cdfs: dict[tuple[int, str], torch.Tensor] = {}
 
-    def accept(draft: Any, logits: torch.Tensor, _engine_generator: torch.Generator | None = None) -> Acceptance:
+    def accept(draft: Any, logits: torch.Tensor, _sampling: Any = None,
+               _engine_generator: torch.Generator | None = None) -> Acceptance:
         tokens = draft.tokens  # [B, K]
-        b, k = tokens.shape
-        assert logits.shape[:2] == (b, k + 1), f"logits {tuple(logits.shape)} for drafts {tuple(tokens.shape)}"
-        key = (k, str(logits.device))
+        b, kk = tokens.shape
+        if k is not None and kk != k:
+            raise GenerationError(f"injected acceptance needs full drafts of K={k}; the drafter cut its draft to "
+                                  f"{kk} (turn off the n-gram option trim)")
+        assert logits.shape[:2] == (b, kk + 1), f"logits {tuple(logits.shape)} for drafts {tuple(tokens.shape)}"
+        key = (kk, str(logits.device))
         cdf = cdfs.get(key)
         if cdf is None:
-            cdf = cdfs[key] = model.restrict(k).cdf_tensor(logits.device)  # [K+1]
+            cdf = cdfs[key] = model.restrict(kk).cdf_tensor(logits.device)  # [K+1]
         u = torch.rand(b, device=logits.device, generator=generator)  # [B]
-        n_acc = (u[:, None] >= cdf[None, :k]).sum(1)  # [B]
+        n_acc = (u[:, None] >= cdf[None, :kk]).sum(1)  # [B]
         best = logits.argmax(-1)  # [B, K+1]
         return Acceptance(num_accepted=n_acc, next_token=best.gather(1, n_acc[:, None]).squeeze(1))
 

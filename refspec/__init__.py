@@ -13,9 +13,10 @@ The decode core, read top-down:
 5. :mod:`refspec.drafting`: the drafter protocol, what a drafter sees (``DecodeState``) and
    returns (``Draft``).
 6. :mod:`refspec.engine`: the one loop, plain decoding being K = 0: draft, verify, accept,
-   commit, refill, every phase metered; its verify and acceptance in :mod:`refspec.step`, slot
-   filling (prefill) in :mod:`refspec.slots`, the slot/queue/clock bookkeeping of continuous
-   batching in :mod:`refspec.scheduler`, the request and result types in :mod:`refspec.serving`.
+   commit, refill, every phase metered; the step's verify, acceptance, commit and slot filling
+   (a packed prefill) in :mod:`refspec.step`, K per step from :mod:`refspec.policy`, the
+   slot/queue/clock bookkeeping of continuous batching in :mod:`refspec.scheduler`, the request
+   and result types in :mod:`refspec.serving`.
 7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed (its static
    buffers in :mod:`refspec.graph_buffers`).
 

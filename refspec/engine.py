@@ -1,20 +1,21 @@
 """The decode engine: one loop for plain (K = 0) and speculative decoding.
 
-Each step, for a batch of ragged rows with static shapes:
+Each step, for B static slots holding ragged rows (the loop in :meth:`Engine._serve`, its
+steps in :mod:`refspec.step`):
 
-1. **draft**: the drafter proposes K tokens per row (a chain, or a tree);
+1. **draft**: the speculation policy picks K (:mod:`refspec.policy`); the drafter proposes
+   up to K tokens per row (a chain) or a tree;
 2. **verify**: one target forward over the pending token and the drafts of every row;
-3. **accept**: pure functions (``refspec.verify``) decide each row's accepted count and its
+3. **accept**: pure functions (:mod:`refspec.verify`) decide each row's accepted count and its
    recovered or bonus token;
 4. **commit**: rows advance by accepted + 1, emitted tokens are appended (cut at EOS and at
-   the row's budget), tree paths are compacted in the cache, the drafter updates its state;
-   one host sync reads the step's counts.
+   the row's budget), tree paths are compacted in the cache; one host sync reads the step's
+   counts; the drafter updates its state;
+5. **refill**: slots whose request finished take the next admissible requests of the stream,
+   prefilled together in one packed forward (the slot, queue and clock bookkeeping is
+   :mod:`refspec.scheduler`).
 
-5. **refill**: slots whose request finished are refilled with the next admissible requests of
-   the stream, prefilled together in one phase (:mod:`refspec.slots`; the slot, queue and
-   clock bookkeeping is :mod:`refspec.scheduler`).
-
-:meth:`Engine.serve` runs the loop over a stream of :class:`~refspec.serving.Request` on B static
+:meth:`Engine.serve` runs the loop over a stream of :class:`~refspec.serving.Request` on B
 slots (continuous batching; ``refill=False`` is the static schedule, a lockstep batch that
 drains); :meth:`Engine.generate` is one static batch. Rejected KV entries stay in the cache but
 are never attended and are overwritten next step. Finished rows and empty slots keep riding
@@ -32,14 +33,15 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
 from refspec.energy.meters import TimeMeter
 from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
+from refspec.policy import FixedK, SpeculationPolicy, StepView
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
 from refspec.serving import DecodeFigures, Request, ServeResult
-from refspec.slots import Batch, fill, new_batch, release
-from refspec.step import Committed, commit, decide, verify_forward
+from refspec.step import AcceptFn, Batch, Committed, accept_chain, commit, decide, new_batch, prefill, verify_forward
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +99,11 @@ class Generation(DecodeFigures):
         return self.tokens
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 class Engine:
     """Plain and speculative decoding over a static KV cache.
 
     Args:
-        target: a ``refspec.models.Transformer`` (anything with its forward signature).
+        target: a ``refspec.models.Transformer`` (anything with its ``forward`` and ``prefill``).
         drafter: the drafter, or None for plain decoding.
         config: engine settings.
         meter: energy meter bracketing every phase (default: wall time, synchronising CUDA).
@@ -114,20 +112,27 @@ class Engine:
         verify_fn: callable with the target forward's signature used for verify steps
             (a CUDA-graph runner may replace the eager target here); when it has a
             ``new_cache`` method, the engine's cache comes from it.
-        acceptance_fn: replaces chain verification's decision, ``(draft, logits, generator)
-            -> Acceptance``; used to inject a recorded acceptance-length distribution when
-            timing large random-weight targets (outputs must then say so).
+        acceptance_fn: decides a chain, ``(draft, logits, sampling, generator) -> Acceptance``
+            (:data:`refspec.step.AcceptFn`); default :func:`refspec.step.accept_chain`. Timing
+            large random-weight targets wraps it to inject a recorded acceptance distribution
+            (:mod:`refspec.eval.injection`; outputs must then say so).
+        policy: K per step (default :class:`~refspec.policy.FixedK` of ``config.k``); every K
+            it may return is at most ``config.k``.
         on_step: called after every step with ``(step, tokens_emitted_so_far)`` (progress bars).
     """
 
     def __init__(self, target, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
                  meter: EnergyMeter | None = None, observers: Sequence[PhaseObserver] = (),
                  eos_token_ids: Sequence[int] = (), verify_fn: Callable | None = None,
-                 acceptance_fn: Callable | None = None, on_step: Callable[[int, int], None] | None = None) -> None:
+                 acceptance_fn: AcceptFn | None = None, policy: SpeculationPolicy | None = None,
+                 on_step: Callable[[int, int], None] | None = None) -> None:
         if drafter is None and config.k:
             raise GenerationError(f"k = {config.k} needs a drafter; plain decoding is k = 0")
         if drafter is not None and config.k == 0:
             raise GenerationError(f"drafter {drafter.name!r} needs k >= 1")
+        self.policy = policy if policy is not None else FixedK(config.k)
+        if any(not 0 <= k <= config.k for k in self.policy.ks):
+            raise GenerationError(f"policy {self.policy.name} may choose K in {self.policy.ks}, outside 0..{config.k}")
         self.target = target
         self.drafter = drafter
         self.config = config
@@ -136,7 +141,7 @@ class Engine:
         self.observers = list(observers)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=target.device)
         self.verify_fn = verify_fn if verify_fn is not None else target
-        self.acceptance_fn = acceptance_fn
+        self.acceptance_fn = acceptance_fn if acceptance_fn is not None else accept_chain
         self.on_step = on_step
         self._cache = None
 
@@ -187,7 +192,7 @@ class Engine:
                 raise GenerationError(f"the cache holds {max_len} slots per row but this batch needs {need} "
                                       f"(prompt + max_new_tokens + k + 1); raise max_len or lower k / the budget")
             return max_len
-        return _round_up(need, self.config.kv_bucket)
+        return round_up(need, self.config.kv_bucket)
 
     # ---- entry points ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,13 +259,17 @@ class Engine:
     def _serve(self, sched: Scheduler, t_slots: int, generator: torch.Generator | None) -> ServeResult:
         """Fill the slots, then step (1 draft, 2 verify, 3 accept, 4 commit, 5 refill) until no
         row generates and nothing is left to admit; every phase is metered and reported."""
-        cfg, drafter, dev, b = self.config, self.drafter, self.target.device, sched.batch
-        run = new_batch(self, b, t_slots, max(r.max_new_tokens for r in sched.queue))
-        state, cache = run.state, run.cache
+        cfg, drafter, meter = self.config, self.drafter, self.meter
+        run = new_batch(self._cache_for(sched.batch, t_slots), sched.batch, t_slots,
+                        max(r.max_new_tokens for r in sched.queue), cfg.k, sampling=cfg.sampling,
+                        target_args=self.target.args, dtype_bytes=self.dtype_bytes)
+        hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        window = getattr(self.target.args, "sliding_window", None)
+        state, events = run.state, []
         step, emitted_total = 0, 0
         while True:
             if all(run.done_host):  # no row generating: refill (the first fill at step -1), else stop
-                admitted = self._refill(run, sched, step - 1, generator)
+                admitted = self._refill(run, sched, step - 1, generator, events)
                 if not admitted:
                     break
                 emitted_total += admitted  # one token each from its prefill
@@ -268,72 +277,104 @@ class Engine:
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 log.warning("stopping after max_steps=%d with unfinished rows", cfg.max_steps)
                 break
-            active, slot_req = b - sum(run.done_host), list(sched.slot_req)
-            state.step = step
-            state.max_length_bound = max(run.lengths_host) + 1
+            slot_req, before = list(sched.slot_req), (list(run.done_host), list(run.lengths_host))
+            state.step, state.max_length_bound = step, max(run.lengths_host) + 1
 
-            # 1. draft: up to K tokens per row (a chain) or N nodes (a tree)
-            with MeteredPhase(self.meter, "draft") as draft_phase:
-                draft = drafter.propose(state, cfg.k) if drafter is not None else \
-                    Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=dev))
+            # 1. draft: the policy picks K; the drafter proposes up to K tokens per row (or a tree)
+            k = self.policy.choose(StepView(step=step, batch=sched.batch, active=run.active, max_k=cfg.k,
+                                            length_bound=state.max_length_bound, slot_requests=tuple(slot_req)))
+            with MeteredPhase(meter, "draft") as draft_phase:
+                draft = drafter.propose(state, k) if k else Draft(tokens=state.pending.new_zeros(sched.batch, 0))
             n = draft.tokens.shape[1]
-            # a chain drafter may cut its draft below K for the whole batch (n-gram trimming)
-            assert n <= cfg.k or draft.tree is not None, f"drafter returned {n} tokens for k={cfg.k}"
-            if n != cfg.k and self.acceptance_fn is not None and draft.tree is None:
-                raise GenerationError(f"injected acceptance needs full drafts of K={cfg.k}; the drafter cut its draft "
-                                      f"to {n} (turn off the n-gram option trim)")
+            assert n <= k or draft.tree is not None, f"drafter returned {n} tokens for k={k}"
 
             # 2. verify: the pending token and the drafts of every row, one target forward
-            with MeteredPhase(self.meter, "verify") as verify_phase:
-                base = cache.lengths.clone()  # [B] cache length before the step
-                logits, hidden = verify_forward(self, run, draft, base)  # logits [B, N+1, V]
+            with MeteredPhase(meter, "verify") as verify_phase:
+                base = run.cache.lengths.clone()  # [B] committed length before the step
+                logits, hidden = verify_forward(self.verify_fn, run, draft, base, kv_bucket=cfg.kv_bucket,
+                                                hidden_layers=hidden_layers, sliding_window=window)  # [B, N+1, V]
 
-            with MeteredPhase(self.meter, "commit") as commit_phase:
+            with MeteredPhase(meter, "commit") as commit_phase:
                 # 3. accept: per row, the longest verified prefix of drafts plus one target token
-                acc, chain, hidden = decide(self, run, draft, logits, hidden, base, generator)
+                acc, chain, hidden = decide(draft, logits, hidden, base, run.cache, sampling=cfg.sampling,
+                                            generator=generator, accept=self.acceptance_fn)
                 # 4. commit: emit (to the first EOS, within the budget), advance the cache by accepted + 1
-                outcome = commit(self, run, acc, chain, hidden, base)
+                outcome = commit(run, acc, chain, hidden, base, self.eos)
+                if drafter is not None:
+                    drafter.commit(state)
 
-            emitted_total += self._record_step(run, sched, step, active, n, slot_req, outcome,
-                                               (draft_phase, verify_phase, commit_phase))
+            self.policy.observe(k, outcome.accepted, slot_req)
+            emitted_total += self._record_step(sched, step, k, n, slot_req, before, outcome,
+                                               (draft_phase, verify_phase, commit_phase), events)
 
             # 5. refill: slots freed by this step take the next admissible requests, prefilled together
             if sched.refill:
-                emitted_total += self._refill(run, sched, step, generator)
+                emitted_total += self._refill(run, sched, step, generator, events)
             step += 1
             if self.on_step is not None:
                 self.on_step(step, emitted_total)
-        release(self, run, sched, unfinished=True)
-        return sched.result(run.events)
+        self._release(run, sched, unfinished=True)
+        return sched.result(events)
 
-    def _record_step(self, run: Batch, sched: Scheduler, step: int, active: int, n: int, slot_req: list,
-                     outcome: Committed, phases: tuple[MeteredPhase, MeteredPhase, MeteredPhase]) -> int:
-        """Take the step's outcome onto the host state, advance the clock by each phase and emit
-        the three phase events with their work; returns the tokens emitted."""
-        run.done_host = outcome.done
-        run.lengths_host = [length + a for length, a in zip(run.lengths_host, outcome.advance)]
-        n_acc_sum, n_emit_sum = sum(a for a in outcome.accepted if a > 0), sum(outcome.emitted)
-        common = dict(step=step, batch=sched.batch, rows_active=active, slot_requests=tuple(slot_req))
+    def _record_step(self, sched: Scheduler, step: int, k: int, n: int, slot_req: list,
+                     before: tuple[list[bool], list[int]], outcome: Committed,
+                     phases: tuple[MeteredPhase, MeteredPhase, MeteredPhase], events: list[PhaseEvent]) -> int:
+        """Advance the clock by each phase and emit the step's three phase events with their
+        work; returns the tokens emitted. ``before``: each slot's done flag and length before the step."""
+        done, lengths = before
+        active = len(done) - sum(done)
+        n_acc, n_emit = sum(a for a in outcome.accepted if a > 0), sum(outcome.emitted)
+        row_lengths = tuple(0 if d else length + n + 1 for d, length in zip(done, lengths))
+        common = dict(step=step, batch=sched.batch, rows_active=active, slot_requests=tuple(slot_req), k=k,
+                      row_lengths=row_lengths)
         draft_phase, verify_phase, commit_phase = phases
         for phase, extra in ((draft_phase, dict(drafted=active * n)),
-                             (verify_phase, dict(verified=active * (n + 1), accepted=n_acc_sum)),
-                             (commit_phase, dict(accepted=n_acc_sum, emitted=n_emit_sum,
+                             (verify_phase, dict(verified=active * (n + 1), accepted=n_acc)),
+                             (commit_phase, dict(accepted=n_acc, emitted=n_emit,
                                                  emitted_per_row=tuple(outcome.emitted)))):
             clock_s = sched.advance(phase.measurement.time_s)
             self._emit(PhaseEvent(**common, **extra, phase=phase.name, work=phase.work,
-                                  measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), run.events)
+                                  measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), events)
         sched.stepped(outcome.accepted, outcome.emitted, slot_req)
-        return n_emit_sum
+        return n_emit
 
-    def _refill(self, run: Batch, sched: Scheduler, step: int, generator: torch.Generator | None) -> int:
+    def _refill(self, run: Batch, sched: Scheduler, step: int, generator: torch.Generator | None,
+                events: list[PhaseEvent]) -> int:
         """Free the slots whose request finished; admit the admissible requests into free slots
-        (after a clock jump when every slot is empty) and prefill them together. Returns how
-        many were admitted. The static schedule admits only at the first fill."""
-        release(self, run, sched)
+        (after a clock jump when every slot is empty) and prefill them together in one metered
+        ``prefill`` phase, reported with ``step`` the decode step after which it ran (-1: the
+        first fill). Returns how many were admitted. The static schedule admits only at the first fill."""
+        self._release(run, sched)
         if not sched.refill and step >= 0:
             return 0
         sched.jump()
         pairs = sched.admit()
-        if pairs:
-            fill(self, run, sched, pairs, step, generator)
+        if not pairs:
+            return 0
+        rows, reqs = [slot for slot, _ in pairs], [q for _, q in pairs]
+        with MeteredPhase(self.meter, "prefill") as phase:
+            prefill(self.target, run, rows, [q.prompt for q in reqs], [q.max_new_tokens for q in reqs],
+                    drafter=self.drafter, sampling=self.config.sampling, eos=self.eos, generator=generator)
+        clock_s = sched.advance(phase.measurement.time_s)
+        sched.first_tokens(pairs)
+        b = sched.batch
+        per_slot = [0] * b
+        for slot, q in pairs:
+            per_slot[slot] = len(q.prompt)
+        self._emit(PhaseEvent(step=step, phase="prefill", batch=b, rows_active=len(pairs), emitted=len(pairs),
+                              work=phase.work, measurement=phase.measurement,
+                              emitted_per_row=tuple(int(x > 0) for x in per_slot),
+                              slot_requests=Scheduler.prefill_slots(b, pairs), arrivals_s=sched.arrivals(pairs),
+                              queued=sched.queued, clock_s=clock_s, row_lengths=tuple(per_slot)), events)
         return len(pairs)
+
+    def _release(self, run: Batch, sched: Scheduler, *, unfinished: bool = False) -> None:
+        """Free every slot whose request finished (and, with ``unfinished``, every busy slot: the
+        end of a run cut by ``max_steps``), handing its tokens to the scheduler (one host sync)."""
+        slots = [i for i, rid in enumerate(sched.slot_req) if rid >= 0 and (unfinished or run.done_host[i])]
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=run.out.device)
+        eos = set(self.eos.tolist())
+        for slot, row, n in zip(slots, run.out[idx].tolist(), run.n_out[idx].tolist()):
+            sched.finish(slot, row[:n], eos)

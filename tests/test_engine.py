@@ -221,7 +221,7 @@ def test_injected_acceptance_refuses_a_trimmed_draft(tiny_models):
     from refspec.eval.injection import geometric_model, make_acceptance_fn
 
     m = tiny_models["llama"]
-    fn = make_acceptance_fn(geometric_model(0.5, 4), torch.Generator().manual_seed(0))
+    fn = make_acceptance_fn(geometric_model(0.5, 4), torch.Generator().manual_seed(0), k=4)
     with pytest.raises(GenerationError, match="trim"):
         Engine(m, NgramDrafter(trim=True), config=EngineConfig(k=4), acceptance_fn=fn).generate(
             [[20, 21, 22, 23, 24, 25]], max_new_tokens=4)

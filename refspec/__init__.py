@@ -33,6 +33,7 @@ S    query tokens per row in one forward
 T    cache slots per row (keys)
 K    draft tokens per row per step
 N    tree nodes per row
+P    longest path a step can accept (K for a chain, the tree's depth for a tree)
 L    decoder layers
 H    query heads; Hkv key/value heads
 D    head dimension

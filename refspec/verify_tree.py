@@ -72,10 +72,10 @@ def tree_path(node: torch.Tensor, num_accepted: torch.Tensor, parents: torch.Ten
         node: ``[B]`` block index of the last accepted node (0 = root only).
         num_accepted: ``[B]`` its depth.
         parents: ``[B, N]`` block index of each node's parent.
-        max_depth: D, the tree's maximum depth.
+        max_depth: P, the tree's maximum depth (the longest path a row can accept).
 
     Returns:
-        ``[B, D+1]``: the root, then the accepted nodes in order; entries past ``num_accepted``
+        ``[B, P+1]``: the root, then the accepted nodes in order; entries past ``num_accepted``
         repeat the last one.
     """
     b = node.shape[0]
@@ -104,7 +104,7 @@ def tree_greedy_accept(draft: torch.Tensor, parents: torch.Tensor, depth: torch.
         target_logits: ``[B, N+1, V]`` target logits at the root and each node.
 
     Returns:
-        ``(acceptance, path)``: path ``[B, D+1]`` as :func:`tree_path` gives it, D the maximum
+        ``(acceptance, path)``: path ``[B, P+1]`` as :func:`tree_path` gives it, P the maximum
         depth.
     """
     b, n = draft.shape
@@ -219,7 +219,7 @@ def tree_speculative_sample(draft: torch.Tensor, parents: torch.Tensor, depth: t
         uniforms: ``[B, N]`` the acceptance draws (default: drawn from ``generator``).
 
     Returns:
-        ``(acceptance, path)``: path ``[B, D+1]`` as :func:`tree_path` gives it.
+        ``(acceptance, path)``: path ``[B, P+1]`` as :func:`tree_path` gives it.
     """
     b, n = draft.shape
     assert depth.shape == (b, n), "depth [B, N]"

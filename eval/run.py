@@ -346,6 +346,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     Returns:
         The record (see :data:`RECORD_FIELDS`) and the generations.
     """
+    from refspec.energy.counter_log import counter_ledger
     from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
 
     t_start = time.perf_counter()
@@ -357,8 +358,10 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     attempt = uuid.uuid4().hex[:6]
     run_ids = [f"{cfg.config_id}.{attempt}.b{i}" for i in range(len(chunks))]
     labels = _run_labels(cfg, len(chunks), inj_label)
-    with Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a", meter_source=session.meter.source,
-                idle_w=getattr(session.meter, "idle_w", None)) as ledger:
+    # a counter meter's reads go into the ledger beside the phase records (refspec.energy.counter_log)
+    with counter_ledger(session.meter, Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a",
+                                              meter_source=session.meter.source,
+                                              idle_w=getattr(session.meter, "idle_w", None))) as ledger:
         engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
         results = _decode_batches(session, cfg, engine, ledger, chunks, run_ids, labels)

@@ -123,6 +123,11 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
                         "average already reaches the core count, where threads spin against each other and a "
                         "step slows down several-fold; else every core). Each record states its threads")
     h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
+    h.add_argument("--phase-loops-s", type=float, default=None, metavar="S",
+                   help="under a counter meter (zeus, nvml, rapl, simulated): after each configuration, run each "
+                        "phase alone for S seconds at the run's shapes and read the counter at the loop's bounds, "
+                        "the per-phase split's second source beside the fit over sub-windows (default: ten counter "
+                        "periods, at least 1 s; 0: no loops)")
 
 
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
@@ -399,6 +404,6 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     if not configs:
         raise UsageError("nothing to run: --no-baseline leaves no configuration (add --drafter NAME or --k >= 1)")
     session_kwargs = dict(model=args.model, dtype=dtype, device=device, meter=args.meter, cuda_graphs=args.cuda_graphs,
-                          compile_step=args.compile,
+                          compile_step=args.compile, phase_loops_s=args.phase_loops_s,
                           warmup=not args.no_warmup, chat=not args.no_chat, progress=not args.no_progress)
     return Plan(session_kwargs=session_kwargs, configs=configs, out_dir=args.out)

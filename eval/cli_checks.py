@@ -110,6 +110,8 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
     if args.latency_target is not None:
         finite("--latency-target", args.latency_target, low=0, low_open=True, fix="a p99 TPOT in seconds, e.g. 0.05")
     check_meter(args.meter)
+    if getattr(args, "phase_loops_s", None) is not None:
+        finite("--phase-loops-s", args.phase_loops_s, low=0, fix="seconds per loop, or 0 for none")
     if args.threads != "auto":
         try:
             threads = int(args.threads)

@@ -323,6 +323,26 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
     }
 
 
+def _phase_loops(session: Session, cfg: RunConfig, engine: Any, ledger: Any, results: Sequence[Any],
+                 prompts: Sequence[Sequence[int]]) -> None:
+    """Under a counter meter: end the last run (its end read), then each phase alone in a loop the
+    counter resolves, at the run's shapes (:mod:`refspec.phase_loops`), written as loop records."""
+    from refspec.energy.counter_log import CounterLedger
+    from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
+
+    if not isinstance(ledger, CounterLedger) or session.phase_loops_s == 0:
+        return
+    ledger.end_run()  # the loops lie outside every window of the run
+    shapes = shapes_of([e for res in results for e in res.events], batch=cfg.batch, k=cfg.k, prompts=prompts)
+    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=engine.verify_fn,
+                        sampling=engine.config.sampling, kv_bucket=engine.config.kv_bucket, accept=engine.acceptance_fn)
+    loops = run_phase_loops(target, shapes, session.meter, min_s=session.phase_loops_s, seed=cfg.seed)
+    for phase, loop in loops.items():
+        ledger.write_loop(phase, loop, session.meter.source)
+    log.info("phase loops (%s): %s", session.meter.source,
+             ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
+
+
 def _margin_fn(session: Session) -> Any:
     """The per-request audit's top-2 margin of the target (:mod:`refspec.eval.audit`), None without it."""
     if importlib.util.find_spec("refspec.eval.audit") is None:
@@ -365,6 +385,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
         results = _decode_batches(session, cfg, engine, ledger, chunks, run_ids, labels)
+        _phase_loops(session, cfg, engine, ledger, results, [q.prompt for q in stream.requests])
     try:
         # the figures come from the ledger as written to disk, never from the engine's own counts
         ledger_records = read_ledger(ledger_path, offset=ledger.start_offset)

@@ -31,6 +31,8 @@ class Session:
         meter: meter kind (see :class:`~refspec.eval.run.RunConfig`).
         cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
         compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`.
+        phase_loops_s: seconds of each phase-isolated loop after a run metered by a counter
+            (:mod:`refspec.phase_loops`): None ten counter periods (at least 1 s), 0 none.
         warmup: run a short unrecorded generation before the first measurement of each
             (drafter, K, batch), so one-time allocation does not land in the ledger.
         chat: render chat-kind prompts through the tokenizer's chat template when it has one.
@@ -39,7 +41,7 @@ class Session:
 
     def __init__(self, *, model: str, dtype: str, device: torch.device, meter: str = "auto",
                  cuda_graphs: bool | None = None, warmup: bool = True, chat: bool = True,
-                 progress: bool = True, compile_step: bool = False) -> None:
+                 progress: bool = True, compile_step: bool = False, phase_loops_s: float | None = None) -> None:
         from refspec.eval.runtime import parse_dtype
 
         self.model_name = model
@@ -50,6 +52,7 @@ class Session:
         self.cuda_graphs_flag = cuda_graphs
         self.compile_step = compile_step
         self.warmup = warmup
+        self.phase_loops_s = phase_loops_s  # a counter meter's loops per phase: None auto, 0 none
         self.chat = chat
         self.progress = progress
         self._target: LoadedTarget | None = None

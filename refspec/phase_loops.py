@@ -25,6 +25,7 @@ true energy of what ran; the counter itself is read only at the loop's bounds.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -32,7 +33,7 @@ import torch
 
 from refspec.drafting import Draft, Drafter
 from refspec.energy.attribution import Loop
-from refspec.energy.phases import MeteredPhase
+from refspec.energy.phases import MeteredPhase, PhaseEvent
 from refspec.sampling import SamplingConfig
 from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batch, prefill, verify_forward
 
@@ -72,6 +73,19 @@ class LoopTarget:
     sampling: SamplingConfig
     kv_bucket: int = 64
     accept: AcceptFn = accept_chain
+
+
+def shapes_of(events: Sequence[PhaseEvent], *, batch: int, k: int, prompts: Sequence[Sequence[int]]) -> LoopShapes:
+    """The loops' shapes from a run's phase events: the median keys its verifies attended (the
+    longest row of each), the median refill group (the first fill when nothing refilled), and
+    ``batch`` rows (at most the prompts there are)."""
+    verify = [max(e.row_lengths) for e in events if e.phase == "verify" and e.row_lengths]
+    refills = [e.rows_active for e in events if e.phase == "prefill" and e.step >= 0]
+    first = [e.rows_active for e in events if e.phase == "prefill" and e.step < 0]
+    b = min(batch, len(prompts))
+    refill = int(statistics.median(refills or first or [b]))
+    return LoopShapes(batch=b, k=k, prompts=prompts, keys=int(statistics.median(verify or [1])),
+                      refill=max(1, min(refill, b)))
 
 
 def _cache(t: LoopTarget, batch: int, slots: int):
@@ -185,4 +199,4 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
     return out
 
 
-__all__ = ["LOOP_PHASES", "LoopShapes", "LoopTarget", "run_phase_loops"]
+__all__ = ["LOOP_PHASES", "LoopShapes", "LoopTarget", "run_phase_loops", "shapes_of"]

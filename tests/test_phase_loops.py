@@ -10,6 +10,7 @@ from refspec.energy.phases import MeteredPhase
 from refspec.energy.windowed import WindowedMeter
 from refspec.phase_loops import LoopShapes, LoopTarget, run_phase_loops
 from refspec.sampling import SamplingConfig
+from test_eval_cli import one_thread, tiny  # noqa: F401  (fixtures)
 
 POWER_W = 40.0
 
@@ -89,3 +90,30 @@ def test_bad_shapes_are_refused(tiny_models):
     with pytest.raises(ValueError, match="refill group"):
         run_phase_loops(LoopTarget(target=m, drafter=None, verify_fn=m, sampling=SamplingConfig()),
                         _shapes(0, batch=3, refill=4), WindowedMeter(CountingCounter()), min_s=0.01)
+
+
+def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
+    """Through the CLI under a simulated counter: each configuration's ledger gets one loop record
+    per phase it has, after its run's end, and the accounting reads them."""
+    import json
+
+    from refspec.eval import cli
+
+    rc = cli.main(["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "6",
+                   "--no-progress", "--no-warmup", "--drafter", "ngram", "--batch", "2", "--requests", "4",
+                   "--meter", "simulated:cpu:period_ms=5:sample_ms=5", "--phase-loops-s", "0.1",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    lines = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().split("\n") if x.strip()]
+    loops: dict[str, set] = {}
+    for r in lines:
+        if r["kind"] == "loop":
+            loops.setdefault(r["run_id"].split(".")[0], set()).add(r["phase"])
+            assert r["iterations"] >= 1 and r["time_s"] >= 0.1 and r["energy_j"] > 0
+    assert sorted(map(sorted, loops.values())) == [["commit", "draft", "prefill", "verify"],
+                                                   ["commit", "prefill", "verify"]]
+    from refspec.energy.accounting import account
+
+    for run_id in {r["run_id"] for r in lines if r["kind"] == "loop"}:
+        acc = account([r for r in lines if r.get("run_id") == run_id])
+        assert acc.phase_energy_method == "attributed-loops", "the loops are the split's first source"

@@ -454,3 +454,29 @@ def test_cli_checks_the_spec_and_the_session_passes_it_through():
     short = "simulated:h200:period_ms=100:sub_window_s=0.5"
     with pytest.raises(UsageError, match=f"--meter '{short}': .*shorter than 10 periods"):
         Session(model="unused", dtype="fp32", device=torch.device("cpu"), meter=short).meter
+
+
+def test_cuda_event_timer_records_without_sync_and_resolves_when_read(monkeypatch):
+    from refspec.energy.windowed import CudaEventTimer
+
+    log = []
+
+    class FakeEvent:  # torch.cuda.Event's timing API: record, synchronize, elapsed_time in ms
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = len(log)
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = CudaEventTimer()
+    resolve = timer.stop(timer.start())
+    assert log == ["record", "record"]  # nothing waited for the GPU inside the phase
+    assert resolve() == 1.0 and log[-1] == "sync"

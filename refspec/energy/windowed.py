@@ -7,9 +7,10 @@ times every phase (the host clock on a CPU, CUDA events on a GPU, resolved only 
 reads the time after the step's own host sync) and reads the counter
 
 * at the **start** of a run (when its first phase begins),
-* at a **sub**-window bound: the end of a ``commit`` or ``prefill`` phase (each ends in the
-  step's host sync, so no GPU work is in flight) once at least ``sub_window_s`` (at least ten
-  counter periods) have passed since the previous read,
+* at a **sub**-window bound: the end of a ``commit`` or ``prefill`` phase (each holds the
+  step's host sync, so at most the drafter's short tail of queued work is in flight, and it
+  lands in the next window) once at least ``sub_window_s`` (at least ten counter periods) have
+  passed since the previous read,
 * at the **end** of a run (:meth:`WindowedMeter.finish_run`, called by
   :class:`~refspec.energy.counter_log.CounterLedger` when the ledger run ends).
 

@@ -9,8 +9,10 @@ read a sysfs-style file read), so a read costs what reading ``energy_uj`` costs:
 * ``time``: :class:`~refspec.energy.meters.TimeMeter`, the clock only (no counter at all);
 * ``windowed``: :class:`~refspec.energy.windowed.WindowedMeter`, the clock per phase, the counter
   at the run's start, its end and every sub-window (ten periods, here 0.1 s);
-* ``per-phase``: :class:`~refspec.energy.nvml_meter.CounterMeter`, the counter at every phase's
-  begin and end (what ``--meter zeus|nvml`` did before; no CUDA sync on a CPU);
+* ``fake-phase``: :class:`~refspec.energy.meters.FakeMeter`, a free counter (a Python
+  callable) read at every phase's begin and end: the per-phase bookkeeping alone;
+* ``per-phase``: :class:`~refspec.energy.nvml_meter.CounterMeter`, the RAPL-like counter at every
+  phase's begin and end (what ``--meter zeus|nvml`` did before; no CUDA sync on a CPU);
 * ``roofline``: :class:`~refspec.energy.meters.RooflineMeter` in wall-time mode (the CPU's
   ``auto``), which prices every phase's forwards;
 * ``simulated``: :class:`~refspec.energy.simulated.SimulatedMeter` on the CPU profile.
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from refspec.drafters.ngram import NgramDrafter  # noqa: E402
-from refspec.energy.meters import RooflineMeter, TimeMeter, make_meter  # noqa: E402
+from refspec.energy.meters import FakeMeter, RooflineMeter, TimeMeter, make_meter  # noqa: E402
 from refspec.energy.nvml_meter import CounterMeter  # noqa: E402
 from refspec.energy.rapl import rapl_counter  # noqa: E402
 from refspec.energy.windowed import ClockTimer, WindowedMeter  # noqa: E402
@@ -76,6 +78,7 @@ def meters(root: Path) -> dict:
     return {
         "time": lambda: TimeMeter(),
         "windowed": lambda: WindowedMeter(rapl(), timer=ClockTimer(), sub_window_s=0.1),
+        "fake-phase": lambda: FakeMeter(time.perf_counter, lambda: 0.0),
         "per-phase": lambda: CounterMeter(lambda: per_phase_counter.read().energy_j, source="measured:rapl",
                                           counter_period_s=0.0),
         "roofline": lambda: RooflineMeter(make_meter("roofline:cpu", dtype_bytes=4).profile, time_source="wall_time"),

@@ -20,6 +20,7 @@ from refspec.energy.accounting import Accounting, energy_saving, speedup
 from refspec.energy.ledger import ensure_line_end
 from refspec.energy.ledger_format import experts_touched
 from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
+from refspec.eval.prefill_work import FIELD_TEXT as _PREFILL_FIELD_TEXT, prefill_comparison
 
 if TYPE_CHECKING:
     from refspec.eval.run import RunConfig, Session
@@ -127,6 +128,7 @@ RECORD_FIELDS: dict[str, str] = {
     "acceptance_injected": "acceptance drawn from a recorded distribution: outputs are not the model's",
     "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
     **_AUDIT_FIELD_TEXT,  # the per-request greedy audit (refspec.eval.audit)
+    **_PREFILL_FIELD_TEXT,  # refill groups and prefill work per request (refspec.eval.prefill_work)
     "output_digest": "sha256 over every request's tokens", "row_digests": "sha256 prefix of each request's tokens",
     "versions": "refspec, Python and library versions",
     "cpu_gemm_plan": "the CPU GEMM form per dtype and row bucket the run's products took (calibrated on the machine)", "wall_s": "wall time of the configuration (s)",
@@ -259,7 +261,7 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     if record.get("drafter") == "none":  # the baseline itself: nothing to compare with
         record.update(baseline=None, energy_saving_vs_baseline=None, speedup_vs_baseline=None,
                       greedy_match_baseline=None, greedy_rows_matching=None, same_stream_as_baseline=None,
-                      **audit_fields(record, None))
+                      **audit_fields(record, None), **prefill_comparison(record, None))
         return
     if baseline is None:
         record.setdefault("baseline", None)
@@ -270,6 +272,7 @@ def compare_with_baseline(record: dict[str, Any], baseline: Mapping[str, Any] | 
     record["baseline"] = {f: baseline.get(f) for f in fields}
     digests = (record.get("stream_digest"), baseline.get("stream_digest"))
     record["same_stream_as_baseline"] = None if None in digests else digests[0] == digests[1]
+    record.update(prefill_comparison(record, baseline))
     record["energy_saving_vs_baseline"] = energy_saving(record.get("energy_per_token_j"),
                                                         baseline.get("energy_per_token_j"))
     record["speedup_vs_baseline"] = speedup(record.get("tokens_per_s"), baseline.get("tokens_per_s"))

@@ -59,6 +59,34 @@ def _phases(r: Mapping[str, Any]) -> str:
     return "/".join(f"{100 * share.get(p, 0.0):.0f}" for p in PHASE_ORDER[:4])
 
 
+def _ttft(r: Mapping[str, Any]) -> str:
+    """``p50/p99`` TTFT in ms."""
+    return f"{_f(r.get('ttft_p50_s'), '.0f', 1e3)}/{_f(r.get('ttft_p99_s'), '.0f', 1e3)}"
+
+
+def _refills(r: Mapping[str, Any]) -> str:
+    """``median/max`` rows of the refill prefills, or n/a."""
+    if r.get("refills") is None:
+        return "n/a"
+    return "none" if not r["refills"] else f"{r['refill_group_p50']:g}/{r['refill_group_max']}"
+
+
+def verdict(r: Mapping[str, Any]) -> str | None:
+    """One sentence: whether speculation saved energy per token in ``r`` against its baseline (None for a baseline)."""
+    if r.get("drafter") == "none":
+        return None
+    what = config_label(r).replace(f" b{r.get('batch')}", "")
+    where = f"on {r.get('corpus')} at batch {r.get('batch')}, {what}"
+    saving, speed = r.get("energy_saving_vs_baseline"), r.get("speedup_vs_baseline")
+    if saving is None:
+        return f"{where}: no verdict (no baseline figure to compare with)."
+    how = (f"saves {100 * saving:.1f}% energy per token against" if saving >= 0
+           else f"costs {-100 * saving:.1f}% more energy per token than")
+    pace = "" if speed is None else f", at {speed:.2f}x the tokens/s"
+    which = "J/token, static schedule" if r.get("schedule") == "static" else "steady-state window J/token"
+    return f"{where} {how} plain decoding ({which}{pace})."
+
+
 def _vs_baseline(r: Mapping[str, Any]) -> str:
     if r.get("drafter") == "none":
         return "(baseline)"
@@ -108,6 +136,18 @@ def _setting(rows: Sequence[Mapping[str, Any]], key: str) -> str:
     return values[0] if len(values) == 1 else "MIXED " + "/".join(values)
 
 
+def _budgets(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``budgets up to 64 new tokens (reference: 1..64, median 29)``; MIXED when the rows differ."""
+    texts = []
+    for r in rows:
+        lengths = r.get("output_lengths")
+        spread = "" if not lengths else (f" ({lengths['dist']}: {lengths['min']}..{lengths['max']}, median "
+                                         f"{lengths['p50']})")
+        texts.append(f"budgets up to {r.get('max_new_tokens')} new tokens{spread}")
+    texts = list(dict.fromkeys(texts))
+    return texts[0] if len(texts) == 1 else "MIXED " + " / ".join(texts)
+
+
 def _sampling(rows: Sequence[Mapping[str, Any]]) -> str:
     kinds = list(dict.fromkeys("greedy" if r.get("greedy") else f"temperature {r.get('temperature')}" for r in rows))
     return kinds[0] if len(kinds) == 1 else "MIXED " + "/".join(kinds)
@@ -116,9 +156,9 @@ def _sampling(rows: Sequence[Mapping[str, Any]]) -> str:
 # ---- the text table (CLI) ---------------------------------------------------------------------
 def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     """One fixed-width table of the records, grouped by corpus, with the energy source stated."""
-    head = (f"{'configuration':<26}{'tau':>6}{'tok/s':>9}{'rows':>6}{'TTFT p99 ms':>12}{'TPOT p99 ms':>12}"
-            f"{'J/tok window':>13}{'J/tok run':>11}  {'prefill/draft/verify/commit %':<30}{'greedy = baseline':<36}"
-            f"vs baseline")
+    head = (f"{'configuration':<26}{'tau':>6}{'tok/s':>9}{'rows':>6}{'refills':>9}{'TTFT p50/99 ms':>16}"
+            f"{'TPOT p99 ms':>12}{'J/tok window':>13}{'J/tok run':>11}  {'prefill/draft/verify/commit %':<30}"
+            f"{'greedy = baseline':<26}vs baseline")
     lines: list[str] = []
     for line in injection_lines(records):
         lines.append(f"!! {line}")
@@ -128,15 +168,16 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
     for corpus, rows in by_corpus.items():
         lines.append(f"corpus {corpus}: model {_setting(rows, 'model')}, {_setting(rows, 'dtype')} on "
                      f"{_setting(rows, 'device')}, {_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), "
-                     f"{_setting(rows, 'max_new_tokens')} new tokens per row, {_sampling(rows)}")
+                     f"{_budgets(rows)}, {_sampling(rows)}")
         lines.append(f"  {serving_line(rows)}")
         lines.append(head)
         lines.append("-" * len(head))
         for r in rows:
             lines.append(f"{config_label(r):<26}{_f(r.get('tau'), '.3f'):>6}{_f(r.get('tokens_per_s'), '.2f'):>9}"
-                         f"{_f(r.get('mean_active_rows'), '.1f'):>6}{_f(r.get('ttft_p99_s'), '.1f', 1e3):>12}"
+                         f"{_f(r.get('mean_active_rows'), '.1f'):>6}{_refills(r):>9}{_ttft(r):>16}"
                          f"{_f(r.get('tpot_p99_s'), '.1f', 1e3):>12}{window_cell(r):>13}{_f(j_run(r), '.4g'):>11}  "
-                         f"{_phases(r):<30}{greedy_text(r):<36}{_vs_baseline(r)}")
+                         f"{_phases(r):<30}{greedy_text(r):<26}{_vs_baseline(r)}")
+        lines += [f"!! {config_label(r)}: {r['prefill_warning']}" for r in rows if r.get("prefill_warning")]
         lines.append("")
     srcs = energy_sources(records)
     lines.append("J/token source: " + "; ".join(srcs))
@@ -147,10 +188,12 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
         lines.append("  time, tokens/s and TPOT are MODELLED by the roofline meter, not measured")
     lines.append("J/token counts every phase (prefill included) over emitted tokens: only accepted tokens count. "
                  "window: the steady state (every slot busy, the stream still refilling); run: every phase of the "
-                 "run, ramp-up and drain included; rows: mean active rows.")
+                 "run, ramp-up and drain included; rows: mean active rows; refills: median/max rows per refill "
+                 "prefill.")
     for note in (static_note(records), old_records_note(records)):
         if note:
             lines.append(f"note: {note}")
+    lines += [f"verdict: {v}" for r in sorted(records, key=sort_key) if (v := verdict(r))]
     return "\n".join(lines)
 
 
@@ -180,14 +223,16 @@ class Report:
 
 
 def _md_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    lines = ["| configuration | tau | tokens/s | mean active rows | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
-             "J/token window | J/token run | roofline J/token | prefill/draft/verify/commit % | greedy = baseline | "
-             "vs baseline |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    lines = ["| configuration | tau | tokens/s | mean active rows | refill rows p50/max | prefill positions per "
+             "prompt token | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | J/token window | J/token run | "
+             "roofline J/token | prefill/draft/verify/commit % | greedy = baseline | vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in records:
         pred = (r.get("roofline") or {}).get("j_per_token")
         lines.append(f"| {config_label(r)} | {_f(r.get('tau'), '.3f')} | {_f(r.get('tokens_per_s'), '.2f')} | "
-                     f"{_f(r.get('mean_active_rows'), '.1f')} | {_f(r.get('ttft_p99_s'), '.1f', 1e3)} | "
+                     f"{_f(r.get('mean_active_rows'), '.1f')} | {_refills(r)} | "
+                     f"{_f(r.get('prefill_positions_per_token'), '.2f')} | {_f(r.get('ttft_p50_s'), '.1f', 1e3)} | "
+                     f"{_f(r.get('ttft_p99_s'), '.1f', 1e3)} | "
                      f"{_f(r.get('tpot_p50_s'), '.1f', 1e3)} | {_f(r.get('tpot_p99_s'), '.1f', 1e3)} | "
                      f"{window_cell(r)} | {_f(j_run(r), '.4g')} | {_f(pred, '.4g')} | {_phases(r)} | {greedy_text(r)} | "
                      f"{_vs_baseline(r)} |")
@@ -231,14 +276,21 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     for corpus in corpora(recs):
         rows = [r for r in recs if r["corpus"] == corpus]
         md += [f"### {corpus}", "",
-               f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), {_setting(rows, 'max_new_tokens')} new "
-               f"tokens per request, {_sampling(rows)}; {serving_line(rows)}.", ""]
+               f"{_setting(rows, 'prompts_unique')} prompts ({_rows(rows)}), {_budgets(rows)}, {_sampling(rows)}; "
+               f"{serving_line(rows)}.", ""]
         note = static_note(rows)
-        md += _md_table(rows) + [""] + ([note, ""] if note else []) + windows_md(rows, config_label)
+        md += _md_table(rows) + [""] + ([note, ""] if note else [])
+        md += [f"> **{config_label(r)}**: {r['prefill_warning']}\n" for r in rows if r.get("prefill_warning")]
+        md += [f"- {v}" for r in rows if (v := verdict(r))] + [""] + windows_md(rows, config_label)
     md += ["J/token window: over the steady state (from the first decode step with every slot busy to the first at "
            "which the stream can no longer refill a freed slot; ramp-up and drain excluded); J/token run: every "
            "phase of the run. Mean active rows: time-weighted over the run's decode steps. TTFT: arrival to first "
            "token, queueing included; TPOT: per request, (last token - first token) / (tokens - 1). "
+           "Refill rows: median and largest number of requests one refill prefill took (a baseline with equal "
+           "budgets refills in waves); prefill positions per prompt token: positions the target's prefill "
+           "forwards computed per real prompt token (1.00: packed, nothing padded), from the ledger's work; a "
+           "comparison whose prefill work per request differs from its baseline's by more than 10% is flagged "
+           "with its cause. "
            "Greedy = baseline: requests whose output equals the baseline's, and how the others differ (Greedy "
            "audit per request, below).", ""]
     note = old_records_note(recs)
@@ -310,5 +362,5 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
     return Report(markdown=path, plots=plots)
 
 
-__all__ = ["format_table", "write_report", "Report", "latency_choices", "config_label", "series_label",
+__all__ = ["format_table", "write_report", "Report", "verdict", "latency_choices", "config_label", "series_label",
            "energy_sources", "injection_lines", "corpora", "with_energy", "sort_key", "PHASE_ORDER"]

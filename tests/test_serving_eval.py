@@ -136,6 +136,11 @@ def test_record_window_is_the_accounting_of_its_ledger(continuous):
         phases = [p for p in ledger if p.get("kind") == "phase" and p["run_id"] in r["run_ids"]]
         inside = [p for p in phases if w.bounds[0][0] <= p["step"] < w.bounds[0][1]]
         assert r["window_tokens"] == sum(p["emitted"] for p in inside)
+        refills = [p["rows_active"] for p in phases if p["phase"] == "prefill" and p["step"] >= 0]
+        assert (r["refills"], r["refill_group_max"]) == (len(refills), max(refills)) and r["refills"] >= 2
+        prompts = [len(o["prompt"]) for o in r["request_outputs"]]
+        assert r["prefill_tokens_per_request"] == sum(prompts) / len(prompts)
+        assert r["prefill_positions_per_token"] >= 1.0, "a prefill computes at least every prompt token"
 
 
 def test_static_schedule_serves_the_same_requests_in_lockstep_batches(continuous, static):

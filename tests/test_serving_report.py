@@ -265,7 +265,7 @@ def test_a_static_rows_window_figures_are_na_with_a_footnote_and_its_run_j_per_t
     recs = [static, SWEEP[1]]
     assert window_cell(static) == "n/a" and window_cell(SWEEP[1]) == "0.16"
     md = write_report(tmp_path, recs, latency_target_s=0.05).markdown.read_text()
-    assert "| none b8 | 1.500 | 100.00 | 7.2 | 400.0 | 10.0 | 20.0 | n/a | 0.21 |" in md
+    assert "| none b8 | 1.500 | 100.00 | 7.2 | n/a | n/a | 200.0 | 400.0 | 10.0 | 20.0 | n/a | 0.21 |" in md
     assert "| none b8 | n/a | n/a | n/a | n/a / 7.2 | n/a | static schedule: no steady state |" in md
     assert not [line for line in md.splitlines() if "none b8" in line and "0.05" in line], "pooled J/token shown"
     assert md.count("n/a window (static schedule): lockstep batches never refill") == 2  # results, targets
@@ -366,3 +366,68 @@ def test_window_vs_run_plot_draws_no_window_line_for_a_static_series(tmp_path, m
     runs = [ys for label, ys in drawn if label and label.endswith(": run")]
     assert windows == [[0.10]], "only the continuous series draws a window line"
     assert sorted(runs) == [[0.12], [0.21, 0.19]]
+
+
+# ---- what decided a comparison: refill groups and prefill work ------------------------------------
+def _prefill(run, step, rows, forwards):
+    """A ledger prefill record of ``rows`` requests whose forwards computed ``forwards`` (model, rows, S[, query])."""
+    work = [{"model": m, "rows": n, "tokens_per_row": s, **({"query_tokens": q} if q is not None else {})}
+            for m, n, s, q in forwards]
+    return {"kind": "phase", "run_id": run, "phase": "prefill", "step": step, "rows_active": rows, "work": work}
+
+
+def test_prefill_fields_count_refill_groups_and_the_targets_positions():
+    from refspec.eval.prefill_work import prefill_fields
+
+    ledger = [_prefill("a", -1, 4, [(0, 4, 10, None), (1, 4, 10, None)]),  # first fill: a drafter forward after
+              {"kind": "phase", "run_id": "a", "phase": "verify", "step": 0, "rows_active": 4, "work": []},
+              _prefill("a", 0, 1, [(0, 1, 7, None)]), _prefill("a", 3, 3, [(0, 3, 12, 20), (1, 3, 12, None)]),
+              _prefill("b", 0, 9, [(0, 9, 99, None)])]  # another configuration's run
+    f = prefill_fields(ledger, ["a"], prompt_lengths=[5, 10, 3, 8, 7, 6, 4, 5])
+    assert (f["refills"], f["refill_group_p50"], f["refill_group_max"]) == (2, 2, 3), "the first fill is no refill"
+    assert f["prefill_positions_per_request"] == (40 + 7 + 20) / 8, "the target's positions only, packed as recorded"
+    assert f["prefill_tokens_per_request"] == 6.0 and f["prefill_positions_per_token"] == pytest.approx(67 / 48)
+    bare = prefill_fields([{**_prefill("a", -1, 2, []), "work": []}], ["a"], [3, 4])
+    assert bare["prefill_positions_per_request"] is None, "a ledger that records no work gives no figure"
+
+
+def _with_prefill(r, positions, tokens, groups):
+    return {**r, "prefill_positions_per_request": positions, "prefill_tokens_per_request": tokens,
+            "prefill_positions_per_token": positions / tokens, "refills": len(groups),
+            "refill_group_p50": sorted(groups)[len(groups) // 2], "refill_group_max": max(groups), "stream_digest": "s"}
+
+
+def test_a_comparison_whose_prefill_work_differs_by_more_than_10_percent_is_flagged_with_its_cause():
+    base = _with_prefill(_rec("chat", "none", 0, 64, jw=0.2122, tpot=0.03, ttft=17.8), 237.8, 61.2, [56, 50, 61])
+    spec = _with_prefill(_rec("chat", "eagle", 4, 64, jw=0.1688, tpot=0.02, ttft=0.41), 75.0, 61.2, [1, 2, 7])
+    compare_with_baseline(spec, base)
+    assert spec["prefill_work_vs_baseline"] == pytest.approx(75.0 / 237.8)
+    warning = spec["prefill_warning"]
+    assert "-68%" in warning and "padding" in warning and "median 56, max 61 rows" in warning, warning
+    table = format_table([base, spec])
+    assert f"!! eagle k4 b64: {warning}" in table and "56/61" in table and "8900/17800" in table
+    close = _with_prefill(dict(spec), 61.2 * 1.05, 61.2, [1, 2, 7])
+    compare_with_baseline(close, _with_prefill(dict(base), 61.2, 61.2, [2, 3, 5]))
+    assert close["prefill_warning"] is None and close["prefill_work_vs_baseline"] == pytest.approx(1.05)
+    other = {**dict(spec), "stream_digest": "t"}
+    compare_with_baseline(other, base)
+    assert "different request streams" in other["prefill_warning"]
+
+
+def test_the_table_closes_with_one_verdict_sentence_per_comparison():
+    from refspec.eval.report import verdict
+
+    rows = [_rec("code", "none", 0, 8, jw=0.10, tpot=0.03, ttft=1.0), _rec("code", "ngram", 4, 8, jw=0.08, tpot=0.02,
+                                                                          ttft=1.0),
+            _rec("chat", "none", 0, 8, jw=0.10, tpot=0.03, ttft=1.0), _rec("chat", "ngram", 4, 8, jw=0.125, tpot=0.04,
+                                                                          ttft=1.0)]
+    by = {r["config_id"]: r for r in rows}
+    for r in rows:
+        compare_with_baseline(r, by.get(r["baseline_config_id"]))
+    lines = format_table(rows).splitlines()
+    assert lines[-2:] == [
+        "verdict: on chat at batch 8, ngram k4 costs 25.0% more energy per token than plain decoding (steady-state "
+        "window J/token, at 1.00x the tokens/s).",
+        "verdict: on code at batch 8, ngram k4 saves 20.0% energy per token against plain decoding (steady-state "
+        "window J/token, at 1.00x the tokens/s)."]
+    assert verdict(rows[0]) is None

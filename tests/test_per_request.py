@@ -1,0 +1,217 @@
+"""Energy and acceptance per request (refspec.energy.per_request), on ledgers built by hand and
+through the engine: equal requests pay equal shares, a request alone pays a step's shared cost,
+the split closes on the run's energy, per-position acceptance reproduces tau, and a request's
+histogram is what its own verify decisions accepted."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny import save_hf, tiny_args
+
+from refspec.energy.accounting import account
+from refspec.energy.hardware import H200_SXM
+from refspec.energy.ledger import Ledger, read_ledger
+from refspec.energy.meters import RooflineMeter
+from refspec.energy.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates,
+                                        request_acceptance, split_energy)
+from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
+from refspec.energy.roofline import forward_cost
+
+ARGS = tiny_args("llama")
+K = 2
+
+
+def verify_fwd(rows: int, keys_per_row: int, s: int = K + 1) -> ForwardShape:
+    """A static-batch verify: ``rows`` rows of ``s`` queries over a dense ``keys_per_row`` prefix."""
+    return ForwardShape(args=ARGS, rows=rows, tokens_per_row=s, context_tokens=rows * keys_per_row, dtype_bytes=2,
+                        lm_head_tokens=rows * s)
+
+
+def prefill_fwd(lens) -> ForwardShape:
+    """A packed prefill of prompts of ``lens`` (PLAN interface 1)."""
+    n = sum(lens)
+    return ForwardShape(args=ARGS, rows=len(lens), tokens_per_row=max(lens), context_tokens=n, dtype_bytes=2,
+                        lm_head_tokens=len(lens), query_tokens=n, attention_pairs=sum(x * x for x in lens))
+
+
+class Run:
+    """Writes phase events of one hand-built run through the real :class:`Ledger`; energy is the
+    H200 roofline's of the work unless a phase is given measured joules."""
+
+    def __init__(self, path, batch: int) -> None:
+        self.ledger, self.batch, self.clock = Ledger(path, run_id="r"), batch, 0.0
+        self.meter = RooflineMeter(H200_SXM)
+
+    def phase(self, step, phase, slots, lengths, work=(), *, energy=None, arrivals=(), **fields) -> None:
+        self.meter.begin(phase)
+        m = self.meter.end(phase, tuple(work))
+        if energy is not None:  # a measured phase: its own joules, whatever its work
+            m = Measurement(time_s=max(m.time_s, 1e-4), energy_j=energy, source="measured:hand")
+        self.ledger(PhaseEvent(step=step, phase=phase, batch=self.batch, rows_active=sum(n > 0 for n in lengths),
+                               work=tuple(work), measurement=m, slot_requests=tuple(slots),
+                               row_lengths=tuple(lengths), arrivals_s=tuple(arrivals), clock_s=self.clock, **fields))
+        self.clock += m.time_s
+
+    def prefill(self, step, slots, lens) -> None:
+        live = [n for n in lens if n]
+        self.phase(step, "prefill", slots, lens, [prefill_fwd(live)], emitted=len(live),
+                   arrivals=[self.clock if r >= 0 else -1.0 for r in slots],
+                   emitted_per_row=tuple(int(n > 0) for n in lens))
+
+    def step(self, step, slots, lengths, accepted, emitted, *, keys, commit_j=None, draft_j=None) -> None:
+        """Draft (no forward), verify over ``keys`` per row, commit; ``accepted``/``emitted`` per slot."""
+        active = sum(n > 0 for n in lengths)
+        common = dict(k=K, emitted_per_row=tuple(emitted))
+        self.phase(step, "draft", slots, lengths, energy=draft_j, drafted=active * K, **common)
+        self.phase(step, "verify", slots, lengths, [verify_fwd(self.batch, keys)], verified=active * (K + 1),
+                   accepted=sum(max(a, 0) for a in accepted), **common)
+        self.phase(step, "commit", slots, lengths, energy=commit_j, accepted=sum(max(a, 0) for a in accepted),
+                   emitted=sum(emitted), **common)
+
+    def records(self):
+        self.ledger.close()
+        return read_ledger(self.ledger.path, strict=True)
+
+
+def test_forward_parts_add_up_to_the_roofline_energy():
+    for shape in (verify_fwd(4, 64), prefill_fwd([5, 40, 300]), verify_fwd(256, 4096)):  # memory- and compute-bound
+        cost = forward_cost(shape)
+        assert sum(forward_parts(shape, H200_SXM).values()) == pytest.approx(
+            H200_SXM.energy_j(cost, H200_SXM.time_s(cost)), rel=1e-12)
+
+
+def test_two_identical_requests_sharing_every_step_pay_equal_shares(tmp_path):
+    run = Run(tmp_path / "l.jsonl", batch=2)
+    run.prefill(-1, (0, 1), (8, 8))
+    for step, (length, acc) in enumerate([(8, 2), (11, 1), (13, 0)]):
+        run.step(step, (0, 1), (length + K + 1,) * 2, (acc, acc), (acc + 1,) * 2, keys=16, commit_j=0.5)
+    split = split_energy(run.records(), ["r"], H200_SXM)
+    a, b = split.requests[0], split.requests[1]
+    assert a.energy_j == pytest.approx(b.energy_j, rel=1e-12) and a.energy_j > 0
+    assert all(a.by_part_j[p] == pytest.approx(b.by_part_j[p], rel=1e-12) for p in PARTS)
+    assert a.by_phase_j["commit"] == pytest.approx(3 * 0.25)  # a commit without forwards: shared equally
+    assert sum(split.unattributed_j.values()) == pytest.approx(0.0, abs=1e-15) and split.closes
+
+
+def test_a_longer_context_pays_more_keys_and_the_same_shared_cost(tmp_path):
+    decode = Run(tmp_path / "d.jsonl", batch=2)
+    decode.step(0, (0, 1), (4, 60), (0, 0), (1, 1), keys=64)
+    short, long_ = (r.by_part_j for r in split_energy(decode.records(), ["r"], H200_SXM).requests.values())
+    assert short["shared"] == pytest.approx(long_["shared"], rel=1e-12)
+    assert short["tokens"] == pytest.approx(long_["tokens"], rel=1e-12)  # K + 1 positions each
+    assert long_["keys"] / short["keys"] == pytest.approx(15, rel=1e-9)  # the keys each row attended
+    prefill = Run(tmp_path / "p.jsonl", batch=2)
+    prefill.prefill(-1, (0, 1), (4, 60))
+    short, long_ = (r.by_part_j for r in split_energy(prefill.records(), ["r"], H200_SXM).requests.values())
+    assert long_["tokens"] / short["tokens"] == pytest.approx(15, rel=1e-9)  # its prompt tokens
+    assert long_["pairs"] / short["pairs"] == pytest.approx(225, rel=1e-9)  # S_i^2 pairs of a packed prefill
+
+
+def test_a_request_alone_in_an_open_loop_step_pays_the_steps_shared_cost(tmp_path):
+    run = Run(tmp_path / "l.jsonl", batch=4)
+    run.prefill(-1, (-1, -1, 7, -1), (0, 0, 5, 0))
+    run.step(0, (-1, -1, 7, -1), (0, 0, 5 + K + 1, 0), (-1, -1, 1, -1), (0, 0, 2, 0), keys=8)
+    split = split_energy(run.records(), ["r"], H200_SXM)
+    verify = forward_parts(verify_fwd(4, 8), H200_SXM)
+    own = sum(verify[p] for p in PARTS if p != "shared") / 4  # one of four static rows did its work
+    prefill = sum(forward_parts(prefill_fwd([5]), H200_SXM).values())
+    assert split.requests[7].by_phase_j["verify"] == pytest.approx(verify["shared"] + own, rel=1e-12)
+    assert split.requests[7].energy_j == pytest.approx(prefill + verify["shared"] + own, rel=1e-12)
+    assert split.unattributed_j["idle_slots"] == pytest.approx(3 * own, rel=1e-12)  # the three empty slots
+    assert split.closes
+
+
+def _mixed_run(path):
+    """Refills, unequal lengths, an idle slot, measured commits and drafts: a run to close on."""
+    run = Run(path, batch=3)
+    run.prefill(-1, (0, 1, 2), (5, 17, 9))
+    run.step(0, (0, 1, 2), (8, 20, 12), (2, 0, 1), (3, 1, 2), keys=32, commit_j=0.3, draft_j=0.7)
+    run.prefill(0, (-1, 3, -1), (0, 11, 0))  # request 1 finished (budget 2), request 3 refills its slot
+    run.step(1, (0, 3, 2), (11, 14, 14), (1, 2, 0), (2, 3, 1), keys=32, commit_j=0.3, draft_j=0.6)
+    run.step(2, (0, 3, -1), (13, 17, 0), (0, 2, -1), (1, 3, 0), keys=32, commit_j=0.2, draft_j=0.4)
+    return run.records(), {0: [2, 1, 0], 1: [0], 2: [1, 0], 3: [2, 2]}
+
+
+def test_requests_and_unattributed_close_on_the_runs_energy(tmp_path):
+    records, _ = _mixed_run(tmp_path / "l.jsonl")
+    split = split_energy(records, ["r"], H200_SXM)
+    total = account(records).total_energy_j
+    assert split.total_j == pytest.approx(total, rel=1e-12)
+    assert sum(r.energy_j for r in split.requests.values()) + sum(split.unattributed_j.values()) == pytest.approx(
+        total, rel=1e-12)
+    assert split.closes and abs(split.closure_error_j) <= 1e-9 * total
+    assert split.unattributed_j["idle_slots"] > 0 and set(split.requests) == {0, 1, 2, 3}
+    for r in split.requests.values():  # by phase and by part are two views of one charge
+        assert sum(r.by_phase_j.values()) == pytest.approx(r.energy_j) == pytest.approx(sum(r.by_part_j.values()))
+
+
+def test_per_position_acceptance_reproduces_tau(tmp_path):
+    records, accepted = _mixed_run(tmp_path / "l.jsonl")
+    reqs = request_acceptance(records, ["r"], accepted)
+    pooled = pooled_acceptance(reqs.values(), K)
+    tau = account(records).tau
+    assert pooled["histogram"] == [3, 2, 3]  # (request, step) 0: (1,0),(2,1),(0,2); 1: (2,0),(0,1); 2: (0,0),(3,1),(3,2)
+    assert pooled["tau"] == pytest.approx(tau) and 1 + sum(pooled["per_position"]) == pytest.approx(tau)
+    assert pooled["per_position"] == pytest.approx([5 / 8, 3 / 8])
+    assert reqs[3].acceptance_length == 3.0 and reqs[0].histogram(K) == [1, 1, 1]
+    assert rates(*reqs[0].position_counts(K)) == pytest.approx([2 / 3, 1 / 3])
+
+
+def test_engine_counts_that_disagree_with_the_ledger_are_refused(tmp_path):
+    records, accepted = _mixed_run(tmp_path / "l.jsonl")
+    with pytest.raises(PerRequestError, match="request 3, step 1"):
+        request_acceptance(records, ["r"], {**accepted, 3: [1, 2]})  # step 1 emitted 3 tokens: 2 accepted
+    with pytest.raises(PerRequestError, match="2 verify steps"):
+        request_acceptance(records, ["r"], {**accepted, 0: [2, 1]})
+
+
+class RecordingAcceptance:
+    """The engine's acceptance function, wrapped: accepts a seeded random 0..K drafts per row
+    (so every count occurs) and keeps each step's decisions ``[B]``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.decisions: list[list[int]] = []
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, draft, logits, sampling, generator):
+        from refspec.step import accept_chain
+
+        acc = accept_chain(draft, logits, sampling, generator)
+        k = draft.tokens.shape[1]
+        n = torch.randint(0, k + 1, acc.num_accepted.shape, generator=self.gen).to(acc.num_accepted)
+        self.decisions.append(n.tolist())
+        return dataclasses.replace(acc, num_accepted=n)
+
+
+def test_through_the_engine_a_requests_histogram_is_its_own_verify_decisions(tmp_path):
+    from refspec.drafters.ngram import NgramDrafter
+    from refspec.engine import Engine, EngineConfig
+    from refspec.models import load_model
+    from refspec.serving import Request
+
+    save_hf("llama", tmp_path / "m")
+    model = load_model(tmp_path / "m")
+    g = torch.Generator().manual_seed(1)
+    reqs = [Request(id=i, prompt=tuple(torch.randint(3, 96, (n,), generator=g).tolist()), max_new_tokens=b)
+            for i, (n, b) in enumerate(zip([5, 17, 3, 9, 12, 6], [9, 4, 14, 1, 7, 11]))]
+    recorder = RecordingAcceptance()
+    with Ledger(tmp_path / "l.jsonl", run_id="e") as ledger:
+        res = Engine(model, NgramDrafter(max_n=3, trim=False), config=EngineConfig(k=3), observers=[ledger],
+                     meter=RooflineMeter(H200_SXM), acceptance_fn=recorder).serve(reqs, batch=3)
+    records = read_ledger(tmp_path / "l.jsonl", strict=True)
+    ledger_steps = [r for r in records if r["kind"] == "phase" and r["phase"] == "commit"]
+    assert len(ledger_steps) == len(recorder.decisions)
+    own: dict[int, list[int]] = {q.id: [] for q in reqs}  # each decision goes to the request its slot held
+    for rec, decided in zip(ledger_steps, recorder.decisions):
+        for slot, (rid, n) in enumerate(zip(rec["slot_requests"], rec["row_lengths"])):
+            if rid >= 0 and n > 0:
+                own[rid].append(decided[slot])
+    got = request_acceptance(records, ["e"], {q.id: q.accepted_per_step for q in res.requests})
+    for rid, decisions in own.items():
+        assert got[rid].histogram(3) == [decisions.count(i) for i in range(4)], f"request {rid}"
+    assert sum(1 for d in own.values() if len(set(d)) > 1) >= 2, "the run exercised several counts"
+    split = split_energy(records, ["e"], H200_SXM)
+    assert split.closes and split.total_j == pytest.approx(account(records).total_energy_j, rel=1e-12)
+    assert set(split.requests) == {q.id for q in reqs}

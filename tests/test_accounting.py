@@ -97,7 +97,7 @@ def test_accounting_of_the_documented_run(tmp_path):
     assert acc.draft_rejected_share == pytest.approx(18 / 33)
     assert acc.rejected_energy_j == 63.0 and acc.rejected_share == 0.25
     assert acc.line_items_j == {"prefill": 95.0, "draft_kept": 15.0, "draft_rejected": 18.0, "verify_useful": 65.0,
-                                "verify_rejected": 45.0, "commit": 14.0, "other": 0.0}
+                                "verify_rejected": 45.0, "commit": 14.0, "other": 0.0, "unattributed": 0.0}
     assert acc.closes and acc.closure_error_j == 0.0
     # time: 0.5 s prefill + 3 steps of 0.4375 s
     assert acc.total_time_s == 1.8125 and acc.prefill_time_s == 0.5
@@ -162,9 +162,10 @@ def test_several_runs_need_a_run_id(tmp_path):
 
 def test_the_documented_closure_line_is_the_one_printed(tmp_path):
     acc = account(read_ledger(write_run(tmp_path / "run.jsonl")))
-    line = format_closure(acc.line_items_j, acc.line_items_sum_j, acc.total_energy_j, acc.closure_error_j, acc.closes)
-    assert line == ("closure: prefill 95 + draft kept 15 + draft rejected 18 + verify useful 65 + verify rejected 45 "
-                    "+ commit 14 + other 0 = 252 J; total 252 J; error 0 J -> OK")
+    line = format_closure(acc.line_items_j, acc.line_items_sum_j, acc.total_energy_j, acc.closure_error_j, acc.closes,
+                          acc.phase_energy_method)
+    assert line == ("closure (measured-direct split): prefill 95 + draft kept 15 + draft rejected 18 + verify useful 65 "
+                    "+ verify rejected 45 + commit 14 + other 0 + unattributed 0 = 252 J; total 252 J; error 0 J -> OK")
     assert line in format_accounting(acc).split("\n")
     assert line in DOCS.read_text(), "docs/accounting.md quotes the closure line as printed"
 
@@ -202,7 +203,7 @@ def test_pooled_runs_equal_a_direct_computation(tmp_path):
                                                    "commit": 20 / 18})
     assert acc.rejected_positions == 8 + (8 - 0 - 2)
     assert acc.line_items_j == {"prefill": 145.0, "draft_kept": 15.0, "draft_rejected": 30.0, "verify_useful": 75.0,
-                                "verify_rejected": 75.0, "commit": 20.0, "other": 0.0}
+                                "verify_rejected": 75.0, "commit": 20.0, "other": 0.0, "unattributed": 0.0}
     assert acc.line_items_sum_j == 360.0 and acc.closes and acc.closure_error_j == 0.0
     assert acc.rejected_energy_j == 105.0 and acc.rejected_share == pytest.approx(105 / 360)
     assert acc.net_energy_j == 360.0 - 20.0 * 2.75 and acc.net_j_per_token == pytest.approx(305.0 / 18)

@@ -10,7 +10,8 @@ import torch
 from refspec.energy import dvfs
 from refspec.eval import dvfs_cli
 from refspec.energy.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
-from refspec.energy.latency import choose_config, cost_of_tighter_target, format_targets
+from refspec.energy.latency import (Targets, choose, choose_config, cost_of_tighter_target, excluded_invalid,
+                                    format_targets, valid_window)
 from refspec.energy.meters import NoGPUError
 
 
@@ -246,6 +247,20 @@ def test_choose_lowest_energy_meeting_target():
     assert choose_config(SWEEP, 0.005) is None
     with pytest.raises(ValueError, match="lacks"):
         choose_config([{"batch": 1}], 1.0)
+
+
+def test_an_invalid_window_is_never_ranked_and_is_named():
+    invalid = dict(batch=128, drafter="none", k=0, tpot_p99_s=0.040, energy_per_token_j=0.05, window_valid=False,
+                   window_invalid_reason="window 3 s < 20 s")
+    sweep = SWEEP + [invalid]
+    assert choose_config(sweep, 0.050)["batch"] == 64, "the cheaper configuration has an invalid window"
+    assert choose(sweep, Targets(0.050)) is choose_config(sweep, 0.050)
+    assert excluded_invalid(sweep, Targets(0.050)) == [invalid] and excluded_invalid(sweep, Targets(0.035)) == []
+    assert valid_window({**invalid, "window_valid": True}) and valid_window(SWEEP[0])
+    rows = cost_of_tighter_target(sweep, [0.050, 0.035])
+    assert [r["invalid_excluded"] for r in rows] == [1, 0] and rows[0]["batch"] == 64
+    assert "not ranked: up to 1 configuration(s)" in format_targets(rows)
+    assert "not ranked" not in format_targets(cost_of_tighter_target(SWEEP, [0.050]))
 
 
 def test_choice_and_premiums_rank_by_the_energy_figure_given():

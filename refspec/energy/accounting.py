@@ -68,19 +68,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from refspec.energy.ledger_read import unfinished_runs
-from refspec.energy.serving_window import (RequestTimes, Window, latency_percentiles, mean_active_rows, percentile,
-                                           pool_windows, request_times, run_window)
+from refspec.energy.phase_energy import PhaseEnergy, phase_energy, shares
+from refspec.energy.serving_window import (RequestTimes, Window, WindowRule, latency_percentiles, mean_active_rows,
+                                           percentile, pool_windows, request_times, run_window, window_validity)
 from refspec.energy.steps import COUNTS, AccountingError, Record, Step, group_steps
 
-LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other")
+LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other",
+              "unattributed")
 CLOSURE_RTOL = 1e-9
 ENERGY_FIELDS = ("total_energy_j", "j_per_token", "j_per_verified_token", "phase_energy_j", "phase_share",
                  "phase_j_per_token", "line_items_j", "line_items_sum_j", "rejected_energy_j", "rejected_share",
                  "verify_rejected_j", "draft_rejected_j", "draft_rejected_share", "closure_error_j", "closes",
-                 "net_energy_j", "net_j_per_token", "net_phase_energy_j")
+                 "net_energy_j", "net_j_per_token", "net_phase_energy_j", "unattributed_energy_j")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +135,13 @@ class Accounting:
     net_energy_j: float | None
     net_j_per_token: float | None
     net_phase_energy_j: dict[str, float] | None
+    unattributed_energy_j: float | None = None
+    phase_energy_method: str | None = None
+    phase_share_true: dict[str, float] | None = None
+    phase_share_naive: dict[str, float] | None = None
+    attribution: dict[str, Any] | None = None
+    window_valid: bool = False
+    window_invalid_reason: str | None = None
     mean_active_rows: float = math.nan
     window: Window | None = None
     requests: tuple[RequestTimes, ...] = ()
@@ -212,60 +221,79 @@ def _sum_by(records: Iterable[Record], field: str) -> dict[str, float]:
     return dict(out)
 
 
-def _energy(phases: Sequence[Record], steps: Sequence[Step], emitted: int, verified: int,
-            total_time: float, phase_time: Mapping[str, float], idle_w: float | None) -> dict[str, Any]:
-    """Every energy field of :class:`Accounting` (the ledger holds energy on every record)."""
-    total = sum(float(r["energy_j"]) for r in phases)
+def _energy(pe: PhaseEnergy, steps: Sequence[Step], emitted: int, verified: int,
+            phase_time: Mapping[str, float], idle_w: float | None, total_time: float) -> dict[str, Any]:
+    """Every energy field of :class:`Accounting` (each phase record holding its energy, read or attributed)."""
+    phases = [r for run in pe.records for r in run]
+    total = float(pe.total_j)  # type: ignore[arg-type]
     phase_energy = _sum_by(phases, "energy_j")
     items = dict.fromkeys(LINE_ITEMS, 0.0)
     for st in steps:
         for name, e in _line_items(st).items():
             items[name] += e
+    items["unattributed"] = pe.unattributed_j  # what no phase record was given: the parts close on the total
     items_sum = sum(items.values())
     rejected = items["verify_rejected"] + items["draft_rejected"]
     out = dict.fromkeys(ENERGY_FIELDS)
     out.update(
         total_energy_j=total, j_per_token=_ratio(total, emitted),
         j_per_verified_token=_ratio(phase_energy.get("verify", 0.0), verified),
-        phase_energy_j=phase_energy,
-        phase_share={p: (e / total if total else math.nan) for p, e in phase_energy.items()},
+        phase_energy_j=phase_energy, phase_share=shares(phase_energy),
         phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted else None),
-        line_items_j=items, line_items_sum_j=items_sum,
+        line_items_j=items, line_items_sum_j=items_sum, unattributed_energy_j=pe.unattributed_j,
         rejected_energy_j=rejected, rejected_share=_ratio(rejected, total),
         verify_rejected_j=items["verify_rejected"], draft_rejected_j=items["draft_rejected"],
         draft_rejected_share=_ratio(items["draft_rejected"], phase_energy.get("draft", 0.0)),
         closure_error_j=items_sum - total, closes=abs(items_sum - total) <= CLOSURE_RTOL * max(1.0, abs(total)))
     if idle_w is not None:
-        net = total - idle_w * total_time
+        net = total - idle_w * (total_time if pe.span_s is None else pe.span_s)  # a counter's span holds host time
         out.update(net_energy_j=net, net_j_per_token=_ratio(net, emitted),
                    net_phase_energy_j={p: e - idle_w * phase_time[p] for p, e in phase_energy.items()})
     return out
 
 
-def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Record]]],
-                idle_w: float | None) -> Accounting:
-    """The :class:`Accounting` of ``runs`` (id, header, phase records) taken together."""
-    phases = [r for _, _, ps in runs for r in ps]
-    per_run = [group_steps(run_id, ps) for run_id, _, ps in runs]
+def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
+    """The attribution's figures, JSON-ready (None for a direct read)."""
+    if not pe.sub_windows:
+        return None
+    fit = pe.fit
+    return {"method": pe.method, "sub_windows": len(pe.sub_windows), "measured_j": pe.total_j, "span_s": pe.span_s,
+            "unattributed_j": pe.unattributed_j, "fit_power_w": fit.power_w if fit else None,
+            "fit_share": pe.share_fit, "fit_relative_residual": fit.relative_residual if fit else None,
+            "loops_j_per_call": {p: lp.j_per_step for p, lp in pe.loops.items()} or None,
+            "loops_share": pe.share_loops, "agreement": pe.agreement, "additivity_residual": pe.additivity_residual,
+            "true_total_j": pe.true_total_j,
+            "total_error_vs_true": None if not pe.true_total_j else float(pe.total_j) / pe.true_total_j - 1.0}
+
+
+def _accounting(runs: Sequence[_Run], idle_w: float | None, rule: WindowRule) -> Accounting:
+    """The :class:`Accounting` of ``runs`` taken together."""
+    try:
+        pe = phase_energy([(r.phases, r.counters, r.loops) for r in runs])
+    except ValueError as exc:
+        raise AccountingError(f"runs {[r.run_id for r in runs]}: {exc}") from None
+    phases = [r for run in pe.records for r in run]
+    per_run = [group_steps(r.run_id, ps) for r, ps in zip(runs, pe.records)]
     steps = [st for run in per_run for st in run]
     total = {f: sum(st.counts[f] for st in steps) for f in COUNTS}
     row_steps = sum(st.rows_active for st in steps if st.has_verify)
     total_time = sum(st.time_s for st in steps)
     prefill_time = sum(st.time_s for st in steps if st.prefill)
     phase_time = _sum_by(phases, "time_s")
-    reqs = [r for run_id, run in zip((r for r, _, _ in runs), per_run) for r in request_times(run, run_id)]
-    tpots = [r.tpot_s for r in reqs]
+    reqs = [q for r, run in zip(runs, per_run) for q in request_times(run, r.run_id)]
+    tpots = [q.tpot_s for q in reqs]
     valid = [t for t in tpots if t is not None]
-    latency = latency_percentiles(reqs)
-    has_energy = all(r.get("energy_j") is not None for r in phases)
-    energy = (_energy(phases, steps, total["emitted"], total["verified"], total_time, phase_time, idle_w)
-              if has_energy else dict.fromkeys(ENERGY_FIELDS))
+    energy = (_energy(pe, steps, total["emitted"], total["verified"], phase_time, idle_w, total_time)
+              if pe.total_j is not None else dict.fromkeys(ENERGY_FIELDS))
     sources = tuple(sorted({str(r["source"]) for r in phases}))
-    label_sets = [dict((h or {}).get("labels") or {}) for _, h, _ in runs]
+    label_sets = [dict((r.header or {}).get("labels") or {}) for r in runs]
     labels = {k: v for k, v in label_sets[0].items() if all(k in s and s[k] == v for s in label_sets)}
+    batch = max(int(r["batch"]) for r in phases)
+    window = pool_windows([run_window(run, r.counters) for r, run in zip(runs, per_run)])
+    window_ok, why = window_validity(window, batch, rule, counter=bool(pe.sub_windows))
     return Accounting(
-        run_ids=tuple(run_id for run_id, _, _ in runs), labels=labels, sources=sources,
-        measured=all(s.startswith("measured") for s in sources), batch=max(int(r["batch"]) for r in phases),
+        run_ids=tuple(r.run_id for r in runs), labels=labels, sources=sources,
+        measured=all(s.startswith("measured") for s in sources), batch=batch,
         steps=sum(1 for st in steps if st.decode), rows_with_tpot=len(valid), **total,
         rejected_positions=sum(st.rejected for st in steps), row_steps=row_steps,
         total_time_s=total_time, prefill_time_s=prefill_time, decode_time_s=total_time - prefill_time,
@@ -273,36 +301,50 @@ def _accounting(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Rec
         tau=acceptance_length(total["accepted"], row_steps),
         acceptance_rate=_ratio(total["accepted"], total["drafted"]),
         tpot_per_row_s=tuple(tpots), tpot_p50_s=percentile(valid, 50), tpot_p99_s=percentile(valid, 99),
-        idle_w=idle_w, **energy, mean_active_rows=mean_active_rows(steps),
-        window=pool_windows([run_window(run) for run in per_run]), requests=tuple(reqs),
-        **{k: v for k, v in latency.items() if not k.startswith("tpot")})
+        idle_w=idle_w, **energy, phase_energy_method=pe.method, phase_share_true=pe.share_true,
+        phase_share_naive=pe.share_naive, attribution=_attribution(pe), window_valid=window_ok,
+        window_invalid_reason=why, mean_active_rows=mean_active_rows(steps), window=window, requests=tuple(reqs),
+        **{k: v for k, v in latency_percentiles(reqs).items() if not k.startswith("tpot")})
 
 
-def _run(records: Sequence[Record], run_id: str | None) -> tuple[str | None, dict[str, Any] | None, list[Record]]:
+class _Run(NamedTuple):
+    run_id: str | None
+    header: dict[str, Any] | None
+    phases: list[Record]
+    counters: list[Record]
+    loops: list[Record]
+
+
+def _run(records: Sequence[Record], run_id: str | None) -> _Run:
     header = next((dict(r) for r in records if r.get("kind") == "run" and r.get("run_id") == run_id), None)
-    phases = [r for r in records if r.get("kind") == "phase" and r.get("run_id") == run_id]
+    mine = [r for r in records if r.get("run_id") == run_id]
+    phases = [r for r in mine if r.get("kind") == "phase"]
     if run_id in (gone := unfinished_runs(records)):  # a partial run would count a fraction of a generation
         raise AccountingError(f"run {run_id!r} did not finish ({gone[run_id]}); its records are not counted")
     if not phases:
         raise AccountingError(f"no phase records for run {run_id!r}")
-    return run_id, header, phases
+    return _Run(run_id, header, phases, [r for r in mine if r.get("kind") == "counter"],
+                [r for r in mine if r.get("kind") == "loop"])
 
 
-def _idle_w(runs: Sequence[tuple[str | None, dict[str, Any] | None, list[Record]]]) -> float | None:
-    values = {(h or {}).get("idle_w") for _, h, _ in runs}
+def _idle_w(runs: Sequence[_Run]) -> float | None:
+    values = {(r.header or {}).get("idle_w") for r in runs}
     if len(values) > 1:
-        raise AccountingError(f"runs {[r for r, _, _ in runs]} disagree on idle power {sorted(values, key=str)}; "
+        raise AccountingError(f"runs {[r.run_id for r in runs]} disagree on idle power {sorted(values, key=str)}; "
                               f"pass idle_w= to account them together")
     return values.pop()
 
 
-def account(records: Iterable[Record], *, run_id: str | None = None, idle_w: float | None = None) -> Accounting:
+def account(records: Iterable[Record], *, run_id: str | None = None, idle_w: float | None = None,
+            min_window_s: float = WindowRule.min_s, min_window_fill: float = WindowRule.min_fill) -> Accounting:
     """Compute the :class:`Accounting` of one run from its ledger records.
 
     Args:
-        records: ledger records (run header and phase records), e.g. from ``read_ledger``.
+        records: ledger records (run header, phase, counter and loop records), e.g. from ``read_ledger``.
         run_id: the run to account when the records hold several.
         idle_w: idle power in W; default: the run header's ``idle_w``.
+        min_window_s: shortest valid steady-state window, s.
+        min_window_fill: least valid mean active rows of the window, as a fraction of the batch.
 
     Returns:
         The run's :class:`Accounting`.
@@ -317,17 +359,19 @@ def account(records: Iterable[Record], *, run_id: str | None = None, idle_w: flo
         if len(ids) > 1:
             raise AccountingError(f"the records hold {len(ids)} runs {ids}; pass run_id= to pick one")
         run_id = ids[0] if ids else None
-    return pool_runs(records, [run_id], idle_w=idle_w)
+    return pool_runs(records, [run_id], idle_w=idle_w, min_window_s=min_window_s, min_window_fill=min_window_fill)
 
 
-def pool_runs(records: Iterable[Record], run_ids: Sequence[str | None], *,
-              idle_w: float | None = None) -> Accounting:
+def pool_runs(records: Iterable[Record], run_ids: Sequence[str | None], *, idle_w: float | None = None,
+              min_window_s: float = WindowRule.min_s, min_window_fill: float = WindowRule.min_fill) -> Accounting:
     """Account several runs of one configuration (e.g. its batches) as one.
 
     Args:
         records: ledger records holding every run in ``run_ids`` (others are ignored).
         run_ids: the runs to pool, in order (``tpot_per_row_s`` follows it).
         idle_w: idle power in W; default: the runs' common header ``idle_w``.
+        min_window_s: shortest valid steady-state window (the runs' windows pooled), s.
+        min_window_fill: least valid mean active rows of the pooled window, as a fraction of the batch.
 
     Returns:
         The pooled :class:`Accounting` (labels: those every run shares).
@@ -340,7 +384,7 @@ def pool_runs(records: Iterable[Record], run_ids: Sequence[str | None], *,
         raise AccountingError("no run ids to pool")
     records = list(records)
     runs = [_run(records, r) for r in dict.fromkeys(run_ids)]
-    return _accounting(runs, _idle_w(runs) if idle_w is None else idle_w)
+    return _accounting(runs, _idle_w(runs) if idle_w is None else idle_w, WindowRule(min_window_s, min_window_fill))
 
 
 __all__ = ["Accounting", "AccountingError", "account", "pool_runs", "acceptance_length", "tau_of_steps",

@@ -14,12 +14,15 @@ def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def format_closure(line_items_j: Mapping[str, float] | None, line_items_sum_j: float | None,
-                   total_energy_j: float | None, closure_error_j: float | None, closes: bool | None) -> str:
-    """The closure line: the line items (J), their sum, the total, and whether they close."""
+                   total_energy_j: float | None, closure_error_j: float | None, closes: bool | None,
+                   method: str | None = None) -> str:
+    """The closure line: how the total was split (``method``), the line items (J), their sum, the
+    total, and whether they close."""
     if line_items_j is None or line_items_sum_j is None or total_energy_j is None or closure_error_j is None:
         return "closure: n/a (no energy recorded)"
     terms = " + ".join(f"{name.replace('_', ' ')} {e:.6g}" for name, e in line_items_j.items())
-    return (f"closure: {terms} = {line_items_sum_j:.6g} J; total {total_energy_j:.6g} J; "
+    split = f" ({method} split)" if method else ""
+    return (f"closure{split}: {terms} = {line_items_sum_j:.6g} J; total {total_energy_j:.6g} J; "
             f"error {closure_error_j:.3g} J -> {'OK' if closes else 'FAILED: they do not close'}")
 
 
@@ -43,23 +46,48 @@ def _energy_lines(acc: Accounting) -> list[str]:
     lines.append(f"rejected drafts: {acc.rejected_energy_j:.6g} J ({_fmt(acc.rejected_share, '.1f', 100)}% of total; "
                  f"verify {acc.verify_rejected_j:.6g} J, draft {acc.draft_rejected_j:.6g} J = "
                  f"{_fmt(acc.draft_rejected_share, '.1f', 100)}% of draft energy)")
+    lines += _attribution_lines(acc)
     lines.append(format_closure(acc.line_items_j, acc.line_items_sum_j, acc.total_energy_j, acc.closure_error_j,
-                                acc.closes))
+                                acc.closes, acc.phase_energy_method))
+    return lines
+
+
+def _shares(shares: Mapping[str, float] | None) -> str:
+    return "n/a" if shares is None else ", ".join(f"{p} {100 * x:.1f}%" for p, x in shares.items())
+
+
+def _attribution_lines(acc: Accounting) -> list[str]:
+    """How the phases' energy was obtained and, when attributed, how well the estimates agree."""
+    lines = [f"phase energy: {acc.phase_energy_method}"]
+    a = acc.attribution
+    if a is not None:
+        lines[0] += (f" over {a['sub_windows']} counter sub-windows, {a['measured_j']:.6g} J measured in "
+                     f"{a['span_s']:.6g} s, unattributed {a['unattributed_j']:.6g} J")
+        lines.append(f"  fit: {_shares(a['fit_share'])}; residual {_fmt(a['fit_relative_residual'], '.1%')}")
+        if a["loops_share"] is not None:
+            lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
+                         f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}")
+    if acc.phase_share_true is not None:
+        err = (a or {}).get("total_error_vs_true")
+        lines.append(f"  true (simulated): {_shares(acc.phase_share_true)}; total error {_fmt(err, '+.2%')}")
+    if acc.phase_share_naive is not None:
+        lines.append(f"  naive per-phase read: {_shares(acc.phase_share_naive)}")
     return lines
 
 
 def _serving_lines(acc: Accounting) -> list[str]:
     """Active rows, the steady-state window and the per-request latencies."""
     w = acc.window
-    lines = [f"mean active rows {acc.mean_active_rows:.3f} of {acc.batch} (time-weighted over decode steps)"]
+    lines = [f"mean active rows {acc.mean_active_rows:.3f} of {acc.batch} (time-weighted over decode steps)",
+             "window valid" if acc.window_valid else f"window INVALID: {acc.window_invalid_reason}"]
     if w is None or w.empty:
         lines.append(f"window: empty ({w.note if w is not None else 'not computed'}); figures NaN")
     else:
         where = (f"steps {w.first_step}..{w.last_step}" if w.first_step is not None
                  else f"{len(w.bounds)} runs, bounds {[b and [b[0], b[1] - 1] for b in w.bounds]}")
         lines.append(f"window: {where} ({w.steps} decode steps), {w.time_s:.6g} s, {w.tokens:g} tokens, "
-                     f"{_fmt(w.energy_j, '.6g')} J, J/token {_fmt(w.j_per_token, '.6g')}, "
-                     f"mean active rows {w.mean_active_rows:.3f}")
+                     f"{_fmt(w.energy_j, '.6g')} J{f' (counter, {w.counter_reads} reads)' if w.counter_reads else ''}, "
+                     f"J/token {_fmt(w.j_per_token, '.6g')}, mean active rows {w.mean_active_rows:.3f}")
     ms = lambda x: _fmt(x, ".3f", 1e3)  # noqa: E731
     lines.append(f"requests {len(acc.requests)}: TTFT p50 {ms(acc.ttft_p50_s)} ms p99 {ms(acc.ttft_p99_s)} ms; "
                  f"ITL p50 {ms(acc.itl_p50_s)} ms p99 {ms(acc.itl_p99_s)} ms; "

@@ -9,6 +9,11 @@ p99 is <= its target; among those the lowest J per token wins (ties: the larger 
 smaller k, so the simpler configuration is kept). Callers that rank by another J/token figure of
 a record pass it as ``energy`` (a function of the record). Every ratio comes from
 :func:`refspec.energy.accounting.energy_saving`; nothing here divides energies itself.
+
+A record whose steady-state window is invalid (``window_valid`` false: too short or too empty
+to trust, :func:`refspec.energy.serving_window.window_validity`; its ``window_invalid_reason``
+says why) is never ranked: it cannot be chosen, and :func:`excluded_invalid` names those that
+would have met the targets so a report can say so. A record without ``window_valid`` is ranked.
 """
 from __future__ import annotations
 
@@ -73,20 +78,30 @@ def misses(r: Record, targets: Targets) -> dict[str, float | None]:
     return out
 
 
+def valid_window(r: Record) -> bool:
+    """Whether ``r`` may be ranked: its window is not marked invalid."""
+    return r.get("window_valid") is not False
+
+
 def meets(r: Record, targets: Targets, energy: Energy = _energy_field) -> bool:
     """Every given target met by a figure the record has (a missing or NaN figure does not meet it)."""
     return all(m == 0.0 for m in misses(r, targets).values()) and _finite(energy(r)) is not None
 
 
 def choose(records: Iterable[Record], targets: Targets, energy: Energy = _energy_field) -> Record | None:
-    """Lowest-energy configuration meeting every target of ``targets``, or None."""
-    feasible = [r for r in _check(records, targets) if meets(r, targets, energy)]
+    """Lowest-energy configuration with a valid window meeting every target of ``targets``, or None."""
+    feasible = [r for r in _check(records, targets) if meets(r, targets, energy) and valid_window(r)]
     return min(feasible, key=lambda r: (float(energy(r)), -int(r["batch"]), int(r["k"]))) if feasible else None
+
+
+def excluded_invalid(records: Iterable[Record], targets: Targets, energy: Energy = _energy_field) -> list[Record]:
+    """The records that meet ``targets`` but were not ranked because their window is invalid."""
+    return [r for r in _check(records, targets) if meets(r, targets, energy) and not valid_window(r)]
 
 
 def choose_config(records: Iterable[Record], tpot_target_s: float | None,
                   ttft_target_s: float | None = None, energy: Energy = _energy_field) -> Record | None:
-    """Lowest-energy configuration whose p99 TPOT (and p99 TTFT, when given) meets the target(s).
+    """Lowest-energy configuration with a valid window whose p99 TPOT (and p99 TTFT, when given) meets the target(s).
 
     Args:
         records: sweep records (see the module docstring).
@@ -114,8 +129,10 @@ def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float],
         One row per target with keys ``target_s``, ``feasible``, ``batch``, ``drafter``, ``k``,
         ``tpot_p99_s``, ``energy_per_token_j``, ``extra_vs_loosest`` (J/token relative to the
         loosest feasible target's choice, minus 1), ``plain_energy_per_token_j`` (best k = 0
-        configuration meeting the target, or None) and ``speculation_premium`` (chosen /
-        plain - 1 when both exist; negative means speculation saves energy at this target).
+        configuration meeting the target, or None), ``speculation_premium`` (chosen /
+        plain - 1 when both exist; negative means speculation saves energy at this target) and
+        ``invalid_excluded`` (configurations meeting the target that were not ranked: their
+        window is invalid).
     """
     recs = _check(records, Targets(None, ttft_target_s))
     plain = [r for r in recs if int(r["k"]) == 0]
@@ -128,7 +145,8 @@ def cost_of_tighter_target(records: Iterable[Record], targets: Sequence[float],
                                    tpot_p99_s=None, energy_per_token_j=None, extra_vs_loosest=None,
                                    plain_energy_per_token_j=None if best_plain is None
                                    else float(energy(best_plain)),
-                                   speculation_premium=None)
+                                   speculation_premium=None,
+                                   invalid_excluded=len(excluded_invalid(recs, Targets(target, ttft_target_s), energy)))
         if best is not None:
             e = float(energy(best))
             loosest = e if loosest is None else loosest
@@ -159,8 +177,12 @@ def format_targets(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"{1e3 * r['target_s']:>13.3f} {r['batch']:>6} {str(r['drafter']):>12} {r['k']:>3} "
                      f"{1e3 * r['tpot_p99_s']:>8.3f} {r['energy_per_token_j']:>10.4g} "
                      f"{100 * r['extra_vs_loosest']:>+9.1f}% {plain:>11} {prem:>13}")
+    skipped = max((r.get("invalid_excluded") or 0 for r in rows), default=0)
+    if skipped:
+        lines.append(f"not ranked: up to {skipped} configuration(s) meeting a target whose window is invalid "
+                     f"(window_invalid_reason)")
     return "\n".join(lines)
 
 
-__all__ = ["Targets", "choose", "choose_config", "premium", "cost_of_tighter_target", "format_targets", "meets", "misses",
-           "REQUIRED"]
+__all__ = ["Targets", "valid_window", "excluded_invalid", "choose", "choose_config", "premium",
+           "cost_of_tighter_target", "format_targets", "meets", "misses", "REQUIRED"]

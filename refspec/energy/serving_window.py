@@ -15,6 +15,18 @@ Steady-state window
     every slot busy) the window is empty: its figures are NaN and :attr:`Window.note` says why.
     Runs pool by adding their windows.
 
+    Under a counter that cannot see a phase, the window is what the counter read over it: it
+    shrinks to the steps between the first and the last counter read inside it (reads fall at
+    step bounds), and its energy is the counter difference between those two reads (host time
+    included), not a sum of attributed phase energies. Fewer than two reads inside: the
+    window's energy is its records' attributed energy, and the window is invalid.
+
+Validity
+    A window is valid (:func:`window_validity`) when it is not empty, lasts at least
+    ``min_s`` (20 s, ML.ENERGY's rule; ``time_s``), its mean active rows reach ``min_fill``
+    (0.85) of the batch, and, under a counter, the counter was read at least twice inside it.
+    Pooled windows are judged pooled.
+
 Mean active rows
     Time-weighted over decode steps: ``sum(rows_active x step time) / sum(step time)``, the
     step time being its decode phases' (refill prefills excluded); over the whole run, and
@@ -34,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -97,6 +109,7 @@ class Window:
         tokens: tokens emitted in the window (refill prefills' first tokens included).
         mean_active_rows: time-weighted mean of ``rows_active`` over its decode steps.
         note: why the window is empty (None when it is not).
+        counter_reads: counter reads the window's energy spans (0: summed from its records).
     """
 
     bounds: tuple[tuple[int, int] | None, ...]
@@ -107,6 +120,7 @@ class Window:
     tokens: float
     mean_active_rows: float
     note: str | None = None
+    counter_reads: int = 0
 
     @property
     def empty(self) -> bool:
@@ -165,18 +179,40 @@ def _empty(bounds: tuple[None, ...], note: str) -> Window:
                   mean_active_rows=NAN, note=note)
 
 
-def run_window(steps: Sequence[Step]) -> Window:
-    """The steady-state window of one run (see the module docstring)."""
+EPS_S = 1e-9
+"""Clock tolerance: a counter read at a phase's end sits on the clock the next phase starts at."""
+
+
+def _counter_span(inside: list[Step], counters: Sequence[Mapping[str, Any]]) -> tuple[list[Step], float | None, int]:
+    """The steps of ``inside`` between the first and last counter read within it, their energy and the reads."""
+    start, end = min(float(r["clock_s"]) for st in inside for r in st.records), max(st.end_s for st in inside)
+    reads = sorted((float(c["clock_s"]), float(c["energy_j"])) for c in counters
+                   if start - EPS_S <= float(c["clock_s"]) <= end + EPS_S)
+    if len(reads) < 2:
+        return inside, None, len(reads)
+    (a, ea), (b, eb) = reads[0], reads[-1]
+    span = [st for st in inside if min(float(r["clock_s"]) for r in st.records) >= a - EPS_S and st.end_s <= b + EPS_S]
+    return span, eb - ea, len(reads)
+
+
+def run_window(steps: Sequence[Step], counters: Sequence[Mapping[str, Any]] = ()) -> Window:
+    """The steady-state window of one run (see the module docstring); ``counters``: its counter records."""
     bounds = window_bounds(steps)
     if bounds is None:
         return _empty((None,), "no decode step had every slot busy: no steady state, the window is empty")
     inside = [st for st in steps if bounds[0] <= st.index < bounds[1]]
+    measured, reads = None, 0
+    if counters:
+        inside, measured, reads = _counter_span(inside, counters)
     decode = [st for st in inside if st.decode]
+    if not decode:
+        return _empty((None,), "no whole decode step between two counter reads inside the steady state")
     energies = [st.energy_j for st in inside]
-    return Window(bounds=(bounds,), steps=len(decode), time_s=sum(st.time_s for st in inside),
-                  decode_time_s=sum(st.time_s for st in decode),
-                  energy_j=None if any(e is None for e in energies) else sum(energies),  # type: ignore[arg-type]
-                  tokens=sum(st.counts["emitted"] for st in inside), mean_active_rows=_weighted_rows(decode))
+    summed = None if any(e is None for e in energies) else sum(energies)  # type: ignore[arg-type]
+    return Window(bounds=((decode[0].index, decode[-1].index + 1),), steps=len(decode),
+                  time_s=sum(st.time_s for st in inside), decode_time_s=sum(st.time_s for st in decode),
+                  energy_j=summed if measured is None else measured, tokens=sum(st.counts["emitted"] for st in inside),
+                  mean_active_rows=_weighted_rows(decode), counter_reads=reads)
 
 
 def pool_windows(windows: Sequence[Window]) -> Window:
@@ -195,7 +231,43 @@ def pool_windows(windows: Sequence[Window]) -> Window:
                   energy_j=None if any(e is None for e in energies) else sum(energies),  # type: ignore[arg-type]
                   tokens=sum(w.tokens for w in full),
                   mean_active_rows=(sum(w.mean_active_rows * w.decode_time_s for w in full) / decode_time
-                                    if decode_time > 0 else NAN))
+                                    if decode_time > 0 else NAN), counter_reads=min(w.counter_reads for w in full))
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowRule:
+    """When a steady-state window is long and full enough to trust (ML.ENERGY's defaults).
+
+    Attributes:
+        min_s: shortest valid window, s (its ``time_s``).
+        min_fill: least valid mean active rows, as a fraction of the batch.
+    """
+
+    min_s: float = 20.0
+    min_fill: float = 0.85
+
+
+def window_validity(window: Window, batch: int, rule: WindowRule = WindowRule(), *,
+                    counter: bool = False) -> tuple[bool, str | None]:
+    """Whether ``window`` is valid under ``rule``, and why not (every failed condition, "; "-joined).
+
+    Args:
+        window: the (pooled) window.
+        batch: the static batch B.
+        rule: the thresholds.
+        counter: the energy came from a counter that cannot see a phase: the window needs two
+            counter reads inside it.
+    """
+    if window.empty:
+        return False, f"empty window ({window.note})"
+    why = []
+    if window.time_s < rule.min_s:
+        why.append(f"window {window.time_s:.3g} s < {rule.min_s:g} s")
+    if window.mean_active_rows < rule.min_fill * batch:
+        why.append(f"mean active rows {window.mean_active_rows:.3g} < {rule.min_fill:g} x batch {batch}")
+    if counter and window.counter_reads < 2:
+        why.append("the counter was read fewer than twice inside the window: its energy is attributed, not read")
+    return not why, "; ".join(why) or None
 
 
 def _admit(reqs: dict[int, dict[str, Any]], st: Step, run_id: str | None) -> None:
@@ -246,5 +318,5 @@ def latency_percentiles(requests: Sequence[RequestTimes]) -> dict[str, float | N
     return {f"{name}_p{q}_s": percentile(values, q) for name, values in series.items() for q in (50, 99)}
 
 
-__all__ = ["RequestTimes", "Window", "mean_active_rows", "window_bounds", "event_steps", "run_window",
-           "pool_windows", "request_times", "percentile", "latency_percentiles"]
+__all__ = ["RequestTimes", "Window", "WindowRule", "window_validity", "mean_active_rows", "window_bounds",
+           "event_steps", "run_window", "pool_windows", "request_times", "percentile", "latency_percentiles"]

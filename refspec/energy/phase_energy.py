@@ -1,0 +1,217 @@
+"""Per-phase energy of ledger runs: read directly, or attributed from counter windows and loops.
+
+A modelled meter (the roofline) and a counter fine enough to read a phase (the fake counter of
+tests) write every phase record's ``energy_j``: the accounting uses them as they are
+(method ``modelled`` or ``measured-direct``). A counter that cannot see a phase (NVML, RAPL,
+the simulated counter) writes ``energy_j`` null and reads its counter only at a run's start,
+at sub-window bounds of at least ten counter periods, and at its end (``counter`` records).
+Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
+
+``attributed-fit``
+    Each pair of consecutive counter reads bounds a sub-window: its energy is the counter
+    difference, its time the difference of the reads' ``wall_s`` (the counter's time base),
+    and each phase's time in it the sum of ``time_s`` of the phase records that ran between
+    the two reads (by engine clock). :func:`~refspec.energy.attribution.nnls_phase_power` fits
+    one power per phase, with the time outside every phase (host work, idle gaps) as its own
+    ``unattributed`` column. A phase record's energy = its phase's power x its time.
+``attributed-loops``
+    Where a loop runner wrote ``loop`` records (a phase alone, repeated at the run's shapes), a
+    phase record's energy = its loop's J per call; a phase without a loop (commit) takes the
+    fit's power x its time. Both estimates are reported with their agreement.
+
+``measured-total-only``
+    Too few sub-windows to fit a power per phase (fewer than phases + 1) and no loops: the run's
+    total is measured, its split is not; every joule is ``unattributed``.
+
+Either way the measured total is the counter's, last read minus first, so the parts close on
+it: whatever the phase records were not given (host time, the fit's residual) is the named
+item ``unattributed`` = measured total - sum of the phase records' energies. With a simulated
+counter the records also carry the truth (``energy_true_j``) and the naive per-phase read
+(``energy_naive_j``), from which the true and naive shares are formed for comparison.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+from refspec.energy.attribution import Loop, PhasePower, nnls_phase_power
+
+Record = Mapping[str, Any]
+METHODS = ("modelled", "measured-direct", "attributed-loops", "attributed-fit", "measured-total-only")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubWindow:
+    """The energy between two consecutive counter reads of a run and the phases run between them.
+
+    Attributes:
+        energy_j: counter difference, J.
+        time_s: difference of the reads' ``wall_s``, s (host time included).
+        phase_time_s: time of each phase between the reads, s (engine clock).
+        true_j: the simulated counter's true energy over the window, J (None for a real counter).
+    """
+
+    energy_j: float
+    time_s: float
+    phase_time_s: dict[str, float]
+    true_j: float | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseEnergy:
+    """How the energy of some runs was split among their phases.
+
+    Attributes:
+        method: one of :data:`METHODS`, or None when no energy was recorded (a time-only meter).
+        records: per run, its phase records with ``energy_j`` as the accounting uses it.
+        total_j: the energy the runs drew: the counters' (last read - first) under attribution,
+            else the sum of the records.
+        unattributed_j: ``total_j`` minus the records' sum (0 for a direct read).
+        span_s: the counters' wall span under attribution (host time included), else None.
+        sub_windows: the counter sub-windows (empty for a direct read).
+        fit: the fit of per-phase power over ``sub_windows`` (None without two reads).
+        loops: per phase, the loop records pooled (empty without loops).
+        share_fit / share_loops: each phase's share of the phase energy by either estimate (the
+            loops' phases by their J per call, the others by the fit).
+        agreement: largest difference of a phase's share between the two (None unless both).
+        additivity_residual: (predicted - measured) / measured, the prediction being the loops'
+            J per call x calls, the fit's energy for phases without a loop and for the host time.
+        share_true / share_naive: a simulated counter's true and naively read shares.
+        true_total_j: a simulated counter's true energy over the runs' spans, J.
+    """
+
+    method: str | None
+    records: tuple[tuple[Record, ...], ...]
+    total_j: float | None
+    unattributed_j: float = 0.0
+    span_s: float | None = None
+    sub_windows: tuple[SubWindow, ...] = ()
+    fit: PhasePower | None = None
+    loops: dict[str, Loop] = dataclasses.field(default_factory=dict)
+    share_fit: dict[str, float] | None = None
+    share_loops: dict[str, float] | None = None
+    agreement: float | None = None
+    additivity_residual: float | None = None
+    share_true: dict[str, float] | None = None
+    share_naive: dict[str, float] | None = None
+    true_total_j: float | None = None
+
+
+def shares(energy: Mapping[str, float]) -> dict[str, float]:
+    """Each key's share of the sum (NaN shares when the sum is 0)."""
+    total = sum(energy.values())
+    return {k: (e / total if total else float("nan")) for k, e in energy.items()}
+
+
+def _by_phase(records: Sequence[Record], field: str) -> dict[str, float] | None:
+    out: dict[str, float] = defaultdict(float)
+    for r in records:
+        if r.get(field) is None:
+            return None
+        out[str(r["phase"])] += float(r[field])
+    return dict(out)
+
+
+def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[SubWindow]:
+    """The sub-windows between consecutive counter reads of one run (phases placed by their mid clock)."""
+    reads = sorted(counters, key=lambda c: (float(c["clock_s"]), float(c["wall_s"])))
+    clocks = [float(c["clock_s"]) for c in reads]
+    times: list[dict[str, float]] = [defaultdict(float) for _ in reads[1:]]
+    for r in phases:
+        i = bisect.bisect_right(clocks, float(r["clock_s"]) + float(r["time_s"]) / 2) - 1
+        assert 0 <= i < len(times), f"phase at clock {r['clock_s']} lies outside the counter reads"
+        times[i][str(r["phase"])] += float(r["time_s"])
+    out = []
+    for a, b, t in zip(reads, reads[1:], times):
+        true = (None if a.get("energy_true_j") is None or b.get("energy_true_j") is None
+                else float(b["energy_true_j"]) - float(a["energy_true_j"]))
+        out.append(SubWindow(energy_j=float(b["energy_j"]) - float(a["energy_j"]),
+                             time_s=float(b["wall_s"]) - float(a["wall_s"]), phase_time_s=dict(t), true_j=true))
+    return out
+
+
+def _fit(windows: Sequence[SubWindow], names: Sequence[str]) -> PhasePower | None:
+    if len(windows) < len(names) + 1:
+        return None  # too few windows to determine a power per phase and the unattributed one
+    return nnls_phase_power([w.energy_j for w in windows], [[w.phase_time_s.get(p, 0.0) for p in names]
+                                                           for w in windows], names,
+                            window_time_s=[w.time_s for w in windows])
+
+
+def _pool_loops(loops: Sequence[Record]) -> dict[str, Loop]:
+    out: dict[str, Loop] = {}
+    for r in loops:
+        prev = out.get(str(r["phase"]), Loop(energy_j=0.0, time_s=0.0, iterations=0))
+        out[str(r["phase"])] = Loop(energy_j=prev.energy_j + float(r["energy_j"]),
+                                    time_s=prev.time_s + float(r["time_s"]),
+                                    iterations=prev.iterations + int(r["iterations"]))
+    return out
+
+
+def _direct(runs: Sequence[Sequence[Record]]) -> PhaseEnergy:
+    flat = [r for run in runs for r in run]
+    if any(r.get("energy_j") is None for r in flat):
+        return PhaseEnergy(method=None, records=tuple(tuple(run) for run in runs), total_j=None)
+    method = "modelled" if all(str(r["source"]).startswith("modelled") for r in flat) else "measured-direct"
+    return PhaseEnergy(method=method, records=tuple(tuple(run) for run in runs),
+                       total_j=sum(float(r["energy_j"]) for r in flat))
+
+
+def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequence[Record]]]) -> PhaseEnergy:
+    """The per-phase energy of ``runs`` taken together (see the module docstring).
+
+    Args:
+        runs: per run, ``(phase records, counter records, loop records)``.
+
+    Returns:
+        The :class:`PhaseEnergy`; the runs are attributed together (one fit over all their
+        sub-windows, loops pooled by phase) when their phase records hold no energy and each
+        run has at least two counter reads.
+
+    Raises:
+        ValueError: a run whose phases hold no energy has fewer than two counter reads.
+    """
+    phases = [list(p) for p, _, _ in runs]
+    if all(r.get("energy_j") is not None for run in phases for r in run) or not any(c for _, c, _ in runs):
+        return _direct(phases)
+    if any(len(c) < 2 for _, c, _ in runs):
+        raise ValueError("a counter-metered run needs at least its start and end counter reads to be accounted")
+    windows = [w for p, c, _ in runs for w in sub_windows(p, c)]
+    flat = [r for run in phases for r in run]
+    names = sorted({str(r["phase"]) for r in flat if float(r["time_s"]) > 0})
+    fit = _fit(windows, names)
+    loops = _pool_loops([r for _, _, lp in runs for r in lp])
+    measured = sum(w.energy_j for w in windows)
+
+    def by_fit(r: Record) -> float:
+        return fit.power_w.get(str(r["phase"]), 0.0) * float(r["time_s"]) if fit is not None else 0.0
+
+    def by_loops(r: Record) -> float:  # a phase without a loop (commit) takes the fit's figure
+        return loops[str(r["phase"])].j_per_step if str(r["phase"]) in loops else by_fit(r)
+
+    energy = by_loops if loops else by_fit
+    records = tuple(tuple({**r, "energy_j": energy(r)} for r in run) for run in phases)
+    attributed = sum(r["energy_j"] for run in records for r in run)
+    share_fit = shares({p: sum(by_fit(r) for r in flat if r["phase"] == p) for p in names}) if fit else None
+    share_loops = shares({p: sum(by_loops(r) for r in flat if r["phase"] == p) for p in names}) if loops else None
+    # the prediction of the loops: their phases' calls, the fit's for the rest and for the host time
+    predicted = attributed + (fit.energy_j["unattributed"] if fit is not None else 0.0)
+    truths = [w.true_j for w in windows]
+    true_by_phase = _by_phase(flat, "energy_true_j")
+    naive_by_phase = _by_phase(flat, "energy_naive_j")
+    return PhaseEnergy(
+        method="attributed-loops" if loops else "attributed-fit" if fit is not None else "measured-total-only",
+        records=records, total_j=measured, unattributed_j=measured - attributed,
+        span_s=sum(w.time_s for w in windows), sub_windows=tuple(windows), fit=fit, loops=loops,
+        share_fit=share_fit, share_loops=share_loops,
+        agreement=(max(abs(share_loops[p] - share_fit[p]) for p in names)
+                   if share_fit is not None and share_loops is not None else None),
+        additivity_residual=(predicted - measured) / measured if loops and measured else None,
+        share_true=shares(true_by_phase) if true_by_phase else None,
+        share_naive=shares(naive_by_phase) if naive_by_phase else None,
+        true_total_j=None if any(t is None for t in truths) else sum(truths))  # type: ignore[arg-type]
+
+
+__all__ = ["METHODS", "SubWindow", "PhaseEnergy", "phase_energy", "sub_windows", "shares"]

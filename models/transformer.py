@@ -36,6 +36,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, num_layers: int | None = None) -> None:
         super().__init__()
         self.args = args
+        self.work_args = args  # what its forwards report as run (a tensor-parallel shard: its share, refspec.models.tp)
         n = args.num_layers if num_layers is None else num_layers
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(n))
@@ -87,10 +88,15 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def heads(self) -> tuple[int, int]:
+        """``(Hkv, G)`` of its attention modules (a tensor-parallel shard holds a share of the heads)."""
+        attn = self.layers[0].attn
+        return attn.hkv, attn.h // attn.hkv
+
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A static cache sized for this model."""
         a = self.args
-        return StaticKVCache(num_layers=self.num_layers, batch=batch, num_kv_heads=a.num_kv_heads, max_len=max_len,
+        return StaticKVCache(num_layers=self.num_layers, batch=batch, num_kv_heads=self.heads()[0], max_len=max_len,
                              head_dim=a.head_dim, dtype=self.dtype, device=self.device)
 
     def truncated(self, num_layers: int) -> "Transformer":
@@ -99,7 +105,7 @@ class Transformer(nn.Module):
             raise ValueError(f"num_layers must be in 1..{self.num_layers}, got {num_layers}")
         small = Transformer.__new__(Transformer)
         nn.Module.__init__(small)
-        small.args = self.args
+        small.args, small.work_args = self.args, self.work_args
         small.embed, small.norm, small.lm_head = self.embed, self.norm, self.lm_head
         small.layers = nn.ModuleList(list(self.layers)[:num_layers])
         small.inv_freq_global, small.inv_freq_local = self.inv_freq_global, self.inv_freq_local
@@ -145,8 +151,7 @@ class Transformer(nn.Module):
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""
-        a = self.args
-        return attention_bias(mask, a.num_kv_heads, a.num_heads // a.num_kv_heads, dtype)
+        return attention_bias(mask, *self.heads(), dtype)
 
     # ---- forward ------------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -169,9 +174,8 @@ class Transformer(nn.Module):
         slots per row, ``lm_head_tokens`` of which reach the LM head (what :meth:`forward` records;
         a CUDA-graph replay records the same for the forward it replays). An MoE model's shape
         carries the distinct experts its last forward routed to (:meth:`experts_touched`)."""
-        a = self.args
         sliding = self.sliding_window is not None
-        return ForwardShape(args=a, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
+        return ForwardShape(args=self.work_args, rows=rows, tokens_per_row=tokens_per_row, context_tokens=rows * num_keys,
                             sliding_context_tokens=rows * num_keys if sliding else None,
                             dtype_bytes=torch.finfo(self.dtype).bits // 8, lm_head_tokens=lm_head_tokens,
                             layers=self.num_layers,
@@ -277,7 +281,7 @@ class Transformer(nn.Module):
         positions = torch.cat([torch.arange(s, device=dev) for s in seq_lens])[None]  # [1, N] place in its prompt
         x = self.embed_tokens(tokens[None])  # [1, N, E]
         ctx = PackedAttention(cache, rows.to(dev), seq_lens, positions, self._rope(positions, x.dtype),
-                              (a.num_kv_heads, a.num_heads // a.num_kv_heads), self.sliding_window, x.dtype)
+                              self.heads(), self.sliding_window, x.dtype)
         x, hidden = self._blocks(x, ctx, hidden_layers)
         last = torch.tensor(list(itertools.accumulate(seq_lens)), device=dev) - 1  # [R] each prompt's last token
         if self.num_layers in hidden_layers:

@@ -24,9 +24,9 @@ STEPS = 8
 REFILLS = (1, 4)  # the request finishes in these steps; the next is prefilled after them
 
 
-def built(*, loops=(), truth=False, reads_after=None):
+def built(*, loops=(), truth=False, reads_after=None, idle_w=None):
     """The hand-built run's records (header, phases, counter reads, loops, end) and its known figures."""
-    recs = [{"kind": "run", "version": LEDGER_VERSION, "run_id": "r", "labels": {}, "idle_w": 10.0}]
+    recs = [{"kind": "run", "version": LEDGER_VERSION, "run_id": "r", "labels": {}, "idle_w": idle_w}]
     w = {"clock": 0.0, "wall": 0.0, "e": 0.0, "gap": 0.0}
     reads = []
 
@@ -110,11 +110,22 @@ def test_the_fit_recovers_known_phase_powers_and_host_power(tmp_path):
     assert acc.phase_share == pytest.approx({p: POWER[p] * phase_time[p] / (w["e"] - HOST_W * w["gap"])
                                              for p in POWER})
     assert acc.attribution["span_s"] == pytest.approx(w["wall"])
-    # net of idle subtracts idle over the counter's span, host time included
-    assert acc.net_energy_j == pytest.approx(w["e"] - 10.0 * w["wall"])
     text = format_accounting(acc)
     assert "phase energy: attributed-fit over 8 counter sub-windows" in text
     assert "closure (attributed-fit split)" in text and "unattributed" in text and "-> OK" in text
+
+
+def test_with_an_idle_power_the_host_time_is_priced_at_it_not_fitted(tmp_path):
+    records, _, w = built(idle_w=HOST_W)
+    acc = account(_read(tmp_path, records), min_window_s=5.0)
+    assert acc.attribution["fit_power_w"] == pytest.approx({**POWER, "unattributed": HOST_W}, rel=1e-9)
+    assert acc.unattributed_energy_j == pytest.approx(HOST_W * w["gap"]) and acc.closes
+    # net of idle subtracts idle over the counter's span, host time included
+    assert acc.net_energy_j == pytest.approx(w["e"] - HOST_W * w["wall"])
+    # a wrong idle power moves the difference into the phases, never out of the total
+    wrong = account(_read(tmp_path, built(idle_w=10.0)[0]), min_window_s=5.0)
+    assert wrong.total_energy_j == pytest.approx(w["e"]) and wrong.closes
+    assert wrong.unattributed_energy_j == pytest.approx(w["e"] - sum(wrong.phase_energy_j.values()))
 
 
 def test_the_window_under_a_counter_is_what_the_counter_read_over_it(tmp_path):

@@ -269,7 +269,7 @@ def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
 def _accounting(runs: Sequence[_Run], idle_w: float | None, rule: WindowRule) -> Accounting:
     """The :class:`Accounting` of ``runs`` taken together."""
     try:
-        pe = phase_energy([(r.phases, r.counters, r.loops) for r in runs])
+        pe = phase_energy([(r.phases, r.counters, r.loops) for r in runs], host_w=idle_w)
     except ValueError as exc:
         raise AccountingError(f"runs {[r.run_id for r in runs]}: {exc}") from None
     phases = [r for run in pe.records for r in run]

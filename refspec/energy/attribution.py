@@ -11,6 +11,9 @@ pure functions here:
     each with a measured energy and per-phase times (from CUDA events); solve
     ``E_w ~= sum_p P_p t_wp`` for per-phase powers ``P_p >= 0`` by non-negative least squares.
     The residual says how well a constant power per phase explains the windows.
+
+:mod:`refspec.energy.phase_energy` applies both to a ledger run (its counter records' sub-windows,
+its loop records) for the accounting.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ class PhasePower:
     """Result of :func:`nnls_phase_power`.
 
     Attributes:
-        power_w: fitted power of each phase (and ``"unattributed"`` when fitted) in W.
+        power_w: fitted power of each phase, and of the time outside every phase
+            (``"unattributed"``: fitted, or the ``host_w`` it was priced at) in W.
         energy_j: power x total time of each phase over all windows, in J.
         share: each phase's share of the fitted energy.
         residual_j: Euclidean norm of the window residuals, J.
@@ -119,7 +123,8 @@ class PhasePower:
 
 
 def nnls_phase_power(window_energy_j: Sequence[float], phase_time_s: Sequence[Sequence[float]],
-                     phases: Sequence[str], *, window_time_s: Sequence[float] | None = None) -> PhasePower:
+                     phases: Sequence[str], *, window_time_s: Sequence[float] | None = None,
+                     host_w: float | None = None) -> PhasePower:
     """Fit per-phase power from window energies and per-phase times (method B).
 
     Solves ``min ||T P - E||`` subject to ``P >= 0`` with ``T[w, p]`` the time phase ``p`` ran
@@ -132,6 +137,10 @@ def nnls_phase_power(window_energy_j: Sequence[float], phase_time_s: Sequence[Se
         window_time_s: full duration of each window, s, shape [W]; when given, the time not
             covered by any phase becomes an extra ``"unattributed"`` column (idle gaps, host
             overhead) so it does not inflate the phase powers.
+        host_w: with ``window_time_s``, price that time at this power (W, e.g. the measured idle
+            power) instead of fitting it: its energy is taken off each window first. Use it when
+            a phase lasts about as long as the host time every step (commit), which a fit cannot
+            tell apart.
 
     Returns:
         The :class:`PhasePower` fit.
@@ -144,17 +153,25 @@ def nnls_phase_power(window_energy_j: Sequence[float], phase_time_s: Sequence[Se
     names = list(phases)
     if t.ndim != 2 or t.shape != (e.shape[0], len(names)):
         raise ValueError(f"phase_time_s must have shape [W={e.shape[0]}, P={len(names)}], got {t.shape}")
+    host = np.zeros_like(e)  # [W] energy of the host time when it is priced, not fitted
     if window_time_s is not None:
         gap = np.asarray(window_time_s, dtype=float) - t.sum(axis=1)
         if gap.shape != e.shape:
             raise ValueError(f"window_time_s must have shape [{e.shape[0]}], got {gap.shape}")
-        t = np.column_stack([t, np.clip(gap, 0.0, None)])
-        names.append("unattributed")
+        gap = np.clip(gap, 0.0, None)
+        if host_w is None:
+            t = np.column_stack([t, gap])
+            names.append("unattributed")
+        else:
+            host = host_w * gap
     if t.shape[0] < t.shape[1]:
         raise ValueError(f"{t.shape[0]} windows cannot determine {t.shape[1]} powers; record more windows")
-    power, residual = nnls(t, e)
-    fitted = t @ power
+    power, residual = nnls(t, e - host)
+    fitted = t @ power + host
     energy = power * t.sum(axis=0)
+    if window_time_s is not None and host_w is not None:
+        names.append("unattributed")
+        power, energy = np.append(power, host_w), np.append(energy, host.sum())
     total = float(energy.sum())
     return PhasePower(
         power_w={n: float(p) for n, p in zip(names, power)},

@@ -12,8 +12,10 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
     difference, its time the difference of the reads' ``wall_s`` (the counter's time base),
     and each phase's time in it the sum of ``time_s`` of the phase records that ran between
     the two reads (by engine clock). :func:`~refspec.energy.attribution.nnls_phase_power` fits
-    one power per phase, with the time outside every phase (host work, idle gaps) as its own
-    ``unattributed`` column. A phase record's energy = its phase's power x its time.
+    one power per phase; the time outside every phase (host work, idle gaps) is ``unattributed``,
+    priced at the run's idle power when the header gives one (a commit lasts about as long as
+    the host time every step, so a fit could not tell the two apart), else fitted as a column
+    of its own. A phase record's energy = its phase's power x its time.
 ``attributed-loops``
     Where a loop runner wrote ``loop`` records (a phase alone, repeated at the run's shapes), a
     phase record's energy = its loop's J per call; a phase without a loop (commit) takes the
@@ -132,12 +134,12 @@ def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[Su
     return out
 
 
-def _fit(windows: Sequence[SubWindow], names: Sequence[str]) -> PhasePower | None:
-    if len(windows) < len(names) + 1:
-        return None  # too few windows to determine a power per phase and the unattributed one
+def _fit(windows: Sequence[SubWindow], names: Sequence[str], host_w: float | None) -> PhasePower | None:
+    if len(windows) < len(names) + (host_w is None):
+        return None  # too few windows to determine a power per phase (and the host time's)
     return nnls_phase_power([w.energy_j for w in windows], [[w.phase_time_s.get(p, 0.0) for p in names]
                                                            for w in windows], names,
-                            window_time_s=[w.time_s for w in windows])
+                            window_time_s=[w.time_s for w in windows], host_w=host_w)
 
 
 def _pool_loops(loops: Sequence[Record]) -> dict[str, Loop]:
@@ -159,11 +161,13 @@ def _direct(runs: Sequence[Sequence[Record]]) -> PhaseEnergy:
                        total_j=sum(float(r["energy_j"]) for r in flat))
 
 
-def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequence[Record]]]) -> PhaseEnergy:
+def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequence[Record]]], *,
+                 host_w: float | None = None) -> PhaseEnergy:
     """The per-phase energy of ``runs`` taken together (see the module docstring).
 
     Args:
         runs: per run, ``(phase records, counter records, loop records)``.
+        host_w: power of the host time between phases, W (the run's idle power); None fits it.
 
     Returns:
         The :class:`PhaseEnergy`; the runs are attributed together (one fit over all their
@@ -181,7 +185,7 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
     windows = [w for p, c, _ in runs for w in sub_windows(p, c)]
     flat = [r for run in phases for r in run]
     names = sorted({str(r["phase"]) for r in flat if float(r["time_s"]) > 0})
-    fit = _fit(windows, names)
+    fit = _fit(windows, names, host_w)
     loops = _pool_loops([r for _, _, lp in runs for r in lp])
     measured = sum(w.energy_j for w in windows)
 

@@ -229,3 +229,42 @@ def test_account_applies_the_validity_thresholds_it_is_given(tmp_path):
     assert account(records, min_window_s=5.0).window_valid
     assert not account(records, min_window_s=5.0, min_window_fill=1.01).window_valid
     assert "window INVALID: window 16.4 s < 20 s" in format_accounting(short)
+
+
+# ---- through the engine ----------------------------------------------------------------------------
+def test_an_engine_run_under_the_simulated_counter_is_attributed_and_closes_on_the_counter(tmp_path):
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import TINY_HF
+
+    from refspec.drafters.ngram import NgramDrafter
+    from refspec.energy.counter_log import counter_ledger
+    from refspec.energy.ledger import Ledger
+    from refspec.energy.meters import make_meter
+    from refspec.engine import Engine, EngineConfig
+    from refspec.models.random_models import random_model
+    from refspec.serving import Request
+
+    model = random_model(dict(TINY_HF["llama"]), dtype=torch.float32)
+    # a modelled H200 clock (phases of tens of microseconds), a counter of 2 us periods sampling 0.5 us
+    meter = make_meter("simulated:h200:period_ms=0.002:sample_ms=0.0005:sub_window_s=0.00002")
+    requests = [Request(id=i, prompt=tuple(range(3 + i, 9 + 2 * i)), max_new_tokens=6 + 3 * (i % 3)) for i in range(6)]
+    path = tmp_path / "ledger.jsonl"
+    with counter_ledger(meter, Ledger(path, run_id="sim", meter_source=meter.source, idle_w=meter.idle_w)) as led:
+        Engine(model, NgramDrafter(max_n=3, trim=False), config=EngineConfig(k=3), meter=meter,
+               observers=[led]).serve(requests, batch=2)
+    records = read_ledger(path, strict=True)
+    counters = [r for r in records if r["kind"] == "counter"]
+    acc = account(records, min_window_s=0.0)
+    assert acc.phase_energy_method == "attributed-fit" and acc.attribution["sub_windows"] == len(counters) - 1
+    assert acc.total_energy_j == pytest.approx(counters[-1]["energy_j"] - counters[0]["energy_j"])
+    assert acc.closes and acc.line_items_sum_j == pytest.approx(acc.total_energy_j)
+    assert set(acc.phase_share) == set(acc.phase_share_true) == set(acc.phase_share_naive)
+    assert acc.attribution["true_total_j"] == pytest.approx(
+        sum(r["energy_true_j"] for r in records if r["kind"] == "phase"))  # no host time on the modelled clock
+    assert all(abs(acc.phase_share[p] - acc.phase_share_true[p]) < 0.05 for p in acc.phase_share), \
+        (acc.phase_share, acc.phase_share_true)

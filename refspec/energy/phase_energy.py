@@ -122,8 +122,9 @@ def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[Su
     clocks = [float(c["clock_s"]) for c in reads]
     times: list[dict[str, float]] = [defaultdict(float) for _ in reads[1:]]
     for r in phases:
-        i = bisect.bisect_right(clocks, float(r["clock_s"]) + float(r["time_s"]) / 2) - 1
-        assert 0 <= i < len(times), f"phase at clock {r['clock_s']} lies outside the counter reads"
+        mid = float(r["clock_s"]) + float(r["time_s"]) / 2
+        assert clocks[0] <= mid <= clocks[-1], f"phase at clock {r['clock_s']} lies outside the counter reads"
+        i = min(bisect.bisect_right(clocks, mid) - 1, len(times) - 1)  # a 0 s phase may sit on the last read
         times[i][str(r["phase"])] += float(r["time_s"])
     out = []
     for a, b, t in zip(reads, reads[1:], times):

@@ -1,0 +1,196 @@
+"""Tensor parallelism applied to a built :class:`~refspec.models.transformer.Transformer`
+(Megatron's layout, as gpt-fast's ``tp.py`` applies it): the model files stay the textbook.
+
+Each of N ranks keeps a share of every block:
+
+- **attention**: whole key/value groups (a K/V head with the query heads that read it). The
+  fused ``wqkv`` keeps its q, k and v rows of those heads (column-parallel, sliced part by
+  part); ``wo`` keeps the matching input columns (row-parallel) and one all-reduce sums the
+  ranks' partial outputs. With fewer K/V heads than ranks each K/V head is replicated on
+  N / Hkv ranks, which split its query heads. Groups that do not divide evenly go unevenly
+  (SmolLM2's 3 K/V groups over 2 ranks: 2 + 1), and the log says so.
+- **MLP**: ``gate_up`` keeps a slice of the gate rows and the same slice of the up rows
+  (column-parallel), ``down`` the matching input columns (row-parallel, one all-reduce).
+- **embedding, norms, LM head**: replicated, as gpt-fast keeps them: every rank then computes
+  the same logits, so sampling and drafting need no collective (the LM head costs every GPU
+  one V x E read per forward; the roofline counts it).
+
+After the all-reduce every rank holds the same residual stream, so all ranks compute the same
+tokens. Each rank's cache holds its own K/V heads (``Transformer.heads``), and its forwards
+report :func:`rank_args`, the architecture of its share, as their work. Mixture-of-experts
+models are refused (:class:`~refspec.distributed.TPError`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from refspec.config import ModelArgs
+from refspec.distributed import TensorParallel, TPError, all_reduce_
+from refspec.models.layers import Block
+
+log = logging.getLogger(__name__)
+
+
+def _split(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``[lo, hi)`` of part ``i`` when ``n`` items are cut into ``parts`` contiguous near-equal parts."""
+    base, extra = divmod(n, parts)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (i < extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """What rank ``rank`` of ``size`` keeps: ``[lo, hi)`` ranges of query heads, K/V heads and
+    MLP columns of every block."""
+
+    size: int
+    rank: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    mlp: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.mlp[1] - self.mlp[0]
+
+
+def shard_plan(args: ModelArgs, size: int, rank: int) -> ShardPlan:
+    """Rank ``rank``'s share of a model of ``args`` over ``size`` ranks.
+
+    Raises:
+        TPError: a mixture-of-experts model, or heads that ``size`` ranks cannot share.
+    """
+    if args.is_moe:
+        raise TPError(f"--tp {size}: {args.family} is a mixture-of-experts model and refspec shards dense models "
+                      f"only (llama, qwen2, qwen3, gemma3); run it with --tp 1")
+    h, hkv = args.num_heads, args.num_kv_heads
+    g = h // hkv  # query heads per K/V head
+    if hkv >= size:  # whole K/V groups per rank
+        klo, khi = _split(hkv, size, rank)
+        q = (klo * g, khi * g)
+    elif size % hkv == 0 and g % (size // hkv) == 0:  # each K/V head on size / Hkv ranks
+        share = size // hkv
+        klo, khi = rank // share, rank // share + 1
+        per = g // share
+        q = (klo * g + (rank % share) * per, klo * g + (rank % share + 1) * per)
+    else:
+        fits = [n for n in range(1, 65) if n <= hkv or (n % hkv == 0 and g % (n // hkv) == 0)]
+        raise TPError(f"--tp {size}: {args.num_heads} query heads in {hkv} key/value groups cannot be shared by "
+                      f"{size} ranks (each rank needs whole groups, or {size} must be a multiple of {hkv} that "
+                      f"splits a group's {g} query heads evenly); use --tp {', '.join(map(str, fits[:8]))}")
+    if args.intermediate_size < size:
+        raise TPError(f"--tp {size}: an MLP of {args.intermediate_size} columns cannot feed {size} ranks")
+    return ShardPlan(size=size, rank=rank, q_heads=q, kv_heads=(klo, khi), mlp=_split(args.intermediate_size, size,
+                                                                                       rank))
+
+
+def rank_args(args: ModelArgs, plan: ShardPlan) -> ModelArgs:
+    """The architecture of one rank's share (what its forwards cost): its heads and MLP columns;
+    embedding, norms and LM head whole (replicated)."""
+    return dataclasses.replace(args, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
+                               intermediate_size=plan.intermediate)
+
+
+def check_shardable(args: ModelArgs, size: int) -> list[ShardPlan]:
+    """Every rank's plan (raises :class:`TPError` as :func:`shard_plan`); logs an uneven split."""
+    plans = [shard_plan(args, size, r) for r in range(size)]
+    heads = sorted({p.num_heads for p in plans})
+    if len(heads) > 1:
+        log.warning("--tp %d: %d query heads in %d key/value groups split unevenly (%s heads per rank): the ranks "
+                    "with fewer wait at each all-reduce", size, args.num_heads, args.num_kv_heads,
+                    " / ".join(str(p.num_heads) for p in plans))
+    return plans
+
+
+def _all_reduce_hook(tp: TensorParallel):
+    """A forward hook summing a row-parallel layer's partial output over the ranks."""
+
+    def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        return all_reduce_(out.contiguous(), tp)  # collectives take contiguous tensors
+
+    return hook
+
+
+def row_parallel(lin: nn.Linear, weight: torch.Tensor, tp: TensorParallel) -> nn.Linear:
+    """``lin`` holding ``weight [out, in / N]``, its input features' share, with a forward hook
+    that all-reduces its output (Megatron's row-parallel layer; ``wo`` and ``down`` have no
+    bias). A hook rather than a subclass: speed-ups that swap a module's class keep it
+    (:mod:`refspec.models.cpu_speed`)."""
+    assert lin.bias is None, "a row-parallel bias would be added N times"
+    out = _linear(weight, None, lin)
+    out.register_forward_hook(_all_reduce_hook(tp))
+    return out
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
+    """A new ``nn.Linear`` holding ``weight [out, in]`` and ``bias`` as they are (no copy)."""
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype)
+    lin.weight = nn.Parameter(weight, requires_grad=like.weight.requires_grad)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=like.weight.requires_grad)
+    return lin
+
+
+def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return t[lo:hi]
+
+
+def _shard_attention(attn: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
+    d, h, hkv = attn.d, attn.h, attn.hkv
+    (qlo, qhi), (klo, khi) = plan.q_heads, plan.kv_heads
+
+    def qkv(t: torch.Tensor) -> torch.Tensor:  # [(H + 2 Hkv) D, ...] -> this rank's q, k, v rows
+        q, k, v = t.split((h * d, hkv * d, hkv * d))
+        return torch.cat([_rows(q, qlo * d, qhi * d), _rows(k, klo * d, khi * d), _rows(v, klo * d, khi * d)])
+
+    old = attn.wqkv
+    attn.wqkv = _linear(qkv(old.weight.detach()), None if old.bias is None else qkv(old.bias.detach()), old)
+    wo = attn.wo.weight.detach()[:, qlo * d:qhi * d].clone(memory_format=torch.contiguous_format)  # [E, H/N D]
+    attn.wo = row_parallel(attn.wo, wo, tp)
+    attn.h, attn.hkv = plan.num_heads, plan.num_kv_heads
+
+
+def _shard_mlp(mlp: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
+    lo, hi = plan.mlp
+    gate, up = mlp.gate_up.weight.detach().chunk(2)  # [I, E] each
+    mlp.gate_up = _linear(torch.cat([gate[lo:hi], up[lo:hi]]), None, mlp.gate_up)
+    down = mlp.down.weight.detach()[:, lo:hi].clone(memory_format=torch.contiguous_format)  # [E, I/N]
+    mlp.down = row_parallel(mlp.down, down, tp)
+    mlp.intermediate = plan.intermediate
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Keep rank ``tp.rank``'s share of every block of ``model`` (in place; real or meta
+    weights) and insert the all-reduces; returns the model.
+
+    Raises:
+        TPError: an MoE model, or heads ``tp.size`` ranks cannot share.
+    """
+    args = model.args
+    plan = check_shardable(args, tp.size)[tp.rank]
+    if len(model.layers) != args.num_layers:
+        raise TPError("shard the whole model, then truncate it (a self-draft shares the shard)")
+    if any(type(blk) is not Block for blk in model.layers):  # a sped-up block would not call the hooked modules
+        raise TPError("shard a model before refspec.models.cpu_speed is applied (remove_cpu_speed first)")
+    for blk in model.layers:
+        _shard_attention(blk.attn, plan, tp)
+        _shard_mlp(blk.mlp, plan, tp)
+    model.work_args = rank_args(args, plan)
+    model.tp = tp
+    return model
+
+
+__all__ = ["ShardPlan", "shard_plan", "rank_args", "check_shardable", "row_parallel", "shard_model"]

@@ -232,6 +232,11 @@ def _run_and_report(args: argparse.Namespace, plan: Any, configs: Sequence[Any],
         print(f"\nwrote {paths.records} and {paths.ledger}")
     if args.export_acceptance is not None:
         print(f"wrote acceptance distributions to {args.export_acceptance}")
+    if args.per_request_metrics is not None:
+        from refspec.eval.report_requests import write_request_metrics
+
+        lines = write_request_metrics(args.per_request_metrics, records)
+        print(f"wrote {lines} per-request lines to {args.per_request_metrics}")
     print(f"wall time {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -175,6 +175,10 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
                    help="write summary.json, records.jsonl, ledger.jsonl, report.md and plots here")
     o.add_argument("--force", action="store_true",
                    help="when DIR holds a different sweep, start this one in a subfolder of DIR instead of refusing")
+    o.add_argument("--per-request-metrics", type=Path, default=None, metavar="FILE",
+                   help="write one JSON line per request of every configuration to FILE: its J and J/token, output "
+                        "tokens, verify steps, accepted-drafts histogram, acceptance per draft position, TTFT, TPOT "
+                        "and end-to-end latency")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
 

@@ -141,6 +141,8 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         check_path_for_dir("--out", args.out)
     if args.export_acceptance is not None:
         check_path_for_file("--export-acceptance", args.export_acceptance)
+    if getattr(args, "per_request_metrics", None) is not None:
+        check_path_for_file("--per-request-metrics", args.per_request_metrics)
     return batches, ks
 
 

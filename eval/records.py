@@ -21,6 +21,7 @@ from refspec.energy.ledger import ensure_line_end
 from refspec.energy.ledger_format import experts_touched
 from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
 from refspec.eval.prefill_work import FIELD_TEXT as _PREFILL_FIELD_TEXT, prefill_comparison
+from refspec.eval.report_requests import FIELD_TEXT as _REQUEST_FIELD_TEXT, REQUEST_OUTPUT_TEXT
 
 if TYPE_CHECKING:
     from refspec.eval.run import RunConfig, Session
@@ -66,7 +67,8 @@ RECORD_FIELDS: dict[str, str] = {
     "run_ids": "ledger run ids, one per batch", "ledger": "ledger file name (in the output directory)",
     "request_outputs": "per request, in id order: {id, prompt (token ids fed to the engine), budget (its "
                        "max_new_tokens), arrival_s (null: closed loop), tokens (emitted, a final EOS included)}; "
-                       "the same id is the same prompt and budget in a configuration and its baseline",
+                       "the same id is the same prompt and budget in a configuration and its baseline; "
+                       + REQUEST_OUTPUT_TEXT,
     # the accounting of the batches pooled (refspec.energy.accounting.pool_runs), copied
     "emitted": "output tokens", "drafted": "draft tokens proposed", "accepted": "draft tokens accepted",
     "row_steps": "active row-steps with a verify", "steps": "decode steps, summed over batches",
@@ -129,6 +131,7 @@ RECORD_FIELDS: dict[str, str] = {
     "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
     **_AUDIT_FIELD_TEXT,  # the per-request greedy audit (refspec.eval.audit)
     **_PREFILL_FIELD_TEXT,  # refill groups and prefill work per request (refspec.eval.prefill_work)
+    **_REQUEST_FIELD_TEXT,  # energy and acceptance per request (refspec.eval.report_requests)
     "output_digest": "sha256 over every request's tokens", "row_digests": "sha256 prefix of each request's tokens",
     "versions": "refspec, Python and library versions",
     "cpu_gemm_plan": "the CPU GEMM form per dtype and row bucket the run's products took (calibrated on the machine)", "wall_s": "wall time of the configuration (s)",

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from refspec.energy.accounting_text import format_closure
 from refspec.energy.latency import Targets
+from refspec.eval.report_requests import closure_md as request_closure_md, request_plots, requests_md
 from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
                                          static_note, target_choices, targets_md, window_cell, windows_md)
 
@@ -353,8 +354,9 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
     recs = sorted(records, key=sort_key)
     targets = Targets(latency_target_s, ttft_target_s)
     choices = latency_choices(recs, targets)
-    plots = write_plots(recs, out_dir, latency_target_s, choices, ledgers)
-    md = _intro_md(recs, title) + _results_md(recs) + _closure_md(recs)
+    plots = write_plots(recs, out_dir, latency_target_s, choices, ledgers) + request_plots(recs, out_dir, config_label)
+    md = _intro_md(recs, title) + _results_md(recs) + requests_md(recs, config_label)
+    md += _closure_md(recs) + request_closure_md(recs, config_label)  # per request closes in the closure section
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += targets_md(recs, targets, choices, config_label) + _audit_md(recs, corrupt, ledgers)
     path = out_dir / "report.md"

@@ -42,6 +42,7 @@ from refspec.eval.records import experts_fields  # MoE targets: experts touched 
 from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
                                  compare_with_baseline, describe_source, ensure_line_end, roofline_prediction)
 from refspec.eval.prefill_work import prefill_fields
+from refspec.eval.report_requests import request_fields
 from refspec.eval.runtime import UsageError
 from refspec.eval.session import Session
 
@@ -395,6 +396,8 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
                          injection=injection)
         record.update(experts_fields(ledger_records, ledger.run_ids))
         record.update(prefill_fields(ledger_records, ledger.run_ids, [len(q.prompt) for q in stream.requests]))
+        record.update(request_fields(ledger_records, ledger.run_ids, results, record["request_outputs"],
+                                     profile=session.roofline_profile))  # energy and acceptance per request
         record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,
                                                  budgets=[q.max_new_tokens for q in stream.requests])
         compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))

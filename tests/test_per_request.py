@@ -152,7 +152,8 @@ def test_per_position_acceptance_reproduces_tau(tmp_path):
     reqs = request_acceptance(records, ["r"], accepted)
     pooled = pooled_acceptance(reqs.values(), K)
     tau = account(records).tau
-    assert pooled["histogram"] == [3, 2, 3]  # (request, step) 0: (1,0),(2,1),(0,2); 1: (2,0),(0,1); 2: (0,0),(3,1),(3,2)
+    # (request, step) accepting 0: (1,0),(2,1),(0,2); 1: (2,0),(0,1); 2: (0,0),(3,1),(3,2)
+    assert pooled["histogram"] == [3, 2, 3]
     assert pooled["tau"] == pytest.approx(tau) and 1 + sum(pooled["per_position"]) == pytest.approx(tau)
     assert pooled["per_position"] == pytest.approx([5 / 8, 3 / 8])
     assert reqs[3].acceptance_length == 3.0 and reqs[0].histogram(K) == [1, 1, 1]
@@ -215,3 +216,40 @@ def test_through_the_engine_a_requests_histogram_is_its_own_verify_decisions(tmp
     split = split_energy(records, ["e"], H200_SXM)
     assert split.closes and split.total_j == pytest.approx(account(records).total_energy_j, rel=1e-12)
     assert set(split.requests) == {q.id for q in reqs}
+
+
+# ---- the CLI: record fields, the JSONL export, the report ----------------------------------------
+from test_eval_cli import _base, one_thread, tiny  # noqa: E402,F401  (the tiny model and prompt file fixtures)
+
+
+def test_run_writes_one_line_per_request_and_its_records_close(tiny, tmp_path, capsys):
+    import json
+
+    from refspec.eval import cli
+
+    out, metrics = tmp_path / "run", tmp_path / "sub" / "requests.jsonl"
+    rc = cli.main([*_base(tiny), "--batch", "3", "--requests", "5", "--meter", "roofline:h200", "--out", str(out),
+                   "--per-request-metrics", str(metrics)])
+    assert rc == 0 and f"wrote 10 per-request lines to {metrics}" in capsys.readouterr().out
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(x["config_id"], x["id"]) for x in lines] == [(r["config_id"], o["id"]) for r in summary
+                                                          for o in r["request_outputs"]]
+    assert all("prompt" not in x and "tokens" not in x and x["energy_j"] > 0 for x in lines)
+    for r in summary:
+        lost = sum(r["request_unattributed_j"].values())
+        assert r["request_energy_closes"] and r["request_energy_sum_j"] + lost == pytest.approx(r["total_energy_j"])
+        assert r["acceptance_tau_from_positions"] == pytest.approx(r["tau"])
+        assert sum(o["output_tokens"] for o in r["request_outputs"]) == r["emitted"]
+        assert sum(sum(o["accepted_hist"]) for o in r["request_outputs"]) == r["row_steps"]
+    report = (out / "report.md").read_text()
+    assert "What did my request cost in a batch of 3?" in report and "5 requests" in report
+    assert (out / "request_energy.png").exists() and (out / "acceptance_hist.png").exists()
+
+
+def test_a_per_request_metrics_path_that_is_a_directory_exits_2_before_any_run(tiny, tmp_path, capsys):
+    from refspec.eval import cli
+
+    rc = cli.main([*_base(tiny), "--out", str(tmp_path / "run"), "--per-request-metrics", str(tmp_path)])
+    assert rc == 2 and "error: --per-request-metrics" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -149,6 +149,9 @@ def describe_source(source: str) -> str:
         profile, _, mode = inner.partition(",")
         how = "on measured wall time" if mode == "wall-time" else "on modelled time"
         return f"modelled (not measured) by roofline profile {profile}, {how}"
+    if source.startswith("modelled:simulated-counter("):
+        inner = source[len("modelled:simulated-counter("):].rstrip(")")
+        return f"simulated (not measured): a counter ({inner}) sampling the roofline's modelled energy"
     if source.startswith("none"):
         return "not recorded (time-only meter)"
     return f"unknown source {source!r}"

@@ -24,7 +24,7 @@ STEPS = 8
 REFILLS = (1, 4)  # the request finishes in these steps; the next is prefilled after them
 
 
-def built(*, loops=(), truth=False, reads_after=None, idle_w=None):
+def built(*, loops=(), truth=False, reads_after=None, idle_w=None, steady=False):
     """The hand-built run's records (header, phases, counter reads, loops, end) and its known figures."""
     recs = [{"kind": "run", "version": LEDGER_VERSION, "run_id": "r", "labels": {}, "idle_w": idle_w}]
     w = {"clock": 0.0, "wall": 0.0, "e": 0.0, "gap": 0.0}
@@ -51,9 +51,10 @@ def built(*, loops=(), truth=False, reads_after=None, idle_w=None):
     phase(-1, "prefill", 1.0, 0, emitted=1, arrivals_s=[0.0])
     req = 0
     for i in range(STEPS):
-        phase(i, "draft", 0.5 + 0.1 * (i % 3), req, drafted=4)
-        phase(i, "verify", 1.0 + 0.2 * (i % 4), req, verified=5)
-        phase(i, "commit", 0.1 * (1 + i % 2), req, emitted=2, accepted=1)
+        v = 0 if steady else i  # steady: every step drafts, verifies and commits for the same time
+        phase(i, "draft", 0.5 + 0.1 * (v % 3), req, drafted=4)
+        phase(i, "verify", 1.0 + 0.2 * (v % 4), req, verified=5)
+        phase(i, "commit", 0.1 * (1 + v % 2), req, emitted=2, accepted=1)
         gap = 0.05 * (i % 5)
         w["wall"] += gap
         w["e"] += HOST_W * gap
@@ -152,6 +153,23 @@ def test_few_counter_reads_leave_the_fit_undetermined_and_the_window_invalid(tmp
     one = [r for r in records if not (r["kind"] == "counter" and r["reason"] != "start")]
     with pytest.raises(AccountingError, match="at least its start and end counter reads"):
         account(_read(tmp_path, one))
+
+
+def test_a_fit_over_a_steady_mix_is_undetermined_and_splits_nothing(tmp_path):
+    records, _, w = built(steady=True, idle_w=HOST_W)  # draft, verify, commit in one ratio in every window
+    acc = account(_read(tmp_path, records), min_window_s=5.0)
+    a = acc.attribution
+    assert acc.phase_energy_method == "measured-total-only" and not a["fit_determined"]
+    assert a["fit_condition"] > 1e3 and a["fit_share"] is not None, "the fit is reported, not used"
+    assert acc.unattributed_energy_j == pytest.approx(w["e"]) and acc.closes
+    assert "fit undetermined" in format_accounting(acc)
+    # loops split it all the same: each phase alone, at its own power
+    loops = [(p, (POWER[p] * t * 10, t * 10, 10)) for p, t in (("draft", 0.5), ("verify", 1.0), ("commit", 0.1))]
+    acc = account(_read(tmp_path, built(steady=True, idle_w=HOST_W, loops=loops)[0]), min_window_s=5.0)
+    assert acc.phase_energy_method == "attributed-loops"
+    assert acc.phase_energy_j == pytest.approx({"prefill": 0.0, "draft": 50.0 * STEPS, "verify": 250.0 * STEPS,
+                                                "commit": 5.0 * STEPS})
+    assert acc.unattributed_energy_j == pytest.approx(w["e"] - sum(acc.phase_energy_j.values()))
 
 
 def test_loops_price_their_phases_per_call_and_report_agreement_and_additivity(tmp_path):

@@ -22,8 +22,12 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
     fit's power x its time. Both estimates are reported with their agreement.
 
 ``measured-total-only``
-    Too few sub-windows to fit a power per phase (fewer than phases + 1) and no loops: the run's
-    total is measured, its split is not; every joule is ``unattributed``.
+    No loops, and the fit cannot split: too few sub-windows (fewer than the powers to fit), or
+    the phases ran in nearly the same proportions in every sub-window (condition number above
+    :data:`FIT_CONDITION_LIMIT`: a steady state at a fixed K drafts and verifies in a fixed
+    ratio, so any split of their joint energy fits as well as another). The run's total is
+    measured, its split is not; every joule is ``unattributed``, and the fit's figures are
+    reported with its condition number.
 
 Either way the measured total is the counter's, last read minus first, so the parts close on
 it: whatever the phase records were not given (host time, the fit's residual) is the named
@@ -38,10 +42,16 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from refspec.energy.attribution import Loop, PhasePower, nnls_phase_power
 
 Record = Mapping[str, Any]
 METHODS = ("modelled", "measured-direct", "attributed-loops", "attributed-fit", "measured-total-only")
+FIT_CONDITION_LIMIT = 50.0
+"""Largest condition number of the sub-windows' phase-time matrix (columns scaled to unit norm)
+at which the fit is used: above it the phases ran in nearly the same proportions in every
+sub-window (a fixed K in a steady state), and no fit can tell their powers apart."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +83,8 @@ class PhaseEnergy:
         unattributed_j: ``total_j`` minus the records' sum (0 for a direct read).
         span_s: the counters' wall span under attribution (host time included), else None.
         sub_windows: the counter sub-windows (empty for a direct read).
-        fit: the fit of per-phase power over ``sub_windows`` (None without two reads).
+        fit: the fit of per-phase power over ``sub_windows`` (None with too few of them).
+        fit_condition: condition number of the fit's phase-time matrix (columns at unit norm).
         loops: per phase, the loop records pooled (empty without loops).
         share_fit / share_loops: each phase's share of the phase energy by either estimate (the
             loops' phases by their J per call, the others by the fit).
@@ -91,6 +102,7 @@ class PhaseEnergy:
     span_s: float | None = None
     sub_windows: tuple[SubWindow, ...] = ()
     fit: PhasePower | None = None
+    fit_condition: float | None = None
     loops: dict[str, Loop] = dataclasses.field(default_factory=dict)
     share_fit: dict[str, float] | None = None
     share_loops: dict[str, float] | None = None
@@ -135,12 +147,17 @@ def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[Su
     return out
 
 
-def _fit(windows: Sequence[SubWindow], names: Sequence[str], host_w: float | None) -> PhasePower | None:
+def _fit(windows: Sequence[SubWindow], names: Sequence[str],
+         host_w: float | None) -> tuple[PhasePower | None, float | None]:
+    """The fit and the condition number of its design (None, None with too few windows)."""
     if len(windows) < len(names) + (host_w is None):
-        return None  # too few windows to determine a power per phase (and the host time's)
-    return nnls_phase_power([w.energy_j for w in windows], [[w.phase_time_s.get(p, 0.0) for p in names]
-                                                           for w in windows], names,
-                            window_time_s=[w.time_s for w in windows], host_w=host_w)
+        return None, None  # too few windows to determine a power per phase (and the host time's)
+    times = [[w.phase_time_s.get(p, 0.0) for p in names] for w in windows]
+    design = np.array([t + ([max(w.time_s - sum(t), 0.0)] if host_w is None else []) for t, w in zip(times, windows)])
+    norms = np.linalg.norm(design, axis=0)
+    condition = float(np.linalg.cond(design / np.where(norms > 0, norms, 1.0)))
+    return nnls_phase_power([w.energy_j for w in windows], times, names, window_time_s=[w.time_s for w in windows],
+                            host_w=host_w), condition
 
 
 def _pool_loops(loops: Sequence[Record]) -> dict[str, Loop]:
@@ -186,7 +203,8 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
     windows = [w for p, c, _ in runs for w in sub_windows(p, c)]
     flat = [r for run in phases for r in run]
     names = sorted({str(r["phase"]) for r in flat if float(r["time_s"]) > 0})
-    fit = _fit(windows, names, host_w)
+    fitted, condition = _fit(windows, names, host_w)
+    fit = fitted if condition is not None and condition <= FIT_CONDITION_LIMIT else None  # the split it can give
     loops = _pool_loops([r for _, _, lp in runs for r in lp])
     measured = sum(w.energy_j for w in windows)
 
@@ -199,7 +217,7 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
     energy = by_loops if loops else by_fit
     records = tuple(tuple({**r, "energy_j": energy(r)} for r in run) for run in phases)
     attributed = sum(r["energy_j"] for run in records for r in run)
-    share_fit = shares({p: sum(by_fit(r) for r in flat if r["phase"] == p) for p in names}) if fit else None
+    share_fit = shares({p: fitted.energy_j[p] for p in names}) if fitted is not None else None  # even undetermined
     share_loops = shares({p: sum(by_loops(r) for r in flat if r["phase"] == p) for p in names}) if loops else None
     # the prediction of the loops: their phases' calls, the fit's for the rest and for the host time
     predicted = attributed + (fit.energy_j["unattributed"] if fit is not None else 0.0)
@@ -209,7 +227,8 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
     return PhaseEnergy(
         method="attributed-loops" if loops else "attributed-fit" if fit is not None else "measured-total-only",
         records=records, total_j=measured, unattributed_j=measured - attributed,
-        span_s=sum(w.time_s for w in windows), sub_windows=tuple(windows), fit=fit, loops=loops,
+        span_s=sum(w.time_s for w in windows), sub_windows=tuple(windows), fit=fitted, fit_condition=condition,
+        loops=loops,
         share_fit=share_fit, share_loops=share_loops,
         agreement=(max(abs(share_loops[p] - share_fit[p]) for p in names)
                    if share_fit is not None and share_loops is not None else None),
@@ -219,4 +238,4 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
         true_total_j=None if any(t is None for t in truths) else sum(truths))  # type: ignore[arg-type]
 
 
-__all__ = ["METHODS", "SubWindow", "PhaseEnergy", "phase_energy", "sub_windows", "shares"]
+__all__ = ["METHODS", "FIT_CONDITION_LIMIT", "SubWindow", "PhaseEnergy", "phase_energy", "sub_windows", "shares"]

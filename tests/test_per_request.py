@@ -253,3 +253,23 @@ def test_a_per_request_metrics_path_that_is_a_directory_exits_2_before_any_run(t
     rc = cli.main([*_base(tiny), "--out", str(tmp_path / "run"), "--per-request-metrics", str(tmp_path)])
     assert rc == 2 and "error: --per-request-metrics" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_documented_example():
+    """docs/accounting.md section 7, by hand: section 6's verify forward split per request."""
+    from test_roofline import TINY
+
+    from refspec.energy.per_request import split_record
+
+    shape = ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2)
+    parts = forward_parts(shape, H200_SXM)
+    assert [parts[p] for p in PARTS] == pytest.approx([2.409132e-3, 9.00762e-7, 4.42368e-8, 1.8432e-8, 2.90133e-7],
+                                                      rel=1e-6)
+    rec = {"step": 0, "phase": "verify", "energy_j": sum(parts.values()), "slot_requests": [0, 1],
+           "row_lengths": [4, 10]}
+    both, rest = split_record(rec, [shape], H200_SXM)
+    assert sum(both[0].values()) == pytest.approx(1.205127e-3, rel=1e-6)
+    assert sum(both[1].values()) == pytest.approx(1.205259e-3, rel=1e-6) and rest["idle_slots"] == pytest.approx(0)
+    alone, rest = split_record({**rec, "slot_requests": [0, -1], "row_lengths": [4, 0]}, [shape], H200_SXM)
+    assert sum(alone[0].values()) == pytest.approx(2.409759e-3, rel=1e-6)
+    assert rest["idle_slots"] == pytest.approx(6.2678e-7, rel=1e-4)

@@ -273,3 +273,29 @@ def test_the_documented_example():
     alone, rest = split_record({**rec, "slot_requests": [0, -1], "row_lengths": [4, 0]}, [shape], H200_SXM)
     assert sum(alone[0].values()) == pytest.approx(2.409759e-3, rel=1e-6)
     assert rest["idle_slots"] == pytest.approx(6.2678e-7, rel=1e-4)
+
+
+def test_under_a_counter_the_attributed_phases_and_the_rest_close_on_the_counters_total(tmp_path):
+    """A counter that cannot see a phase: each phase's attributed joules are split, and the energy
+    the attribution gave to no phase is the named item outside_phases."""
+    from tiny import TINY_HF
+
+    from refspec.drafters.ngram import NgramDrafter
+    from refspec.energy.counter_log import counter_ledger
+    from refspec.energy.meters import make_meter
+    from refspec.engine import Engine, EngineConfig
+    from refspec.models.random_models import random_model
+    from refspec.serving import Request
+
+    model = random_model(dict(TINY_HF["llama"]), dtype=torch.float32)
+    meter = make_meter("simulated:h200:period_ms=0.002:sample_ms=0.0005:noise=0.1:seed=3:sub_window_s=0.00002")
+    reqs = [Request(id=i, prompt=tuple(range(3 + i, 9 + 2 * i)), max_new_tokens=b) for i, b in enumerate([20, 6, 14])]
+    with counter_ledger(meter, Ledger(tmp_path / "l.jsonl", run_id="sim")) as ledger:
+        Engine(model, NgramDrafter(max_n=3, trim=False), config=EngineConfig(k=3), meter=meter,
+               observers=[ledger]).serve(reqs, batch=2)
+    records = read_ledger(tmp_path / "l.jsonl", strict=True)
+    split = split_energy(records, ["sim"], H200_SXM)
+    acc = account(records)
+    assert split.method.startswith("attributed") and split.total_j == pytest.approx(acc.total_energy_j, rel=1e-12)
+    assert split.unattributed_j["outside_phases"] == pytest.approx(acc.unattributed_energy_j, rel=1e-12, abs=1e-15)
+    assert split.closes and set(split.requests) == {0, 1, 2} and all(r.energy_j > 0 for r in split.requests.values())

@@ -107,7 +107,8 @@ def _write_sbatch(args: argparse.Namespace, plan: Any, argv: Sequence[str], out_
     path = out_dir / SBATCH
     (out_dir / "slurm").mkdir(exist_ok=True)  # Slurm opens --output before the script runs
     path.write_text(sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
-                                  time_limit=args.slurm_time, partition=args.slurm_partition, gpus=args.slurm_gpus))
+                                  time_limit=args.slurm_time, partition=args.slurm_partition, gpus=args.slurm_gpus,
+                                  tp=args.tp))
     write_json_atomic(out_dir / SWEEP_META, meta)
     print(f"wrote {path}: a Slurm array of {len(plan.configs)} tasks, one configuration each")
     print(f"submit with: sbatch {path}")
@@ -117,7 +118,9 @@ def _write_sbatch(args: argparse.Namespace, plan: Any, argv: Sequence[str], out_
 
 def _writes_summary(args: argparse.Namespace, *, sweep: bool, keep: bool) -> bool:
     """Whether this invocation keeps ``summary.json`` and the report (Slurm tasks leave both to ``report``)."""
-    return keep and not (sweep and args.task_index is not None)
+    from refspec.eval.tp_launch import writes_files
+
+    return keep and not (sweep and args.task_index is not None) and writes_files()
 
 
 def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], paths: Any, *, sweep: bool,
@@ -179,6 +182,9 @@ def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
     import_torch()
+    from refspec.eval.tp_launch import rank_out, start as start_tp
+
+    start_tp(args)  # torchrun ... --tp N: join the group; ranks other than 0 go quiet (refspec.eval.tp_launch)
     plan = _build_plan(args, sweep=sweep)
     command = "python -m refspec.eval " + " ".join(shlex.quote(a) for a in argv)
     configs = _task_configs(args, plan.configs, sweep=sweep)
@@ -193,6 +199,7 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
     if sweep and args.print_sbatch:  # the tasks' records, not this plan, then say what the directory holds
         with _out_dir(out) as (out_dir, _):
             return _write_sbatch(args, plan, argv, out_dir, {**meta, "definition": None, "sbatch": True})
+    out = rank_out(out)  # ranks other than 0 write into a scratch copy of the records
     _threads(args.threads)
     with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
         return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)
@@ -336,7 +343,10 @@ def _main(raw: list[str]) -> int:
     except (UsageError, ValueError, RuntimeError, OSError) as exc:  # the refspec errors derive from these
         if getattr(args, "debug", False):
             raise
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        from refspec.eval.tp_launch import prints_error
+
+        if prints_error(exc):  # under --tp: rank 0, or the rank whose collective failed
+            print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

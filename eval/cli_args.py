@@ -123,6 +123,11 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
                         "average already reaches the core count, where threads spin against each other and a "
                         "step slows down several-fold; else every core). Each record states its threads")
     h.add_argument("--no-warmup", action="store_true", help="skip the short unrecorded warm-up generation")
+    h.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: shard the target's heads and MLP over N ranks (one GPU each, or CPU "
+                        "processes with gloo); start with torchrun --nproc-per-node N -m refspec.eval ... --tp N. "
+                        "Dense targets only; drafters run replicated on every rank; rank 0 writes and prints; the "
+                        "ledger gives each rank's energy and the time in collectives per phase")
     h.add_argument("--phase-loops-s", type=float, default=None, metavar="S",
                    help="under a counter meter (zeus, nvml, rapl, simulated): after each configuration, run each "
                         "phase alone for S seconds at the run's shapes and read the counter at the loop's bounds, "
@@ -398,7 +403,7 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
                      device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat,
                      schedule=schedules[0], requests=args.requests, request_rate=args.request_rate,
-                     output_len_dist=args.output_len_dist)
+                     output_len_dist=args.output_len_dist, tp=args.tp)
     grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
                      default_k=default_k, schedules=tuple(schedules))
@@ -408,6 +413,6 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     if not configs:
         raise UsageError("nothing to run: --no-baseline leaves no configuration (add --drafter NAME or --k >= 1)")
     session_kwargs = dict(model=args.model, dtype=dtype, device=device, meter=args.meter, cuda_graphs=args.cuda_graphs,
-                          compile_step=args.compile, phase_loops_s=args.phase_loops_s,
+                          compile_step=args.compile, phase_loops_s=args.phase_loops_s, tp=args.tp,
                           warmup=not args.no_warmup, chat=not args.no_chat, progress=not args.no_progress)
     return Plan(session_kwargs=session_kwargs, configs=configs, out_dir=args.out)

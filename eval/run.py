@@ -77,6 +77,7 @@ class RunConfig:
         request_rate: open-loop Poisson arrivals per second, None for closed loop.
         output_len_dist: how the budgets are drawn below N (:class:`refspec.eval.requests.LengthDist`):
             ``auto``, ``reference``, ``fixed`` or ``uniform:R``.
+        tp: tensor-parallel ranks the target is sharded over (``--tp``; 1: one device).
     """
 
     model: str
@@ -102,6 +103,7 @@ class RunConfig:
     requests: int | None = None
     request_rate: float | None = None
     output_len_dist: str = "auto"
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -124,6 +126,8 @@ class RunConfig:
             LengthDist.parse(self.output_len_dist)
         except ValueError as exc:
             raise UsageError(f"--output-len-dist: {exc}") from None
+        if self.tp < 1:
+            raise UsageError(f"--tp must be >= 1, got {self.tp}")
         if self.k < 0:
             raise UsageError(f"k must be >= 0, got {self.k}")
         if (self.drafter == "none") != (self.k == 0):
@@ -152,6 +156,8 @@ class RunConfig:
         """The JSON-ready settings that identify the configuration."""
         d = dataclasses.asdict(self)
         d["drafter_options"] = {k: v for k, v in self.drafter_options}
+        if self.tp == 1:
+            del d["tp"]  # one device: the ids of runs before --tp existed stay valid
         return d
 
     @property
@@ -167,7 +173,7 @@ class RunConfig:
     @property
     def label(self) -> str:
         """Short label for tables and progress bars."""
-        sched = " static" if self.schedule == "static" else ""
+        sched = (" static" if self.schedule == "static" else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         if self.is_baseline:
             return f"none b{self.batch}{sched}"
         return f"{self.drafter}{' tree' if self.tree else ''} k{self.k} b{self.batch}{sched}"

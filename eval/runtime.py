@@ -71,8 +71,10 @@ class LoadedTarget:
         return self.tokenizer.fingerprint() if self.tokenizer is not None else None
 
 
-def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress: bool = True) -> LoadedTarget:
-    """Resolve a model id (fetched on first use) or a Hugging Face directory and load it."""
+def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress: bool = True,
+                tp: int = 1) -> LoadedTarget:
+    """Resolve a model id (fetched on first use) or a Hugging Face directory and load it (``tp`` > 1:
+    this rank's share, :func:`refspec.eval.tp_launch.load_tp_model`)."""
     from refspec.assets import resolve_model
     from refspec.models import load_model
 
@@ -83,7 +85,12 @@ def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress
 
     try:
         path = resolve_model(name, progress=progress)
-        model = load_model(path, dtype=dtype, device=device)
+        if tp > 1:
+            from refspec.eval.tp_launch import load_tp_model
+
+            model = load_tp_model(path, dtype)
+        else:
+            model = load_model(path, dtype=dtype, device=device)
         tok = None
         if (path / "tokenizer.json").exists():
             from refspec.assets.tokenizer import load_tokenizer

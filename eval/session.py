@@ -37,11 +37,14 @@ class Session:
             (drafter, K, batch), so one-time allocation does not land in the ledger.
         chat: render chat-kind prompts through the tokenizer's chat template when it has one.
         progress: show progress bars (stderr).
+        tp: tensor-parallel ranks (``--tp``): this rank loads its share of the target and meters its own
+            device (:mod:`refspec.eval.tp_launch`); no phase loops then.
     """
 
     def __init__(self, *, model: str, dtype: str, device: torch.device, meter: str = "auto",
                  cuda_graphs: bool | None = None, warmup: bool = True, chat: bool = True,
-                 progress: bool = True, compile_step: bool = False, phase_loops_s: float | None = None) -> None:
+                 progress: bool = True, compile_step: bool = False, phase_loops_s: float | None = None,
+                 tp: int = 1) -> None:
         from refspec.eval.runtime import parse_dtype
 
         self.model_name = model
@@ -52,7 +55,8 @@ class Session:
         self.cuda_graphs_flag = cuda_graphs
         self.compile_step = compile_step
         self.warmup = warmup
-        self.phase_loops_s = phase_loops_s  # a counter meter's loops per phase: None auto, 0 none
+        self.phase_loops_s = phase_loops_s if tp == 1 else 0  # a counter meter's loops per phase: None auto, 0 none
+        self.tp = tp
         self.chat = chat
         self.progress = progress
         self._target: LoadedTarget | None = None
@@ -70,7 +74,8 @@ class Session:
         """The loaded target (loaded on first use)."""
         if self._target is None:
             t0 = time.perf_counter()
-            target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress)
+            target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress,
+                                 tp=self.tp)
             if target.tokenizer is None:
                 raise UsageError(f"{target.path} has no tokenizer.json; the evaluation encodes corpus prompts and "
                                  f"needs one")
@@ -90,7 +95,12 @@ class Session:
             from refspec.energy.meters import make_meter
 
             try:  # the whole --meter spec (refspec.energy.meter_spec) goes through
-                self._meter = make_meter(self.meter_kind, dtype_bytes=self.dtype_bytes)
+                if self.tp > 1:  # each rank its own device, every rank's figures in the ledger
+                    from refspec.eval.tp_launch import tp_meter
+
+                    self._meter = tp_meter(self.meter_kind, self.dtype_bytes)
+                else:
+                    self._meter = make_meter(self.meter_kind, dtype_bytes=self.dtype_bytes)
             except ValueError as exc:  # a spec, profile or sub-window that does not fit
                 raise UsageError(f"--meter {self.meter_kind!r}: {exc}") from None
             if hasattr(self._meter, "measure_idle_w") and getattr(self._meter, "idle_w", None) is None:

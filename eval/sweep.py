@@ -274,7 +274,8 @@ def run_plan(session: Session, configs: Sequence[RunConfig], paths: SweepPaths, 
 
 # ---- Slurm --------------------------------------------------------------------------------------
 def sbatch_script(*, sweep_argv: Sequence[str], num_tasks: int, out_dir: Path, time_limit: str = "04:00:00",
-                  partition: str | None = None, gpus: int = 1, cpus: int = 8, python: str = "python") -> str:
+                  partition: str | None = None, gpus: int = 1, cpus: int = 8, python: str = "python",
+                  tp: int = 1) -> str:
     """A Slurm array script: task i runs configuration i of the same sweep.
 
     Args:
@@ -286,6 +287,8 @@ def sbatch_script(*, sweep_argv: Sequence[str], num_tasks: int, out_dir: Path, t
         gpus: GPUs per task.
         cpus: CPU cores per task.
         python: the interpreter to run.
+        tp: tensor-parallel ranks: each task then runs ``torchrun --nproc-per-node tp`` on one node
+            with ``--gpus-per-task tp`` (its ``--tp`` is in ``sweep_argv``).
     """
     args = " ".join(shlex.quote(a) for a in sweep_argv)
     out = shlex.quote(str(out_dir.resolve()))
@@ -297,13 +300,16 @@ def sbatch_script(*, sweep_argv: Sequence[str], num_tasks: int, out_dir: Path, t
              f"#SBATCH --time={time_limit}",
              f"#SBATCH --cpus-per-task={cpus}",
              f"#SBATCH --output={out}/slurm/%A_%a.out"]
-    if gpus > 0:
+    if tp > 1:  # one task of tp ranks on one node, a GPU each (torchrun starts the ranks)
+        lines += ["#SBATCH --nodes=1", "#SBATCH --ntasks=1", f"#SBATCH --gpus-per-task={tp}"]
+    elif gpus > 0:
         lines.append(f"#SBATCH --gres=gpu:{gpus}")
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     lines += ["set -euo pipefail",
               f"mkdir -p {out}/slurm",
-              f"{python} -m refspec.eval sweep {args} --task-index \"$SLURM_ARRAY_TASK_ID\"",
+              (f"torchrun --standalone --nproc-per-node {tp}" if tp > 1 else python)
+              + f" -m refspec.eval sweep {args} --task-index \"$SLURM_ARRAY_TASK_ID\"",
               ""]
     return "\n".join(lines)
 

@@ -1,14 +1,12 @@
 """Tensor parallelism applied to a built :class:`~refspec.models.transformer.Transformer`
 (Megatron's layout, as gpt-fast's ``tp.py`` applies it): the model files stay the textbook.
 
-Each of N ranks keeps a share of every block:
+Each of N ranks keeps a share of every block (which share: :mod:`refspec.sharding`):
 
-- **attention**: whole key/value groups (a K/V head with the query heads that read it). The
+- **attention**: whole key/value groups, or a share of one replicated K/V head's queries. The
   fused ``wqkv`` keeps its q, k and v rows of those heads (column-parallel, sliced part by
   part); ``wo`` keeps the matching input columns (row-parallel) and one all-reduce sums the
-  ranks' partial outputs. With fewer K/V heads than ranks each K/V head is replicated on
-  N / Hkv ranks, which split its query heads. Groups that do not divide evenly go unevenly
-  (SmolLM2's 3 K/V groups over 2 ranks: 2 + 1), and the log says so.
+  ranks' partial outputs.
 - **MLP**: ``gate_up`` keeps a slice of the gate rows and the same slice of the up rows
   (column-parallel), ``down`` the matching input columns (row-parallel, one all-reduce).
 - **embedding, norms, LM head**: replicated, as gpt-fast keeps them: every rank then computes
@@ -17,101 +15,17 @@ Each of N ranks keeps a share of every block:
 
 After the all-reduce every rank holds the same residual stream, so all ranks compute the same
 tokens. Each rank's cache holds its own K/V heads (``Transformer.heads``), and its forwards
-report :func:`rank_args`, the architecture of its share, as their work. Mixture-of-experts
-models are refused (:class:`~refspec.distributed.TPError`).
+report :func:`~refspec.sharding.rank_args`, the architecture of its share, as their work.
+Mixture-of-experts models are refused (:class:`~refspec.sharding.TPError`).
 """
 from __future__ import annotations
-
-import dataclasses
-import logging
 
 import torch
 from torch import nn
 
-from refspec.config import ModelArgs
-from refspec.distributed import TensorParallel, TPError, all_reduce_
+from refspec.distributed import TensorParallel, all_reduce_
+from refspec.sharding import ShardPlan, TPError, check_shardable, rank_args
 from refspec.models.layers import Block
-
-log = logging.getLogger(__name__)
-
-
-def _split(n: int, parts: int, i: int) -> tuple[int, int]:
-    """``[lo, hi)`` of part ``i`` when ``n`` items are cut into ``parts`` contiguous near-equal parts."""
-    base, extra = divmod(n, parts)
-    lo = i * base + min(i, extra)
-    return lo, lo + base + (i < extra)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardPlan:
-    """What rank ``rank`` of ``size`` keeps: ``[lo, hi)`` ranges of query heads, K/V heads and
-    MLP columns of every block."""
-
-    size: int
-    rank: int
-    q_heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-    mlp: tuple[int, int]
-
-    @property
-    def num_heads(self) -> int:
-        return self.q_heads[1] - self.q_heads[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv_heads[1] - self.kv_heads[0]
-
-    @property
-    def intermediate(self) -> int:
-        return self.mlp[1] - self.mlp[0]
-
-
-def shard_plan(args: ModelArgs, size: int, rank: int) -> ShardPlan:
-    """Rank ``rank``'s share of a model of ``args`` over ``size`` ranks.
-
-    Raises:
-        TPError: a mixture-of-experts model, or heads that ``size`` ranks cannot share.
-    """
-    if args.is_moe:
-        raise TPError(f"--tp {size}: {args.family} is a mixture-of-experts model and refspec shards dense models "
-                      f"only (llama, qwen2, qwen3, gemma3); run it with --tp 1")
-    h, hkv = args.num_heads, args.num_kv_heads
-    g = h // hkv  # query heads per K/V head
-    if hkv >= size:  # whole K/V groups per rank
-        klo, khi = _split(hkv, size, rank)
-        q = (klo * g, khi * g)
-    elif size % hkv == 0 and g % (size // hkv) == 0:  # each K/V head on size / Hkv ranks
-        share = size // hkv
-        klo, khi = rank // share, rank // share + 1
-        per = g // share
-        q = (klo * g + (rank % share) * per, klo * g + (rank % share + 1) * per)
-    else:
-        fits = [n for n in range(1, 65) if n <= hkv or (n % hkv == 0 and g % (n // hkv) == 0)]
-        raise TPError(f"--tp {size}: {args.num_heads} query heads in {hkv} key/value groups cannot be shared by "
-                      f"{size} ranks (each rank needs whole groups, or {size} must be a multiple of {hkv} that "
-                      f"splits a group's {g} query heads evenly); use --tp {', '.join(map(str, fits[:8]))}")
-    if args.intermediate_size < size:
-        raise TPError(f"--tp {size}: an MLP of {args.intermediate_size} columns cannot feed {size} ranks")
-    return ShardPlan(size=size, rank=rank, q_heads=q, kv_heads=(klo, khi), mlp=_split(args.intermediate_size, size,
-                                                                                       rank))
-
-
-def rank_args(args: ModelArgs, plan: ShardPlan) -> ModelArgs:
-    """The architecture of one rank's share (what its forwards cost): its heads and MLP columns;
-    embedding, norms and LM head whole (replicated)."""
-    return dataclasses.replace(args, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
-                               intermediate_size=plan.intermediate)
-
-
-def check_shardable(args: ModelArgs, size: int) -> list[ShardPlan]:
-    """Every rank's plan (raises :class:`TPError` as :func:`shard_plan`); logs an uneven split."""
-    plans = [shard_plan(args, size, r) for r in range(size)]
-    heads = sorted({p.num_heads for p in plans})
-    if len(heads) > 1:
-        log.warning("--tp %d: %d query heads in %d key/value groups split unevenly (%s heads per rank): the ranks "
-                    "with fewer wait at each all-reduce", size, args.num_heads, args.num_kv_heads,
-                    " / ".join(str(p.num_heads) for p in plans))
-    return plans
 
 
 def _all_reduce_hook(tp: TensorParallel):
@@ -193,4 +107,4 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
     return model
 
 
-__all__ = ["ShardPlan", "shard_plan", "rank_args", "check_shardable", "row_parallel", "shard_model"]
+__all__ = ["row_parallel", "shard_model"]

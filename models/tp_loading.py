@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 from refspec.config import ModelArgs
 from refspec.distributed import TensorParallel
 from refspec.models.loading import CheckpointError, _IGNORED, _safetensor_files, hf_to_refspec_name
-from refspec.models.tp import ShardPlan, shard_model, shard_plan
+from refspec.models.tp import shard_model
+from refspec.sharding import ShardPlan, shard_plan
 from refspec.models.transformer import Transformer
 
 log = logging.getLogger(__name__)

@@ -25,14 +25,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from refspec.sharding import TPError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 """How long a collective waits for the other ranks (``REFSPEC_TP_TIMEOUT_S`` overrides)."""
-
-
-class TPError(ValueError):
-    """A tensor-parallel launch or sharding that cannot work (a usage error)."""
 
 
 class RankLostError(RuntimeError):

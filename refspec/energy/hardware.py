@@ -37,6 +37,10 @@ class HardwareProfile:
         overhead_s: fixed time per forward (launch / dispatch) in s.
         benchmarked: whether peak and bandwidth were timed on this machine by benchmarks (not the
             data sheet); its energy coefficients stay modelled either way.
+        link_Bps: GPU-to-GPU bandwidth per GPU in one direction, bytes/s (NVLink), for
+            tensor-parallel collectives (:mod:`refspec.energy.interconnect`); None: no link modelled.
+        link_latency_s: fixed time of one collective on that link, s.
+        link_pj_per_byte: dynamic energy per byte a GPU sends over the link, pJ.
     """
 
     name: str
@@ -48,6 +52,9 @@ class HardwareProfile:
     idle_w: float
     overhead_s: float = 0.0
     benchmarked: bool = False
+    link_Bps: float | None = None
+    link_latency_s: float = 0.0
+    link_pj_per_byte: float = 0.0
 
     @property
     def ridge(self) -> float:
@@ -66,10 +73,13 @@ class HardwareProfile:
 # GPU energy coefficients are the midpoints of the paper's priors (static 60-100 W,
 # 0.4-0.8 pJ/FLOP, 30-50 pJ/B); idle ~70 W is typical of an idle SXM board. Overhead 30 us per
 # forward assumes CUDA-graph replay. Calibrate with refspec.energy.attribution on a real GPU.
+# NVLink 4 on H100/H200 SXM: 900 GB/s per GPU with both directions together, so 450 GB/s each
+# way; ~10 us per small NCCL all-reduce inside one node and ~10 pJ per link byte are priors.
+_NVLINK4 = dict(link_Bps=450e9, link_latency_s=10e-6, link_pj_per_byte=10.0)
 H100_SXM = HardwareProfile(name="h100-sxm", peak_flops=989e12, bandwidth_Bps=3.35e12, static_w=80.0,
-                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
+                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6, **_NVLINK4)
 H200_SXM = HardwareProfile(name="h200-sxm", peak_flops=989e12, bandwidth_Bps=4.8e12, static_w=80.0,
-                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6)
+                           pj_per_flop=0.6, pj_per_byte=40.0, idle_w=70.0, overhead_s=30e-6, **_NVLINK4)
 GPU_PROFILES: dict[str, HardwareProfile] = {"h100": H100_SXM, "h100-sxm": H100_SXM,
                                             "h200": H200_SXM, "h200-sxm": H200_SXM}
 

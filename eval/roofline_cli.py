@@ -248,6 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafter = _drafter(args.drafter)
         if 0 not in ks:
             ks = [0, *ks]
+        if args.tp is not None:  # over tensor-parallel GPUs: refspec.eval.roofline_tp
+            from refspec.eval.roofline_tp import tp_report
+
+            print(tp_report(args.model, target, profile, tps=int_list("--tp", args.tp, low=1), batches=batches, ks=ks,
+                            acceptances=accs, context=args.context, drafter=drafter, dtype_bytes=args.dtype_bytes,
+                            out=args.out))
+            return 0
         rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
                                 drafter=drafter, dtype_bytes=args.dtype_bytes)
     except (UsageError, ValueError) as exc:
@@ -310,6 +317,10 @@ def _parser() -> argparse.ArgumentParser:
                              "or block:ARCH (one forward drafts k tokens)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
     parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
+    parser.add_argument("--tp", default=None, metavar="N,...",
+                        help="tensor-parallel GPUs, comma-separated (e.g. 1,2,4,8): each GPU's share of the weights, "
+                             "two ring all-reduces per layer over the profile's NVLink, replicated drafters; prints "
+                             "the crossovers per N and a table per (N, k, batch)")
     return parser
 
 

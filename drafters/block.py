@@ -10,8 +10,10 @@ the target's projected features, so drafting costs one head forward of K + 1 tok
 and an LM head over K tokens per row, whatever K is; the target verifies the block as a
 chain. The target's features for the positions committed by a step arrive in ``commit``
 (``state.hidden`` entries ``0..num_accepted``); they are projected into the context cache at
-the start of the next ``propose`` so the draft phase is billed for it (the engine bills
-``commit`` no work).
+the start of the next ``propose`` so the draft phase is billed for it. Steps the speculation
+policy runs with K = 0 commit without drafting: their features wait in a
+:class:`~refspec.drafters.feature_backlog.FeatureBacklog` and are projected together at the
+next draft (or in ``commit``, billed there, once more than its limit piled up).
 
 A head trained with block size ``K_max`` serves every K <= K_max by using the first K mask
 embeddings; training mixes block lengths so the shorter prefixes are in-distribution.
@@ -25,6 +27,7 @@ import torch
 
 from refspec.cache import StaticKVCache
 from refspec.drafters import block_dflash, head_files
+from refspec.drafters.feature_backlog import FeatureBacklog
 from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION, WEIGHTS_FILE, BlockHead,
                                          BlockHeadConfig, default_feature_layers, head_args)
 from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
@@ -83,9 +86,8 @@ class BlockDrafter:
         self.kv_bucket = kv_bucket
         self.cache: StaticKVCache | None = None
         self.forwards = 0
-        self._pending: tuple[list[torch.Tensor], torch.Tensor] | None = None
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (ctx [B, S, E], start [B]) of that absorb
-        self._refilled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # reset_rows: (rows, ctx, start)
+        self._backlog = FeatureBacklog()
+        self._last_ctx: torch.Tensor | None = None  # [B, 1, E] context feature of each row's position L - 1
 
     @property
     def block_size(self) -> int:
@@ -96,50 +98,58 @@ class BlockDrafter:
         return torch.finfo(self.target.dtype).bits // 8
 
     # ---- protocol -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def reset(self, state: DecodeState) -> None:
+    def _ensure_cache(self, state: DecodeState) -> None:
         b, t = state.tokens.shape
         c = self.cache
         if c is None or c.batch != b or c.max_len != t or c.k.dtype != self.target.dtype:
             self.cache = self.head.new_cache(b, t, self.target.dtype, self.target.device)
+            self._last_ctx = None
+
+    @torch.inference_mode()
+    def reset(self, state: DecodeState) -> None:
+        self._ensure_cache(state)
         self.cache.reset()
-        self._refilled = []
-        self._pending = (list(state.hidden), torch.zeros_like(state.prompt_lengths))
-        self._absorb()
+        zero = torch.zeros_like(state.prompt_lengths)
+        self._last_ctx = None
+        self._absorb(list(state.hidden), zero, state.prompt_lengths)
+        self._backlog.reset(state.prompt_lengths)
         self.forwards = 0
 
     @torch.inference_mode()
     def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
         """Project the new prompts' features of ``rows`` ``[R]`` (``hidden``, each ``[R, S, E]``)
         into those rows of the context cache; the next ``propose`` reads each one's last prompt
-        feature. Features still pending from the last step are absorbed for every row at
-        ``prev_lengths`` (= the prompt length here): past the prompt, where drafting overwrites them."""
+        feature (features the backlog still holds for them belong to the old requests: dropped)."""
+        self._ensure_cache(state)
         b, t = state.tokens.shape
-        c = self.cache
-        if c is None or c.batch != b or c.max_len != t or c.k.dtype != self.target.dtype:
-            self.cache = self.head.new_cache(b, t, self.target.dtype, self.target.device)
-            self._pending, self._last = None, None
         s = hidden[0].shape[1]
         pos = torch.arange(s, device=rows.device)[None].expand(rows.numel(), s).clamp(max=t - 1)  # [R, S]
         ctx = self.head.absorb(self.cache.rows(rows), [h.to(self.target.dtype) for h in hidden], pos)  # [R, S, E]
-        last = (state.prompt_lengths.index_select(0, rows) - 1).clamp_min(0)  # [R] position L - 1
-        self._refilled.append((rows, ctx.gather(1, last[:, None, None].expand(-1, 1, ctx.shape[-1])), last))
-        if self._pending is None:
-            self._patch_last(b)
+        plens = state.prompt_lengths.index_select(0, rows)  # [R]
+        last = (plens - 1).clamp_min(0)  # [R] position L - 1
+        if self._last_ctx is None:
+            self._last_ctx = ctx.new_zeros(b, 1, ctx.shape[-1])
+        self._last_ctx[rows] = ctx.gather(1, last[:, None, None].expand(-1, 1, ctx.shape[-1]))
+        self._backlog.reset_rows(rows, plens, b)
 
+    @torch.inference_mode()
     def commit(self, state: DecodeState) -> None:
-        # entries 0..num_accepted of state.hidden are the features of positions prev_lengths + i;
-        # they are projected at the start of the next propose (billed to the draft phase)
-        self._pending = (list(state.hidden), state.prev_lengths)
+        """Hold the step's features (entry i of ``state.hidden`` at ``prev_lengths + i``) for the
+        next ``propose`` (billed to the draft phase); project them now when K = 0 steps have
+        piled up more than the backlog's limit."""
+        self._backlog.push(state)
+        if self._backlog.full:
+            self._absorb(*self._backlog.take(state.lengths))
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Draft:
         if not 1 <= k <= self.block_size:
             raise DrafterError(f"the block head drafts at most {self.block_size} tokens per forward (its block "
                                f"size); got k={k}. Use k <= {self.block_size} or train a head with a larger block")
-        if self._pending is not None:
-            self._absorb()
-        assert self.cache is not None, "reset() must run before propose()"
+        taken = self._backlog.take(state.lengths)
+        if taken is not None:
+            self._absorb(*taken)
+        assert self.cache is not None and self._last_ctx is not None, "reset() must run before propose()"
         b, t = state.tokens.shape
         dev = state.tokens.device
         assert state.pending.shape == (b,) and state.lengths.shape == (b,), "pending and lengths are [B]"
@@ -149,10 +159,7 @@ class BlockDrafter:
         num_keys = min(t, _round_up(state.max_length_bound + k, self.kv_bucket))
         visible = torch.arange(num_keys, device=dev)[None] < (base + k + 1)[:, None]  # [B, Tk]
         mask = visible[:, None, None, :].expand(b, 1, k + 1, num_keys)
-        ctx, start = self._last
-        last_idx = (base - 1 - start).clamp_(0, ctx.shape[1] - 1)  # [B] index of position L-1 in ctx
-        last_ctx = ctx.gather(1, last_idx[:, None, None].expand(b, 1, ctx.shape[-1]))  # [B, 1, E]
-        logits = self.head.draft(self.target, state.pending, k, last_ctx, positions, self.cache, mask,
+        logits = self.head.draft(self.target, state.pending, k, self._last_ctx, positions, self.cache, mask,
                                  num_keys)  # [B, K, V] fp32
         self.forwards += 1
         if state.sampling.greedy:
@@ -161,31 +168,19 @@ class BlockDrafter:
         tokens = sample(q.reshape(b * k, -1), state.generator).view(b, k)
         return Draft(tokens=tokens, probs=q)
 
-    def _absorb(self) -> None:
-        """Project pending target features into the context cache at their positions."""
-        assert self._pending is not None and self.cache is not None
-        hidden, start = self._pending
-        self._pending = None
+    def _absorb(self, hidden: list[torch.Tensor], start: torch.Tensor, count: torch.Tensor) -> None:
+        """Project target features (each ``[B, S, E]``, column i at position ``start + i``) into
+        the context cache; rows with ``count`` ``[B]`` > 0 committed columns take column
+        ``count - 1`` (position L - 1) as their last context feature, the others keep theirs."""
+        assert self.cache is not None
         s = hidden[0].shape[1]
         t = self.cache.max_len
         pos = (start[:, None] + torch.arange(s, device=start.device)).clamp_(max=t - 1)  # [B, S]
-        ctx = self.head.absorb(self.cache, [h.to(self.target.dtype) for h in hidden], pos)
-        self._last = (ctx, start)
-        if self._refilled:
-            self._patch_last(ctx.shape[0])
-
-    def _patch_last(self, b: int) -> None:
-        """Rows refilled by ``reset_rows`` read their prompt's last feature: it goes to context
-        index 0 of the row, whose start becomes position L - 1."""
-        e = self._refilled[0][1].shape[-1]
-        ctx, start = self._last if self._last is not None else (
-            self._refilled[0][1].new_zeros(b, 1, e), torch.zeros(b, dtype=torch.long, device=self._refilled[0][0].device))
-        ctx, start = ctx.clone(), start.clone()
-        for rows, last_ctx, last in self._refilled:
-            ctx[rows, :1] = last_ctx
-            start[rows] = last
-        self._last = (ctx, start)
-        self._refilled = []
+        ctx = self.head.absorb(self.cache, [h.to(self.target.dtype) for h in hidden], pos)  # [B, S, E]
+        idx = (count - 1).clamp_(0, s - 1)[:, None, None].expand(-1, 1, ctx.shape[-1])
+        last = ctx.gather(1, idx)  # [B, 1, E]
+        self._last_ctx = last if self._last_ctx is None else torch.where((count > 0)[:, None, None], last,
+                                                                         self._last_ctx)
 
     def roofline_model(self, target_args) -> DrafterModel:
         """One forward of K tokens per row through the head's layers (``in_fc`` fusing 2E -> E)."""

@@ -8,7 +8,9 @@ target's committed length minus one. Each step's first draft forward feeds two t
 last committed token and the pending one, at positions ``L-1`` and ``L``. Re-writing ``L-1``
 is harmless when the drafter already had it (same token, same prefix) and is the catch-up
 when every draft was accepted (the last draft was sampled, never fed). The remaining K-1
-forwards feed one draft each.
+forwards feed one draft each. After S steps without a draft (K = 0 from the speculation
+policy; each commits one token per row) the first forward feeds the S + 2 tokens from
+``L-1-S`` on instead.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ class DraftModelDrafter:
         self.kv_bucket = kv_bucket
         self.cache = None
         self.forwards = 0  # draft forwards run (a statistic for tests and reports)
+        self._behind = 0  # steps committed without a propose since the last one (K = 0)
+        self._drafted = False  # this step ran propose
 
     @property
     def dtype_bytes(self) -> int:
@@ -68,6 +72,7 @@ class DraftModelDrafter:
         self.model(state.tokens[:, :s].to(self.model.device), pos, self.cache,
                    num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
         self.forwards = 0
+        self._behind, self._drafted = 0, False
 
     def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
         """Prefill the new prompts of ``rows`` ``[R]`` into those rows of the draft cache (their
@@ -97,7 +102,8 @@ class DraftModelDrafter:
         dev = state.tokens.device
         num_keys = min(t, _round_up(state.max_length_bound + k + 1, self.kv_bucket))
         last = state.lengths  # [B] position of the pending token
-        pos = torch.stack([last - 1, last], dim=1).clamp_(0, t - 1)  # [B, 2]
+        pos = (last[:, None] + torch.arange(-1 - self._behind, 1, device=dev)).clamp_(0, t - 1)  # [B, S+2]
+        self._behind, self._drafted = 0, True
         inp = state.tokens.gather(1, pos)
         drafts, probs = [], []
         for i in range(k):
@@ -112,7 +118,9 @@ class DraftModelDrafter:
         return Draft(tokens=tokens, probs=None if state.sampling.greedy else torch.stack(probs, dim=1))
 
     def commit(self, state: DecodeState) -> None:
-        return None  # the next propose re-derives the draft cache position from the target's
+        # the next propose re-derives the draft cache position from the target's; a step without
+        # a draft left one more committed token unfed
+        self._behind, self._drafted = self._behind + (not self._drafted), False
 
     def roofline_model(self, target_args) -> DrafterModel:
         """A separate model running its own layers (a truncated target runs only its first)."""

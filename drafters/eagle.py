@@ -9,13 +9,17 @@ Alignment: head cache slot j holds the pair ``(x_{j+1}, f_j)`` at rotary positio
 output at slot j predicts ``f_{j+1}`` (hence token ``x_{j+2}``).
 
 Cache consistency (catch-up): the head keeps its own static KV cache, valid for every slot
-below the target's committed length. Each ``propose`` first re-feeds, at slots
-``prev_lengths + i``, the pairs of the features the last verify produced (``state.hidden``,
-the accepted path for trees; a fixed width, so rows stay ragged without per-row control
+below the target's committed length. Each ``propose`` first feeds the pairs of the features
+the verifies since the last draft produced (``state.hidden`` of each step, the accepted path
+for trees, held by a :class:`~refspec.drafters.feature_backlog.FeatureBacklog`: one step's
+when every step drafts, several when the speculation policy ran steps with K = 0), at slots
+from the first one the head lacks (a fixed width, so rows stay ragged without per-row control
 flow); the output at slot ``lengths - 1`` gives the first draft. Draft entries written beyond
 that are overwritten by the next catch-up before anything attends to them, so after a tree
 step the head's cache holds exactly the accepted path. The catch-up of the prompt runs in
-``reset`` (it belongs to the prefill phase).
+``reset`` (it belongs to the prefill phase); a backlog of more than
+:data:`~refspec.drafters.feature_backlog.DEFAULT_LIMIT` columns (a long run of K = 0 steps)
+is fed in ``commit``, billed there.
 
 Drafting: a chain of K tokens (K - 1 head forwards after the catch-up), or an EAGLE-2 dynamic
 tree: expand the ``tree_topk`` best children of the ``tree_topk`` best nodes of each level
@@ -41,6 +45,7 @@ import torch
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.drafters.eagle_head import (CONFIG, KEY_MAP, KINDS, WEIGHTS, Eagle1Head, Eagle3Head, EagleHead,
                                          HeadConfig, eagle3_layers, load_head, new_head, save_head)
+from refspec.drafters.feature_backlog import FeatureBacklog
 from refspec.drafters.training.eagle import EagleTrainer, EagleTrainingModule
 from refspec.drafters.head_files import find_head, head_dir_name, shipped_heads_dir
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
@@ -111,8 +116,10 @@ class EagleDrafter:
         # the target writes the root plus N nodes per step; the engine reserves k + 1 + extra_slots
         self.extra_slots = tree.budget if tree is not None else 0
         self.cache: StaticKVCache | None = None
-        self._primed: tuple[torch.Tensor, torch.Tensor] | None = None  # (feature [B, E], logits [B, Vd])
-        self._row_primed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows [B] bool, feat, logits)
+        # per row, the head's output at the committed length - 1 when its cache is already caught
+        # up there (a prompt, a fed backlog): (feature [B, E], logits [B, Vd])
+        self._primed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._backlog = FeatureBacklog()
         self._ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=target.device))  # [Vd]
 
     # -- helpers ----------------------------------------------------------------------------
@@ -145,21 +152,23 @@ class EagleDrafter:
         # warping the Vd draft logits equals warping the full-vocabulary ones (-inf elsewhere)
         return probs_from_logits(logits, state.sampling).log().clamp_min(-1e4)
 
-    def _catch_up(self, state: DecodeState, start: torch.Tensor, pick: torch.Tensor, num_keys: int, cache=None):
-        """Feed the pairs of ``state.hidden`` at slots ``start + i`` (of ``cache``, default the
-        head's); return the output at ``pick``.
+    def _catch_up(self, tokens: torch.Tensor, hidden: list[torch.Tensor], start: torch.Tensor, pick: torch.Tensor,
+                  num_keys: int, cache=None):
+        """Feed the pairs of ``hidden`` (each ``[B, W, E]``, column i at position ``start + i``)
+        with the next ``tokens`` ``[B, T]`` at slots ``start + i`` (of ``cache``, default the
+        head's); return the output at column ``pick`` ``[B]``.
 
         Returns:
-            ``(feature [B, E], logits [B, Vd])`` predicted for the position after the pending token.
+            ``(feature [B, E], logits [B, Vd])`` predicted for the position after ``start + pick + 1``.
         """
-        head, t = self.head, state.tokens.shape[1]
+        head, t = self.head, tokens.shape[1]
         cache = self.cache if cache is None else cache
-        b, w = state.hidden[0].shape[:2]
+        b, w = hidden[0].shape[:2]
         positions = (start[:, None] + torch.arange(w, device=start.device)).clamp_(max=cache.max_len - 1)
-        nxt = state.tokens.gather(1, (positions + 1).clamp(max=t - 1))  # x_{j+1}
+        nxt = tokens.gather(1, (positions + 1).clamp(max=t - 1))  # x_{j+1}
         emb = self.target.embed_tokens(nxt).to(head.dtype)
         pick = pick.clamp(0, w - 1)[:, None]  # [B, 1]
-        out, logits = head.forward_draft(emb, list(state.hidden), positions, cache, positions,
+        out, logits = head.forward_draft(emb, list(hidden), positions, cache, positions,
                                          causal_mask(positions, num_keys), num_keys, self.target, logits_at=pick)
         feat = out.gather(1, pick[..., None].expand(b, 1, out.shape[-1])).squeeze(1)  # [B, E]
         return feat, logits[:, 0]
@@ -185,46 +194,46 @@ class EagleDrafter:
         start = torch.zeros(b, dtype=torch.long, device=dev)
         # the prompt's pairs sit at slots 0..w-1 and attend causally: no key beyond them is read
         num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
-        self._primed = self._catch_up(state, start, state.prompt_lengths - 1, num_keys)
-        self._row_primed = None
+        self._primed = self._catch_up(state.tokens, state.hidden, start, state.prompt_lengths - 1, num_keys)
+        self._backlog.reset(state.prompt_lengths)
 
     @torch.inference_mode()
     def reset_rows(self, state: DecodeState, rows: torch.Tensor, hidden: list[torch.Tensor]) -> None:
         """Catch up the new prompts of ``rows`` ``[R]`` (features ``hidden``, each ``[R, S, E]``)
-        into those rows of the head cache; the next ``propose`` uses their outputs for those rows.
-
-        The next catch-up still feeds every row at ``prev_lengths`` (= the prompt length here):
-        for these rows it writes past the prompt, where drafting overwrites it before any read.
-        """
+        into those rows of the head cache; the next ``propose`` uses their outputs for those rows
+        (features the backlog still holds for them belong to the old requests and are dropped)."""
         b, dev = state.batch, state.tokens.device
-        if self._ensure_cache(state):
+        if self._ensure_cache(state) or (self._primed is not None and self._primed[0].shape[0] != b):
             self._primed = None  # a previous batch's, of another shape
-        sub = dataclasses.replace(state, tokens=state.tokens.index_select(0, rows), hidden=list(hidden))
         w = hidden[0].shape[1]
         num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
         zero = torch.zeros(rows.numel(), dtype=torch.long, device=dev)
-        feat, logits = self._catch_up(sub, zero, state.prompt_lengths.index_select(0, rows) - 1, num_keys,
+        plens = state.prompt_lengths.index_select(0, rows)  # [R]
+        feat, logits = self._catch_up(state.tokens.index_select(0, rows), list(hidden), zero, plens - 1, num_keys,
                                       cache=self.cache.rows(rows))  # [R, E], [R, Vd]
-        if self._row_primed is None or self._row_primed[0].shape[0] != b:
-            self._row_primed = (torch.zeros(b, dtype=torch.bool, device=dev), feat.new_zeros(b, feat.shape[-1]),
-                                logits.new_zeros(b, logits.shape[-1]))
-        mask, feats, all_logits = self._row_primed
-        mask[rows], feats[rows], all_logits[rows] = True, feat, logits
+        if self._primed is None:
+            self._primed = (feat.new_zeros(b, feat.shape[-1]), logits.new_zeros(b, logits.shape[-1]))
+        feats, all_logits = self._primed
+        feats[rows], all_logits[rows] = feat, logits
+        self._backlog.reset_rows(rows, plens, b)
+
+    def _feed_backlog(self, state: DecodeState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Catch up every committed position the head lacks; the head's output at ``lengths - 1``
+        of every row ``(feature [B, E], logits [B, Vd])`` (rows with nothing to feed: primed)."""
+        assert self._primed is not None, "reset() or reset_rows() must run before propose()"
+        taken = self._backlog.take(state.lengths)
+        if taken is None:  # nothing committed since the prompts' catch-up or the last feed
+            return self._primed
+        hidden, start, count = taken
+        feat, logits = self._catch_up(state.tokens, hidden, start, count - 1,
+                                      self._num_keys(state, hidden[0].shape[1], k))
+        fresh = (count > 0)[:, None]  # [B, 1]; rows refilled since the last step keep their prompt's output
+        self._primed = (torch.where(fresh, feat, self._primed[0]), torch.where(fresh, logits, self._primed[1]))
+        return self._primed
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Draft:
-        if self._primed is not None:
-            feat, logits = self._primed
-            self._primed = None
-        else:
-            w = state.hidden[0].shape[1]
-            feat, logits = self._catch_up(state, state.prev_lengths, state.num_accepted,
-                                          self._num_keys(state, w, k))
-        if self._row_primed is not None:  # rows refilled since the last step start from their prompt
-            mask, row_feat, row_logits = self._row_primed
-            self._row_primed = None
-            feat = torch.where(mask[:, None], row_feat, feat)
-            logits = torch.where(mask[:, None], row_logits, logits)
+        feat, logits = self._feed_backlog(state, k)
         if self.tree is not None:
             return self._propose_tree(state, feat, logits)
         return self._propose_chain(state, feat, logits, k)
@@ -306,8 +315,13 @@ class EagleDrafter:
         # children chosen deterministically from the context: probs None (one-hot q) is exact
         return Draft(tokens=tokens, tree=DraftTree(parents=parents, depth=depth, max_depth=tc.depth))
 
+    @torch.inference_mode()
     def commit(self, state: DecodeState) -> None:
-        return None  # the next propose catches up from state.hidden
+        """Hold the step's features for the next catch-up; feed them now when K = 0 steps have
+        piled up more than the backlog's limit."""
+        self._backlog.push(state)
+        if self._backlog.full:
+            self._feed_backlog(state, 0)
 
     def roofline_model(self, target_args) -> DrafterModel:
         """One decoder layer shaped like the target's, the ``fc`` (2E or 3E wide) and an LM head

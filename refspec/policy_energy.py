@@ -1,0 +1,264 @@
+"""The energy policy: per step, the K of least predicted joules per emitted token.
+
+For every K of its set, :class:`EnergyPolicy` predicts, before the step:
+
+* the step's **time and energy**, from the roofline (:mod:`refspec.energy.roofline`) priced by
+  the hardware profile of the run (:class:`RooflineStepCost`): the drafter's K forwards (its
+  ``roofline_model``; none for a free drafter) and the target's verify forward of K + 1 tokens
+  in every slot over the keys it will attend. The profile is the one the run's meter models or
+  measures by (a roofline meter's, the CPU profile on a CPU), never a timing of the machine
+  that runs the code, so a run modelled on an H200 decides as an H200 would;
+* the **tokens** the active rows will emit: per request ``1 + sum_{i<=K} prod_{j<=i} a_j``
+  with ``a_j`` the conditional acceptance of draft position j (:class:`AcceptanceTracker`:
+  the request's own counts, shrunk to the running estimate over every request, itself shrunk
+  to the drafter's and corpus's prior).
+
+It returns the K of least energy / tokens among those whose predicted time per output token,
+step time x active rows / tokens, meets the TPOT target (without one, every K qualifies; when
+none does, the fastest). A request it has never seen draft is probed: where the best K is 0
+but the smallest K > 0 costs at most :data:`PROBE_SLACK` x (share of unprobed requests) more
+per token, that K runs, so a request whose text drafts well is found even when the running
+estimate says drafting does not pay.
+
+Example (H200 profile, Llama-3.1-8B shapes, acceptance 0.8): at 1 active row the verify
+reads the weights once whatever K, so K = 4 emits 3.4 tokens for about the energy of one; at
+256 rows the verify is compute-bound and each extra position costs its FLOPs, so K = 0 wins.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+from refspec.config import ModelArgs, round_up
+from refspec.energy.hardware import HardwareProfile
+from refspec.energy.phases import ForwardShape
+from refspec.energy.roofline import DrafterModel, forward_cost
+from refspec.policy import StepView
+
+PRIOR_WEIGHT = 8.0
+"""Observations the drafter's prior counts as, per draft position, in the running estimate."""
+REQUEST_WEIGHT = 2.0
+"""Observations the running estimate counts as, per position, in a request's own estimate."""
+PROBE_SLACK = 0.1
+"""Extra J/token a probe of unprobed requests may cost, at a batch of nothing but unprobed ones."""
+
+
+def default_ks(k: int) -> tuple[int, ...]:
+    """The K an energy policy chooses from: every K up to 8, beyond that powers of two and K."""
+    if k <= 8:
+        return tuple(range(k + 1))
+    return tuple(sorted({0, k} | {1 << i for i in range(k.bit_length()) if 1 << i < k}))
+
+
+class AcceptanceTracker:
+    """Conditional acceptance of each draft position, per request and over every request.
+
+    Position j (1-based) of a step's chain is *tried* when the drafts before it were all
+    accepted; ``a_j`` = accepted / tried. A step with K drafts of which A were accepted tried
+    positions 1..min(A + 1, K) and accepted 1..A.
+
+    Args:
+        positions: P, the longest chain tracked.
+        prior: the prior per-token acceptance (one value for every position, or P values).
+        prior_weight: observations the prior counts as per position.
+        request_weight: observations the running estimate counts as in a request's estimate.
+    """
+
+    def __init__(self, positions: int, prior: float | Sequence[float] = 0.5, *, prior_weight: float = PRIOR_WEIGHT,
+                 request_weight: float = REQUEST_WEIGHT) -> None:
+        prior = [float(prior)] * positions if isinstance(prior, (int, float)) else [float(p) for p in prior]
+        if len(prior) != positions or any(not 0.0 <= p <= 1.0 for p in prior):
+            raise ValueError(f"prior must be {positions} acceptance rates in [0, 1], got {prior}")
+        self.prior = prior
+        self.prior_weight, self.request_weight = prior_weight, request_weight
+        self.tried = [0.0] * positions  # [P] over every request
+        self.accepted = [0.0] * positions
+        self._requests: dict[int, tuple[list[float], list[float]]] = {}  # id -> (tried [P], accepted [P])
+
+    def observe(self, k: int, accepted: Sequence[int], slot_requests: Sequence[int]) -> None:
+        """Count one step of K drafts: ``accepted[slot]`` drafts (-1: no generating request)."""
+        live = {r for r in slot_requests if r >= 0}
+        for rid in [r for r in self._requests if r not in live]:  # finished requests leave
+            del self._requests[rid]
+        if k <= 0:
+            return
+        for a, rid in zip(accepted, slot_requests):
+            if a < 0 or rid < 0:
+                continue
+            tried, acc = self._requests.setdefault(rid, ([0.0] * len(self.prior), [0.0] * len(self.prior)))
+            for j in range(min(a + 1, k, len(self.prior))):
+                hit = float(j < a)
+                tried[j] += 1.0
+                acc[j] += hit
+                self.tried[j] += 1.0
+                self.accepted[j] += hit
+
+    def running(self) -> list[float]:
+        """``[P]`` conditional acceptance over every request seen, with the prior."""
+        w = self.prior_weight
+        return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, self.prior)]
+
+    def rates(self, request: int, running: Sequence[float] | None = None) -> list[float]:
+        """``[P]`` conditional acceptance of ``request`` (the running estimate before it drafted)."""
+        running = self.running() if running is None else running
+        own = self._requests.get(request)
+        if own is None:
+            return list(running)
+        w = self.request_weight
+        return [(a + w * g) / (t + w) for t, a, g in zip(*own, running)]
+
+    def probed(self, request: int) -> bool:
+        """Whether ``request`` has drafted at least once."""
+        own = self._requests.get(request)
+        return own is not None and own[0][0] > 0
+
+    def expected_tokens(self, request: int, ks: Sequence[int], running: Sequence[float] | None = None
+                        ) -> dict[int, float]:
+        """Expected tokens ``request`` emits in a step of each K: ``1 + sum_i prod_{j<=i} a_j``."""
+        rates = self.rates(request, running)
+        out, total, survive = {}, 1.0, 1.0
+        for i in range(max(ks) + 1):
+            if i:
+                survive *= rates[i - 1]
+                total += survive
+            out[i] = total
+        return {k: out[k] for k in ks}
+
+
+class RooflineStepCost:
+    """Predicted time and energy of one decode step at (slots, K, attended keys).
+
+    Args:
+        target: the target's architecture.
+        profile: the hardware the run measures or models.
+        drafter: the drafter's cost per draft forward (None: a free drafter, n-gram lookup).
+        dtype_bytes: bytes per weight / KV element.
+        verify_shape: ``(rows, tokens_per_row, num_keys, lm_head_tokens) -> ForwardShape``, the
+            shape the target records for such a forward (``Transformer.forward_shape``: weight
+            copies of a CPU GEMM plan included); None: a plain :class:`ForwardShape`.
+        kv_bucket: the engine's bucket of attended keys.
+    """
+
+    def __init__(self, target: ModelArgs, profile: HardwareProfile, *, drafter: DrafterModel | None = None,
+                 dtype_bytes: int = 2, verify_shape: Callable[..., ForwardShape] | None = None,
+                 kv_bucket: int = 64) -> None:
+        self.target, self.profile, self.drafter = target, profile, drafter
+        self.dtype_bytes, self.verify_shape, self.kv_bucket = dtype_bytes, verify_shape, kv_bucket
+        self._memo: dict[tuple[int, int, int], tuple[float, float]] = {}
+
+    def _verify(self, rows: int, k: int, keys: int) -> ForwardShape:
+        if self.verify_shape is None:
+            return ForwardShape(args=self.target, rows=rows, tokens_per_row=k + 1, context_tokens=rows * keys,
+                                dtype_bytes=self.dtype_bytes)
+        shape = self.verify_shape(rows, k + 1, keys, rows * (k + 1))
+        return dataclasses.replace(shape, experts_touched=None)  # a prediction routes by expectation
+
+    def __call__(self, batch: int, k: int, length_bound: int) -> tuple[float, float]:
+        """``(time_s, energy_j)`` of a step over ``batch`` slots drafting K, whose longest row
+        has ``length_bound - 1`` committed tokens."""
+        keys = round_up(length_bound + k, self.kv_bucket)
+        hit = self._memo.get((batch, k, keys))
+        if hit is not None:
+            return hit
+        costs = [forward_cost(self._verify(batch, k, keys))]
+        d = self.drafter
+        if k > 0 and d is not None and not d.free:
+            width, forwards = (k, 1) if d.parallel else (1, k)
+            one = d.forward_cost(self.target, rows=batch, tokens_per_row=width, context_tokens=batch * keys,
+                                 dtype_bytes=self.dtype_bytes)
+            costs += [one] * forwards
+        time_s = energy_j = 0.0
+        for c in costs:
+            t = self.profile.time_s(c)
+            time_s, energy_j = time_s + t, energy_j + self.profile.energy_j(c, t)
+        self._memo[(batch, k, keys)] = (time_s, energy_j)
+        return time_s, energy_j
+
+
+@dataclasses.dataclass(frozen=True)
+class KOption:
+    """One K's prediction for a step: ``tokens`` emitted by the active rows in ``time_s`` for ``energy_j``."""
+
+    k: int
+    time_s: float
+    energy_j: float
+    tokens: float
+    active: int
+
+    @property
+    def j_per_token(self) -> float:
+        return self.energy_j / self.tokens
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token per active row."""
+        return self.time_s * self.active / self.tokens
+
+
+def cheapest(options: Sequence[KOption], tpot_s: float | None = None) -> KOption:
+    """The option of least J/token among those meeting ``tpot_s`` (all without a target; the
+    fastest when none meets it); ties go to the smaller K."""
+    fits = [o for o in options if tpot_s is None or o.tpot_s <= tpot_s]
+    if not fits:
+        return min(options, key=lambda o: (o.tpot_s, o.k))
+    return min(fits, key=lambda o: (o.j_per_token, o.k))
+
+
+class EnergyPolicy:
+    """Per step, the K of least predicted J/token meeting a TPOT target (module docstring).
+
+    Args:
+        k: the engine's K (the largest K chosen).
+        cost: ``(batch, k, length_bound) -> (time_s, energy_j)``, e.g. a :class:`RooflineStepCost`.
+        tpot_ms: TPOT target in ms, or None.
+        prior: the prior per-token acceptance of the drafter on this corpus.
+        ks: the K it chooses from (default :func:`default_ks`).
+    """
+
+    def __init__(self, *, k: int, cost: Callable[[int, int, int], tuple[float, float]], tpot_ms: float | None = None,
+                 prior: float | Sequence[float] = 0.5, ks: Sequence[int] | None = None) -> None:
+        self.ks = tuple(sorted(set(ks))) if ks is not None else default_ks(k)
+        if not self.ks or self.ks[0] < 0 or self.ks[-1] > k:
+            raise ValueError(f"the energy policy's K must lie in 0..{k}, got {self.ks}")
+        if tpot_ms is not None and not 0 < tpot_ms < math.inf:
+            raise ValueError(f"tpot_ms must be a positive number, got {tpot_ms}")
+        self.name = "energy" if tpot_ms is None else f"energy:tpot_ms={tpot_ms:g}"
+        self.cost, self.tpot_s = cost, None if tpot_ms is None else tpot_ms / 1e3
+        self.tracker = AcceptanceTracker(max(max(self.ks), 1), prior)
+        self.last: list[KOption] = []  # the latest step's predictions (for tests and reports)
+
+    def options(self, view: StepView) -> list[KOption]:
+        """Every K's prediction for the step ``view`` describes."""
+        requests = [r for r in view.slot_requests if r >= 0]
+        running = self.tracker.running()
+        per_k = dict.fromkeys(self.ks, 0.0)
+        for rid in requests:
+            for k, n in self.tracker.expected_tokens(rid, self.ks, running).items():
+                per_k[k] += n
+        scale = view.active / len(requests) if requests else 1.0  # finished rows still in a slot emit nothing
+        out = []
+        for k in self.ks:
+            time_s, energy_j = self.cost(view.batch, k, view.length_bound)
+            tokens = per_k[k] * scale if requests else float(view.active)
+            out.append(KOption(k=k, time_s=time_s, energy_j=energy_j, tokens=max(tokens, 1e-9), active=view.active))
+        return out
+
+    def choose(self, view: StepView) -> int:
+        if view.active <= 0 or self.ks == (0,):
+            return 0
+        self.last = opts = self.options(view)
+        best = cheapest(opts, self.tpot_s)
+        requests = [r for r in view.slot_requests if r >= 0]
+        unprobed = sum(not self.tracker.probed(r) for r in requests) / max(len(requests), 1)
+        probe = next((o for o in opts if o.k > 0), None)
+        if best.k == 0 and unprobed and probe is not None and (self.tpot_s is None or probe.tpot_s <= self.tpot_s) \
+                and probe.j_per_token <= best.j_per_token * (1 + PROBE_SLACK * unprobed):
+            return probe.k
+        return best.k
+
+    def observe(self, k: int, accepted: Sequence[int], slot_requests: Sequence[int]) -> None:
+        self.tracker.observe(k, accepted, slot_requests)
+
+
+__all__ = ["AcceptanceTracker", "EnergyPolicy", "KOption", "PROBE_SLACK", "RooflineStepCost", "cheapest", "default_ks"]

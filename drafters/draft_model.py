@@ -1,7 +1,9 @@
 """A smaller language model as drafter (Leviathan et al. 2023), with its own static KV cache.
 
-Any refspec ``Transformer`` serves: a real smaller sibling (Qwen2.5-Coder 0.5B for 1.5B) or
-the target's own first layers (a cheap self-draft for tests).
+Any refspec ``Transformer`` serves: a real smaller sibling (Qwen2.5-Coder 0.5B for 1.5B, the
+default for larger Qwen2 targets) or the target's own first layers (``self:N``, a cheap
+self-draft for tests; it accepts almost nothing untrained). A target without a pinned sibling
+has no default: the drafter asks for ``--draft-model``.
 
 Cache consistency without copies: the draft cache always holds the row's tokens up to the
 target's committed length minus one. Each step's first draft forward feeds two tokens, the
@@ -131,20 +133,40 @@ class DraftModelDrafter:
         return DrafterModel(name="draft-model", args=args)
 
 
-def default_draft_model(target) -> str:
-    """The draft model used when none is given: Qwen2.5-Coder-0.5B for Qwen targets, else ``self:L/4``."""
-    return "qwen2.5-coder-0.5b" if target.args.family == "qwen2" else f"self:{max(1, target.num_layers // 4)}"
+PINNED_DRAFT = "qwen2.5-coder-0.5b"
+"""The one pinned model that drafts for others: Qwen2.5-Coder-0.5B, for larger Qwen2 targets."""
+
+
+def default_draft_model(target) -> str | None:
+    """The draft model used when none is given: Qwen2.5-Coder-0.5B for a Qwen2 target larger than it, else None.
+
+    No pinned model shares another target's tokenizer, and the target's own first layers accept
+    almost nothing without training (an early layer's hidden state read by the final LM head),
+    so a default could only lose: :func:`missing_draft_model` asks for one instead.
+    """
+    args = target.args
+    larger = args.num_layers * args.hidden_size ** 2 > 24 * 896 ** 2  # Qwen2.5-Coder-0.5B: 24 layers of 896
+    return PINNED_DRAFT if args.family == "qwen2" and larger else None
+
+
+def missing_draft_model(target_name: str) -> str:
+    """The one-line request for ``--draft-model`` when the target has no default draft."""
+    return (f"--drafter draft-model needs --draft-model for {target_name}: no pinned model smaller than it shares "
+            f"its tokenizer; give a model id or Hugging Face directory of one (a smaller sibling of the same "
+            f"family), or self:N for the target's first N layers (they accept almost nothing untrained)")
 
 
 def register_builtin(register) -> None:
     """Register ``draft-model`` (option ``draft_model``: a model id, a directory, or ``self:N``
-    for the target's first N layers; default: Qwen2.5-Coder-0.5B for Qwen targets, else
-    ``self:L/4``)."""
+    for the target's first N layers; default: Qwen2.5-Coder-0.5B for larger Qwen2 targets, else
+    the option is required)."""
 
     def build(ctx):
         spec = ctx.options.get("draft_model")
         if spec is None:
             spec = default_draft_model(ctx.target)
+        if spec is None:
+            raise DrafterError(missing_draft_model(ctx.target_name))
         if str(spec).startswith("self:"):
             model = ctx.target.truncated(int(str(spec).split(":", 1)[1]))
             return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)

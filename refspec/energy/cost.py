@@ -48,15 +48,17 @@ class Cost:
         return self.flops / self.bytes if self.bytes else 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return Cost(*(getattr(self, f) + getattr(other, f) for f in _FIELDS))
 
     def scale(self, factor: float) -> "Cost":
         """Every field times ``factor``."""
-        return Cost(*(factor * a for a in dataclasses.astuple(self)))
+        return Cost(*(factor * getattr(self, f) for f in _FIELDS))
 
     def as_dict(self) -> dict[str, float]:
         """Fields plus the ``flops`` and ``bytes`` totals."""
         return {**dataclasses.asdict(self), "flops": self.flops, "bytes": self.bytes}
 
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Cost))  # plain attribute reads: astuple deep-copies
 
 __all__ = ["Cost"]

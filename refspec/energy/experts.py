@@ -30,7 +30,7 @@ def expert_work(shape: ForwardShape, tokens: int, layers: int) -> tuple[float, f
     ``layers`` layers: k_e experts per token per MoE layer; bytes of the distinct experts
     touched, as the forward recorded them, else their expectation under uniform routing."""
     a = shape.args
-    moe = a.moe_layers(layers)
+    moe = a.moe_layers(layers) if a.is_moe else 0  # a dense model: no layer to count
     if not moe:
         return 0.0, 0.0
     per_expert = expert_parameters(a)

@@ -79,20 +79,38 @@ def layer_parameters(args: ModelArgs, layer: int = 0) -> tuple[int, int]:
     return matrices, other
 
 
-def _keys_per_layer(shape: ForwardShape, layer: int) -> float:
-    """Keys read by ``layer``, summed over rows (sliding layers: as reported, else capped at the window)."""
-    if shape.args.is_sliding(layer) and shape.sliding_context_tokens is not None:
+_STACKS: dict[tuple[int, int], tuple[ModelArgs, int, int, int]] = {}
+
+
+def _stack(a: ModelArgs, layers: int) -> tuple[int, int, int]:
+    """Matrix and other parameters of the ``layers`` decoder layers that ran (layer i is
+    ``i % num_layers``) and how many of them slide; cached per architecture object, which the
+    cache keeps alive so its id is not reused."""
+    hit = _STACKS.get((id(a), layers))
+    if hit is not None and hit[0] is a:
+        return hit[1:]
+    per = [(*layer_parameters(a, i % a.num_layers), a.is_sliding(i % a.num_layers)) for i in range(layers)]
+    out = (sum(m for m, _, _ in per), sum(o for _, o, _ in per), sum(sl for _, _, sl in per))
+    if len(_STACKS) > 256:
+        _STACKS.clear()
+    _STACKS[(id(a), layers)] = (a, *out)
+    return out
+
+
+def _keys(shape: ForwardShape, sliding: bool) -> float:
+    """Keys one layer reads, summed over rows (a sliding layer: as reported, else capped at the window)."""
+    if sliding and shape.sliding_context_tokens is not None:
         return float(shape.sliding_context_tokens)
-    if shape.args.is_sliding(layer) and shape.args.sliding_window:
+    if sliding and shape.args.sliding_window:
         mean = shape.context_tokens / shape.rows
         return shape.rows * min(mean, shape.args.sliding_window)
     return float(shape.context_tokens)
 
 
-def _pairs_per_layer(shape: ForwardShape, layer: int) -> float:
-    """(query, key) pairs ``layer`` computes, summed over rows: as reported, else S x its keys."""
-    reported = shape.sliding_attention_pairs if shape.args.is_sliding(layer) else shape.attention_pairs
-    return float(reported) if reported is not None else shape.tokens_per_row * _keys_per_layer(shape, layer)
+def _pairs(shape: ForwardShape, sliding: bool) -> float:
+    """(query, key) pairs one layer computes, summed over rows: as reported, else S x its keys."""
+    reported = shape.sliding_attention_pairs if sliding else shape.attention_pairs
+    return float(reported) if reported is not None else shape.tokens_per_row * _keys(shape, sliding)
 
 
 def forward_cost(shape: ForwardShape) -> Cost:
@@ -119,11 +137,10 @@ def forward_cost(shape: ForwardShape) -> Cost:
     layers = a.num_layers if shape.layers is None else shape.layers
     lm_tokens = n if shape.lm_head_tokens is None else shape.lm_head_tokens
     lm_rows = a.vocab_size if shape.lm_head_rows is None else shape.lm_head_rows
-    per_layer = [layer_parameters(a, i % a.num_layers) for i in range(layers)]
-    matrices, other = sum(m for m, _ in per_layer), sum(o for _, o in per_layer)  # over the layers that ran
+    matrices, other, sliding = _stack(a, layers)  # over the layers that ran
     kv_per_key = 2 * a.num_kv_heads * a.head_dim * b  # K and V of one key in one layer
-    keys = sum(_keys_per_layer(shape, i % a.num_layers) for i in range(layers))
-    pairs = sum(_pairs_per_layer(shape, i % a.num_layers) for i in range(layers))
+    keys = (layers - sliding) * _keys(shape, False) + sliding * _keys(shape, True)
+    pairs = (layers - sliding) * _pairs(shape, False) + sliding * _pairs(shape, True)
     expert_flops, expert_bytes = expert_work(shape, n, layers)
 
     lm_head_matrix = lm_rows * e if lm_tokens > 0 else 0

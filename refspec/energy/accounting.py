@@ -71,7 +71,7 @@ from collections import defaultdict
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from refspec.energy.ledger_read import unfinished_runs
-from refspec.energy.phase_energy import FIT_CONDITION_LIMIT, PhaseEnergy, phase_energy, shares
+from refspec.energy.phase_energy import PhaseEnergy, phase_energy, shares
 from refspec.energy.serving_window import (RequestTimes, Window, WindowRule, latency_percentiles, mean_active_rows,
                                            percentile, pool_windows, request_times, run_window, window_validity)
 from refspec.energy.steps import COUNTS, AccountingError, Record, Step, group_steps
@@ -260,8 +260,8 @@ def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
     return {"method": pe.method, "sub_windows": len(pe.sub_windows), "measured_j": pe.total_j, "span_s": pe.span_s,
             "unattributed_j": pe.unattributed_j, "fit_power_w": fit.power_w if fit else None,
             "fit_share": pe.share_fit, "fit_relative_residual": fit.relative_residual if fit else None,
-            "fit_condition": pe.fit_condition,
-            "fit_determined": pe.fit_condition is not None and pe.fit_condition <= FIT_CONDITION_LIMIT,
+            "fit_condition": pe.fit_condition, "fit_share_se": pe.fit_share_se,
+            "fit_determined": pe.fit_determined,
             "loops_j_per_call": {p: lp.j_per_step for p, lp in pe.loops.items()} or None,
             "loops_share": pe.share_loops, "agreement": pe.agreement, "additivity_residual": pe.additivity_residual,
             "true_total_j": pe.true_total_j,

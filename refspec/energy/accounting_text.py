@@ -63,11 +63,12 @@ def _attribution_lines(acc: Accounting) -> list[str]:
     if a is not None:
         lines[0] += (f" over {a['sub_windows']} counter sub-windows, {a['measured_j']:.6g} J measured in "
                      f"{a['span_s']:.6g} s, unattributed {a['unattributed_j']:.6g} J")
+        se = max((a["fit_share_se"] or {}).values(), default=None)
         lines.append(f"  fit: {_shares(a['fit_share'])}; residual {_fmt(a['fit_relative_residual'], '.1%')}; "
-                     f"condition {_fmt(a['fit_condition'], '.3g')}")
+                     f"largest share s.e. {_fmt(se, '.1%')}; condition {_fmt(a['fit_condition'], '.3g')}")
         if a["fit_share"] is not None and not a["fit_determined"]:
-            lines.append("  fit undetermined: the phases ran in nearly the same proportions in every sub-window, so "
-                         "their powers cannot be told apart; run phase-isolated loops")
+            lines.append("  fit undetermined: its split is too uncertain to use (the phases ran in nearly the same "
+                         "proportions in every sub-window, or too few sub-windows); run phase-isolated loops")
         if a["loops_share"] is not None:
             lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
                          f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}")

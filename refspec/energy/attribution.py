@@ -32,11 +32,14 @@ class Loop:
         energy_j: energy of the whole loop in J.
         time_s: duration of the loop in s.
         iterations: steps the loop ran.
+        rows: rows each call ran, when the run's calls of this phase differ in rows (a prefill of
+            the R rows refilled): a call of R rows is then priced R / ``rows`` loop calls.
     """
 
     energy_j: float
     time_s: float
     iterations: int
+    rows: int | None = None
 
     @property
     def j_per_step(self) -> float:

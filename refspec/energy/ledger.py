@@ -183,7 +183,7 @@ class Ledger:
         run alone, ``loop`` its :class:`~refspec.energy.attribution.Loop` (energy, time, iterations)."""
         self._write({"kind": "loop", "version": LEDGER_VERSION, "run_id": self.run_id, "phase": phase,
                      "energy_j": loop.energy_j, "time_s": loop.time_s, "iterations": loop.iterations,
-                     "source": source})
+                     "rows": getattr(loop, "rows", None), "source": source})
 
     def close(self, status: str = "complete", reason: str | None = None) -> None:
         """End the current run with ``status``, flush and close the file (idempotent)."""

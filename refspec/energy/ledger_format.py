@@ -76,6 +76,8 @@ LOOP_SCHEMA: dict[str, str] = {
     "phase": "the phase the loop repeated (str)",
     "energy_j": "counter energy over the whole loop, J (float)", "time_s": "the loop's duration, s (float)",
     "iterations": "phase calls the loop ran (int)", "source": "the counter read (str)",
+    "rows": "rows each call ran, when calls of the phase differ in rows (a refill prefill): a phase record of "
+            "rows_active R is priced R / rows calls; null: every call priced as one (int or null)",
 }
 END_SCHEMA: dict[str, str] = {
     "kind": '"end": the last record of one run',

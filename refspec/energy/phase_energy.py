@@ -12,7 +12,8 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
     difference, its time the difference of the reads' ``wall_s`` (the counter's time base),
     and each phase's time in it the sum of ``time_s`` of the phase records that ran between
     the two reads (by engine clock). :func:`~refspec.energy.attribution.nnls_phase_power` fits
-    one power per phase; the time outside every phase (host work, idle gaps) is ``unattributed``,
+    one power per phase (per phase and K where the run's K varied: a verify of more positions
+    draws more power); the time outside every phase (host work, idle gaps) is ``unattributed``,
     priced at the run's idle power when the header gives one (a commit lasts about as long as
     the host time every step, so a fit could not tell the two apart), else fitted as a column
     of its own. A phase record's energy = its phase's power x its time.
@@ -23,11 +24,12 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
 
 ``measured-total-only``
     No loops, and the fit cannot split: too few sub-windows (fewer than the powers to fit), or
-    the phases ran in nearly the same proportions in every sub-window (condition number above
-    :data:`FIT_CONDITION_LIMIT`: a steady state at a fixed K drafts and verifies in a fixed
-    ratio, so any split of their joint energy fits as well as another). The run's total is
-    measured, its split is not; every joule is ``unattributed``, and the fit's figures are
-    reported with its condition number.
+    the fit's split is too uncertain (a share's standard error above
+    :data:`FIT_SHARE_SE_LIMIT`, or a phase-time matrix this close to singular:
+    :data:`FIT_CONDITION_LIMIT`; a steady state at a fixed K drafts and verifies in a fixed
+    ratio, so any split of their joint energy fits about as well as another). The run's total
+    is measured, its split is not; every joule is ``unattributed``, and the fit's figures are
+    reported with their standard errors and the condition number of the phase-time matrix.
 
 Either way the measured total is the counter's, last read minus first, so the parts close on
 it: whatever the phase records were not given (host time, the fit's residual) is the named
@@ -40,7 +42,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,10 +50,15 @@ from refspec.energy.attribution import Loop, PhasePower, nnls_phase_power
 
 Record = Mapping[str, Any]
 METHODS = ("modelled", "measured-direct", "attributed-loops", "attributed-fit", "measured-total-only")
-FIT_CONDITION_LIMIT = 50.0
+FIT_SHARE_SE_LIMIT = 0.02
+"""Largest standard error of a phase's fitted share (from the fit's own residual) at which the
+fit's split is used. The error grows as the phases run in more nearly the same proportions in
+every sub-window (a fixed K in a steady state: no fit can tell their powers apart) and as the
+counter's sampling noise grows against the sub-windows' energy."""
+FIT_CONDITION_LIMIT = 1e3
 """Largest condition number of the sub-windows' phase-time matrix (columns scaled to unit norm)
-at which the fit is used: above it the phases ran in nearly the same proportions in every
-sub-window (a fixed K in a steady state), and no fit can tell their powers apart."""
+at which the fit's split is used, whatever its residual: beyond it the phases' times are
+proportional in every sub-window and an exact fit is one of many."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +92,9 @@ class PhaseEnergy:
         sub_windows: the counter sub-windows (empty for a direct read).
         fit: the fit of per-phase power over ``sub_windows`` (None with too few of them).
         fit_condition: condition number of the fit's phase-time matrix (columns at unit norm).
+        fit_share_se: standard error of each phase's fitted share, from the fit's residual.
+        fit_determined: the fit's split is certain enough to use (:data:`FIT_SHARE_SE_LIMIT`,
+            :data:`FIT_CONDITION_LIMIT`).
         loops: per phase, the loop records pooled (empty without loops).
         share_fit / share_loops: each phase's share of the phase energy by either estimate (the
             loops' phases by their J per call, the others by the fit).
@@ -103,6 +113,8 @@ class PhaseEnergy:
     sub_windows: tuple[SubWindow, ...] = ()
     fit: PhasePower | None = None
     fit_condition: float | None = None
+    fit_share_se: dict[str, float] | None = None
+    fit_determined: bool = False
     loops: dict[str, Loop] = dataclasses.field(default_factory=dict)
     share_fit: dict[str, float] | None = None
     share_loops: dict[str, float] | None = None
@@ -128,8 +140,10 @@ def _by_phase(records: Sequence[Record], field: str) -> dict[str, float] | None:
     return dict(out)
 
 
-def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[SubWindow]:
-    """The sub-windows between consecutive counter reads of one run (phases placed by their mid clock)."""
+def sub_windows(phases: Sequence[Record], counters: Sequence[Record],
+                column: Callable[[Record], str] = lambda r: str(r["phase"])) -> list[SubWindow]:
+    """The sub-windows between consecutive counter reads of one run (phases placed by their mid
+    clock), each phase record's time summed under ``column(record)`` (default: its phase)."""
     reads = sorted(counters, key=lambda c: (float(c["clock_s"]), float(c["wall_s"])))
     clocks = [float(c["clock_s"]) for c in reads]
     times: list[dict[str, float]] = [defaultdict(float) for _ in reads[1:]]
@@ -137,7 +151,7 @@ def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[Su
         mid = float(r["clock_s"]) + float(r["time_s"]) / 2
         assert clocks[0] <= mid <= clocks[-1], f"phase at clock {r['clock_s']} lies outside the counter reads"
         i = min(bisect.bisect_right(clocks, mid) - 1, len(times) - 1)  # a 0 s phase may sit on the last read
-        times[i][str(r["phase"])] += float(r["time_s"])
+        times[i][column(r)] += float(r["time_s"])
     out = []
     for a, b, t in zip(reads, reads[1:], times):
         true = (None if a.get("energy_true_j") is None or b.get("energy_true_j") is None
@@ -147,26 +161,50 @@ def sub_windows(phases: Sequence[Record], counters: Sequence[Record]) -> list[Su
     return out
 
 
-def _fit(windows: Sequence[SubWindow], names: Sequence[str],
-         host_w: float | None) -> tuple[PhasePower | None, float | None]:
-    """The fit and the condition number of its design (None, None with too few windows)."""
-    if len(windows) < len(names) + (host_w is None):
-        return None, None  # too few windows to determine a power per phase (and the host time's)
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    power: PhasePower | None = None
+    condition: float | None = None
+    share_se: dict[str, float] | None = None
+
+    @property
+    def determined(self) -> bool:
+        return (self.share_se is not None and max(self.share_se.values(), default=0.0) <= FIT_SHARE_SE_LIMIT
+                and self.condition is not None and self.condition <= FIT_CONDITION_LIMIT)
+
+
+def _fit(windows: Sequence[SubWindow], names: Sequence[str], host_w: float | None) -> _Fit:
+    """The fit, the condition number of its design and each phase share's standard error."""
+    cols = len(names) + (host_w is None)
+    if len(windows) < cols:
+        return _Fit()  # too few windows to determine a power per phase (and the host time's)
     times = [[w.phase_time_s.get(p, 0.0) for p in names] for w in windows]
+    fit = nnls_phase_power([w.energy_j for w in windows], times, names, window_time_s=[w.time_s for w in windows],
+                           host_w=host_w)
     design = np.array([t + ([max(w.time_s - sum(t), 0.0)] if host_w is None else []) for t, w in zip(times, windows)])
     norms = np.linalg.norm(design, axis=0)
     condition = float(np.linalg.cond(design / np.where(norms > 0, norms, 1.0)))
-    return nnls_phase_power([w.energy_j for w in windows], times, names, window_time_s=[w.time_s for w in windows],
-                            host_w=host_w), condition
+    dof = len(windows) - cols
+    if dof <= 0:
+        return _Fit(fit, condition)  # an exact fit says nothing of its own error
+    variance = float(np.sum(np.square(fit.window_residuals_j))) / dof  # J^2 per window
+    cov = variance * np.linalg.pinv(design.T @ design)  # [cols, cols] of the powers, W^2
+    phase_j = sum(fit.energy_j[p] for p in names) or 1.0
+    se = {p: float(design[:, i].sum() * np.sqrt(max(cov[i, i], 0.0))) / phase_j for i, p in enumerate(names)}
+    return _Fit(fit, condition, se)
 
 
 def _pool_loops(loops: Sequence[Record]) -> dict[str, Loop]:
+    """Loop records pooled by phase; a loop that gives its ``rows`` pools per row-call (``rows`` 1)."""
     out: dict[str, Loop] = {}
     for r in loops:
-        prev = out.get(str(r["phase"]), Loop(energy_j=0.0, time_s=0.0, iterations=0))
+        rows = r.get("rows")
+        prev = out.get(str(r["phase"]), Loop(energy_j=0.0, time_s=0.0, iterations=0, rows=1 if rows else None))
+        if (prev.rows is None) != (rows is None):
+            raise ValueError(f"loop records of phase {r['phase']!r} mix calls priced per call and per row")
         out[str(r["phase"])] = Loop(energy_j=prev.energy_j + float(r["energy_j"]),
                                     time_s=prev.time_s + float(r["time_s"]),
-                                    iterations=prev.iterations + int(r["iterations"]))
+                                    iterations=prev.iterations + int(r["iterations"]) * int(rows or 1), rows=prev.rows)
     return out
 
 
@@ -200,35 +238,56 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
         return _direct(phases)
     if any(len(c) < 2 for _, c, _ in runs):
         raise ValueError("a counter-metered run needs at least its start and end counter reads to be accounted")
-    windows = [w for p, c, _ in runs for w in sub_windows(p, c)]
+    return _attributed(phases, runs, host_w)
+
+
+def _columns(flat: Sequence[Record]) -> Callable[[Record], str]:
+    """The fit's column of a record: its phase, split by K (``verify@k4``) where the run's K varied,
+    since a verify of K + 1 positions per row draws more power than one of fewer."""
+    ks: dict[str, set[Any]] = defaultdict(set)
+    for r in flat:
+        ks[str(r["phase"])].add(r.get("k"))
+    return lambda r: f"{r['phase']}@k{r.get('k')}" if len(ks[str(r["phase"])]) > 1 else str(r["phase"])
+
+
+def _attributed(phases: list[list[Record]], runs: Sequence[tuple[Sequence[Record], Sequence[Record],
+                                                                   Sequence[Record]]],
+                host_w: float | None) -> PhaseEnergy:
     flat = [r for run in phases for r in run]
+    column = _columns(flat)
+    windows = [w for p, c, _ in runs for w in sub_windows(p, c, column)]
     names = sorted({str(r["phase"]) for r in flat if float(r["time_s"]) > 0})
-    fitted, condition = _fit(windows, names, host_w)
-    fit = fitted if condition is not None and condition <= FIT_CONDITION_LIMIT else None  # the split it can give
+    fitted = _fit(windows, sorted({column(r) for r in flat if float(r["time_s"]) > 0}), host_w)
+    fit = fitted.power if fitted.determined else None  # the split it can give
     loops = _pool_loops([r for _, _, lp in runs for r in lp])
     measured = sum(w.energy_j for w in windows)
 
-    def by_fit(r: Record) -> float:
-        return fit.power_w.get(str(r["phase"]), 0.0) * float(r["time_s"]) if fit is not None else 0.0
+    def by_fit(r: Record, power: PhasePower | None = fit) -> float:
+        return power.power_w.get(column(r), 0.0) * float(r["time_s"]) if power is not None else 0.0
 
     def by_loops(r: Record) -> float:  # a phase without a loop (commit) takes the fit's figure
-        return loops[str(r["phase"])].j_per_step if str(r["phase"]) in loops else by_fit(r)
+        loop = loops.get(str(r["phase"]))
+        if loop is None:
+            return by_fit(r)
+        return loop.j_per_step * (int(r["rows_active"]) if loop.rows else 1)
+
+    def share_by(energy: Callable[[Record], float]) -> dict[str, float]:
+        return shares({p: sum(energy(r) for r in flat if r["phase"] == p) for p in names})
 
     energy = by_loops if loops else by_fit
     records = tuple(tuple({**r, "energy_j": energy(r)} for r in run) for run in phases)
     attributed = sum(r["energy_j"] for run in records for r in run)
-    share_fit = shares({p: fitted.energy_j[p] for p in names}) if fitted is not None else None  # even undetermined
-    share_loops = shares({p: sum(by_loops(r) for r in flat if r["phase"] == p) for p in names}) if loops else None
+    share_fit = share_by(lambda r: by_fit(r, fitted.power)) if fitted.power is not None else None  # even undetermined
+    share_loops = share_by(by_loops) if loops else None
     # the prediction of the loops: their phases' calls, the fit's for the rest and for the host time
     predicted = attributed + (fit.energy_j["unattributed"] if fit is not None else 0.0)
     truths = [w.true_j for w in windows]
-    true_by_phase = _by_phase(flat, "energy_true_j")
-    naive_by_phase = _by_phase(flat, "energy_naive_j")
+    true_by_phase, naive_by_phase = _by_phase(flat, "energy_true_j"), _by_phase(flat, "energy_naive_j")
     return PhaseEnergy(
         method="attributed-loops" if loops else "attributed-fit" if fit is not None else "measured-total-only",
         records=records, total_j=measured, unattributed_j=measured - attributed,
-        span_s=sum(w.time_s for w in windows), sub_windows=tuple(windows), fit=fitted, fit_condition=condition,
-        loops=loops,
+        span_s=sum(w.time_s for w in windows), sub_windows=tuple(windows), fit=fitted.power,
+        fit_condition=fitted.condition, fit_share_se=fitted.share_se, fit_determined=fitted.determined, loops=loops,
         share_fit=share_fit, share_loops=share_loops,
         agreement=(max(abs(share_loops[p] - share_fit[p]) for p in names)
                    if share_fit is not None and share_loops is not None else None),
@@ -238,4 +297,5 @@ def phase_energy(runs: Sequence[tuple[Sequence[Record], Sequence[Record], Sequen
         true_total_j=None if any(t is None for t in truths) else sum(truths))  # type: ignore[arg-type]
 
 
-__all__ = ["METHODS", "FIT_CONDITION_LIMIT", "SubWindow", "PhaseEnergy", "phase_energy", "sub_windows", "shares"]
+__all__ = ["METHODS", "FIT_SHARE_SE_LIMIT", "FIT_CONDITION_LIMIT", "SubWindow", "PhaseEnergy", "phase_energy",
+           "sub_windows", "shares"]

@@ -64,9 +64,10 @@ def built(*, loops=(), truth=False, reads_after=None, idle_w=None, steady=False)
             phase(i, "prefill", 0.6 + 0.1 * i, req, emitted=1, arrivals_s=[w["clock"]])
         if reads_after is None or i in reads_after or i == STEPS - 1:
             read("end" if i == STEPS - 1 else "sub")
-    for phase_name, (energy, time, iterations) in loops:
+    for phase_name, (energy, time, iterations, *rows) in loops:
         recs.append({"kind": "loop", "version": LEDGER_VERSION, "run_id": "r", "phase": phase_name,
-                     "energy_j": energy, "time_s": time, "iterations": iterations, "source": "measured:fake"})
+                     "energy_j": energy, "time_s": time, "iterations": iterations, "source": "measured:fake",
+                     "rows": rows[0] if rows else None})
     recs.append({"kind": "end", "version": LEDGER_VERSION, "run_id": "r", "status": "complete"})
     return recs, reads, w
 
@@ -196,6 +197,25 @@ def test_loops_price_their_phases_per_call_and_report_agreement_and_additivity(t
     assert a["agreement"] == pytest.approx(max(abs(share_loops[p] - share[p]) for p in POWER))
     assert acc.closes and acc.total_energy_j == pytest.approx(w["e"])
     assert "loops:" in format_accounting(acc) and "closure (attributed-loops split)" in format_accounting(acc)
+
+
+def test_a_loop_of_several_rows_prices_a_prefill_per_row_and_a_varying_k_splits_the_fit(tmp_path):
+    # a prefill loop of 4 rows per call, 10 calls, 4,000 J: 100 J per row; each prefill here fills one row
+    records, _, w = built(loops=[("prefill", (4000.0, 10.0, 10, 4))])
+    acc = account(_read(tmp_path, records), min_window_s=5.0)
+    assert acc.phase_energy_j["prefill"] == pytest.approx(100.0 * (1 + len(REFILLS)))
+    with pytest.raises(AccountingError, match="mix calls priced per call and per row"):
+        account(_read(tmp_path, built(loops=[("prefill", (1.0, 1.0, 1, 4)), ("prefill", (1.0, 1.0, 1))])[0]))
+    # steps at two draft lengths: the fit gives each (phase, K) its own power
+    for r in records:
+        if r["kind"] == "phase" and r["step"] >= 0:
+            r["k"] = 2 if r["step"] % 2 else 6
+    phases = [r for r in records if r["kind"] == "phase"]
+    columns = {c for win in sub_windows(phases, [r for r in records if r["kind"] == "counter"],
+                                        lambda r: f"{r['phase']}@k{r.get('k')}") for c in win.phase_time_s}
+    assert {"draft@k2", "draft@k6", "verify@k2", "verify@k6"} <= columns
+    pe = phase_energy([(phases, [r for r in records if r["kind"] == "counter"], [])])
+    assert pe.fit is None and pe.method == "measured-total-only", "8 sub-windows cannot fit 8 powers (commit too)"
 
 
 def test_a_simulated_counter_s_truth_gives_the_true_shares(tmp_path):

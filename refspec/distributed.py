@@ -164,7 +164,7 @@ def check_launch(tp: int, env: Mapping[str, int] | None, *, device_type: str, de
                       f"(no data parallelism), so use torchrun --nproc-per-node {tp} with --tp {tp}")
     local = 1 if env is None else env["local_size"]
     if tp > 1 and local > devices:
-        kind = "GPUs" if device_type == "cuda" else "CPU cores"
+        kind = ("GPU" if device_type == "cuda" else "CPU core") + ("s" if devices != 1 else "")
         raise TPError(f"--tp {tp}: {local} ranks on this node but only {devices} {kind} (one rank per "
                       f"{'GPU' if device_type == 'cuda' else 'core'}); lower --tp or --nproc-per-node")
 

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import re
 import time
 from typing import Any, Callable, Mapping
 
@@ -114,7 +115,8 @@ class TensorParallel:
 
     def lost(self, exc: BaseException) -> RankLostError:
         """The error of a failed collective, as one line."""
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo prefixes its source file and line
+        first = text.splitlines()[0].split(". ")[0][:160] if text else type(exc).__name__
         return RankLostError(f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({first}); "
                              f"another rank stopped or did not answer within the timeout, so every rank stops")
 

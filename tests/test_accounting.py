@@ -170,6 +170,17 @@ def test_the_documented_closure_line_is_the_one_printed(tmp_path):
     assert line in DOCS.read_text(), "docs/accounting.md quotes the closure line as printed"
 
 
+def test_the_documented_path_names_files_that_exist_at_about_their_length():
+    import re
+
+    rows = re.findall(r"^\| \d+ \| `([^`]+)` \| (\d+) \|", DOCS.read_text(), re.M)
+    assert len(rows) >= 20 and "refspec/energy/phase_energy.py" in dict(rows)
+    root = DOCS.parents[1]
+    for path, lines in rows:
+        actual = len((root / path).read_text().splitlines())
+        assert abs(actual - int(lines)) <= max(10, int(lines) // 5), f"{path}: docs say {lines} lines, it has {actual}"
+
+
 def test_closure_line_says_when_items_do_not_close():
     line = format_closure({"prefill": 1.0, "other": 2.0}, 3.0, 4.0, -1.0, False)
     assert line.endswith("= 3 J; total 4 J; error -1 J -> FAILED: they do not close")

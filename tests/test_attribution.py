@@ -130,6 +130,16 @@ def test_with_an_idle_power_the_host_time_is_priced_at_it_not_fitted(tmp_path):
     assert wrong.unattributed_energy_j == pytest.approx(w["e"] - sum(wrong.phase_energy_j.values()))
 
 
+def test_docs_quote_the_attributed_statement_as_printed(tmp_path):
+    from pathlib import Path
+
+    text = format_accounting(account(_read(tmp_path, built()[0]), min_window_s=5.0)).split("\n")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "accounting.md").read_text()
+    quoted = [line for line in text if line.startswith(("phase energy:", "  fit:", "closure"))]
+    assert len(quoted) == 3 and all(line in doc for line in quoted), "docs/accounting.md section 8"
+    assert "3361 J over 16 tokens, 210.062 J/token" in doc and any("3361 J (counter, 8 reads)" in x for x in text)
+
+
 def test_the_window_under_a_counter_is_what_the_counter_read_over_it(tmp_path):
     records, reads, w = built()
     acc = account(_read(tmp_path, records), min_window_s=5.0)

@@ -152,6 +152,9 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
         g.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows decoded together")
         g.add_argument("--corpus", default=DEFAULT_CORPUS,
                        help="corpus name, comma-separated names, a prompt .jsonl file, or all")
+    g.add_argument("--spec-policy", default=None, metavar="SPEC", action="append" if sweep else "store",
+                   help=("repeatable; a policy other than fixed runs once per drafter at the largest --k. "
+                         if sweep else "") + "how many tokens to draft each step, up to --k: " + _policy_help())
     g.add_argument("--tree", action="store_true",
                    help="EAGLE-2 dynamic tree drafting (eagle, eagle3); K is then the tree's node budget")
     g.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
@@ -227,6 +230,9 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("--ttft-target", type=float, default=None, metavar="SECONDS",
                      help="p99 TTFT target (arrival to first token, queueing included), with or without "
                           "--latency-target")
+    rep.add_argument("--frontier", action="store_true",
+                     help="add the energy-latency frontier: per corpus and batch, the lowest J/token any run reached "
+                          "at each median-TPOT target (fixed-K runs and policies with energy:tpot_ms=T swept)")
     rep.add_argument("--debug", action="store_true", help="show tracebacks")
     for name, (_, text) in TOOLS.items():  # listed in --help; main() dispatches them before parsing
         sub.add_parser(name, help=f"{text} (python -m refspec.eval {name} --help)", add_help=False)
@@ -251,6 +257,14 @@ def _check_corpora(names: Sequence[str]) -> list[str]:
         if name in CORPORA or name.startswith("hf:"):
             out.append(name)
             continue
+        if name.startswith("mixed:"):  # requests of several corpora interleaved (refspec.eval.mixed_corpus)
+            from refspec.eval.mixed_corpus import check_mixed
+
+            try:
+                out.append(check_mixed(name, CORPORA))
+            except ValueError as exc:
+                raise UsageError(f"--corpus {exc}") from None
+            continue
         path = Path(name).expanduser()
         if path.suffix in (".jsonl", ".json") or "/" in name:
             try:
@@ -263,6 +277,12 @@ def _check_corpora(names: Sequence[str]) -> list[str]:
         raise UsageError(f"--corpus {name!r} is unknown; built-in corpora: {', '.join(CORPORA)}, all "
                          f"({', '.join(CORE_CORPORA)}), or a .jsonl file with a 'prompt' field per line")
     return list(dict.fromkeys(out))
+
+
+def _policy_help() -> str:
+    from refspec.policy import SPEC_HELP
+
+    return SPEC_HELP
 
 
 def _check_drafters(names: Sequence[str], options: Sequence[tuple[str, str]]) -> list[str]:
@@ -379,10 +399,19 @@ def check_serving_flags(args: argparse.Namespace, *, sweep: bool) -> list[str]:
     return list(dict.fromkeys(schedules))
 
 
+def _check_policies(flag: str | list[str] | None) -> tuple[str, ...]:
+    """``--spec-policy`` (torch-free): the canonical specs, ``fixed`` when none is given."""
+    from refspec.eval.policy_setup import checked_spec
+
+    specs = [flag] if isinstance(flag, str) else list(flag or ["fixed"])
+    return tuple(dict.fromkeys(checked_spec(s).name for s in specs))
+
+
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
     schedules = check_serving_flags(args, sweep=sweep)
     batches, ks = check_run_flags(args, sweep=sweep)
+    policies = _check_policies(args.spec_policy)
     corpora = _check_corpora(csv("--corpus", args.corpus))  # before torch: the corpus catalogue is light
     from refspec.drafters import registry
     from refspec.eval.run import RunConfig
@@ -406,7 +435,7 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
                      output_len_dist=args.output_len_dist, tp=args.tp)
     grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
                      ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
-                     default_k=default_k, schedules=tuple(schedules))
+                     default_k=default_k, schedules=tuple(schedules), policies=policies)
     configs = plan(grid)
     extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=options)
     configs = [c if c.is_baseline else dataclasses.replace(c, **extra) for c in configs]

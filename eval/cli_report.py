@@ -60,6 +60,7 @@ def report(args: argparse.Namespace) -> int:
     ledgers = ([out_dir / LEDGER] if (out_dir / LEDGER).exists() else []) + sorted(
         (out_dir / TASK_LEDGERS_DIR).glob("*.jsonl"))
     rep = write_report(out_dir, records, latency_target_s=targets.tpot_p99_s, ttft_target_s=targets.ttft_p99_s,
+                       frontier=bool(getattr(args, "frontier", False)),
                        corrupt=loaded.corrupt, ledgers=ledgers)
     print(format_table(records))
     _print_targets(records, targets)

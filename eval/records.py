@@ -20,6 +20,7 @@ from refspec.energy.accounting import Accounting, energy_saving, speedup
 from refspec.energy.ledger import ensure_line_end
 from refspec.energy.ledger_format import experts_touched
 from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
+from refspec.eval.policy_report import FIELD_TEXT as _POLICY_FIELD_TEXT
 from refspec.eval.prefill_work import FIELD_TEXT as _PREFILL_FIELD_TEXT, prefill_comparison
 from refspec.eval.report_requests import FIELD_TEXT as _REQUEST_FIELD_TEXT, REQUEST_OUTPUT_TEXT
 
@@ -131,6 +132,7 @@ RECORD_FIELDS: dict[str, str] = {
     "injection": "the injected model and its label (refspec.eval.injection.injection_record)",
     **_AUDIT_FIELD_TEXT,  # the per-request greedy audit (refspec.eval.audit)
     **_PREFILL_FIELD_TEXT,  # refill groups and prefill work per request (refspec.eval.prefill_work)
+    **_POLICY_FIELD_TEXT,  # the speculation policy and the K it chose (refspec.eval.policy_report)
     **_REQUEST_FIELD_TEXT,  # energy and acceptance per request (refspec.eval.report_requests)
     "output_digest": "sha256 over every request's tokens", "row_digests": "sha256 prefix of each request's tokens",
     "versions": "refspec, Python and library versions",

@@ -42,7 +42,8 @@ def config_label(r: Mapping[str, Any]) -> str:
         return f"none b{r['batch']}"
     tree = " tree" if r.get("tree") else ""
     inj = " INJECTED" if r.get("acceptance_injected") else ""
-    return f"{r['drafter']}{tree} k{r['k']} b{r['batch']}{inj}"
+    pol = "" if r.get("spec_policy", "fixed") == "fixed" else f" {r['spec_policy']}"
+    return f"{r['drafter']}{tree} k{r['k']}{pol} b{r['batch']}{inj}"
 
 
 def series_label(r: Mapping[str, Any]) -> str:
@@ -50,7 +51,8 @@ def series_label(r: Mapping[str, Any]) -> str:
     static = ", static" if r.get("schedule") == "static" else ""  # lockstep batches are a series of their own
     if r.get("drafter") == "none":
         return f"none (baseline{static})"
-    return f"{r['drafter']}{' tree' if r.get('tree') else ''} k={r['k']}{static}"
+    pol = "" if r.get("spec_policy", "fixed") == "fixed" else f" {r['spec_policy']}"
+    return f"{r['drafter']}{' tree' if r.get('tree') else ''} k={r['k']}{pol}{static}"
 
 
 def _phases(r: Mapping[str, Any]) -> str:
@@ -333,7 +335,7 @@ def _audit_md(recs: Sequence[Mapping[str, Any]], corrupt: Sequence[tuple[str, in
 
 def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency_target_s: float | None = None,
                  ttft_target_s: float | None = None, corrupt: Sequence[tuple[str, int, str]] = (), ledgers: Sequence[Path] = (),
-                 title: str = "refspec evaluation") -> Report:
+                 title: str = "refspec evaluation", frontier: bool = False) -> Report:
     """Write ``report.md`` and the plots into ``out_dir``.
 
     Args:
@@ -344,6 +346,7 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
         corrupt: ``(file, line, reason)`` of records lines that were skipped.
         ledgers: ledger files behind the records.
         title: the report's heading.
+        frontier: add the energy-latency frontier (``report --frontier``).
 
     Returns:
         The Markdown file and the plots written.
@@ -355,7 +358,11 @@ def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], *, latency
     targets = Targets(latency_target_s, ttft_target_s)
     choices = latency_choices(recs, targets)
     plots = write_plots(recs, out_dir, latency_target_s, choices, ledgers) + request_plots(recs, out_dir, config_label)
-    md = _intro_md(recs, title) + _results_md(recs) + requests_md(recs, config_label)
+    from refspec.eval.policy_report import policy_section  # speculation policies, the frontier
+
+    policy_md, policy_plots = policy_section(recs, out_dir, ledgers, frontier_plot=frontier)
+    plots += policy_plots
+    md = _intro_md(recs, title) + _results_md(recs) + policy_md + requests_md(recs, config_label)
     md += _closure_md(recs) + request_closure_md(recs, config_label)  # per request closes in the closure section
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += targets_md(recs, targets, choices, config_label) + _audit_md(recs, corrupt, ledgers)

@@ -342,7 +342,10 @@ def corpus_prompt_set(corpus: str, tokenizer: Any, *, chat: bool, wanted: int, c
             the corpus has no eval prompts.
     """
     from refspec.eval.corpora import build_prompts, prose_windows
+    from refspec.eval.mixed_corpus import mixed_parts, mixed_prompt_set
 
+    if mixed_parts(corpus):  # mixed:A+B interleaves the parts' requests
+        return mixed_prompt_set(corpus, tokenizer, chat=chat, wanted=wanted, cap=cap)
     limit = wanted if cap is None else min(wanted, cap)
     rows = _rows(corpus, limit)
     if not rows:

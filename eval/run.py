@@ -41,6 +41,7 @@ from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16, gemm_plan_text, 
 from refspec.eval.records import experts_fields  # MoE targets: experts touched per step
 from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
                                  compare_with_baseline, describe_source, ensure_line_end, roofline_prediction)
+from refspec.eval.policy_report import k_fields
 from refspec.eval.prefill_work import prefill_fields
 from refspec.eval.report_requests import request_fields
 from refspec.eval.runtime import UsageError
@@ -78,6 +79,8 @@ class RunConfig:
         output_len_dist: how the budgets are drawn below N (:class:`refspec.eval.requests.LengthDist`):
             ``auto``, ``reference``, ``fixed`` or ``uniform:R``.
         tp: tensor-parallel ranks the target is sharded over (``--tp``; 1: one device).
+        spec_policy: the speculation policy's spec (:mod:`refspec.policy`); ``k`` is then the
+            largest K a step may draft.
     """
 
     model: str
@@ -104,6 +107,7 @@ class RunConfig:
     request_rate: float | None = None
     output_len_dist: str = "auto"
     tp: int = 1
+    spec_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -136,6 +140,11 @@ class RunConfig:
             raise UsageError("--accept-model injects acceptance of drafts; it needs a drafter and k >= 1")
         if self.accept_model is not None and self.tree:
             raise UsageError("--accept-model injects chain acceptance only; drop --tree")
+        from refspec.eval.policy_setup import check_policy_for, checked_spec
+
+        spec = checked_spec(self.spec_policy)
+        check_policy_for(spec, k=self.k, tree=self.tree, drafter=self.drafter)
+        object.__setattr__(self, "spec_policy", spec.name)
 
     @property
     def is_baseline(self) -> bool:
@@ -158,17 +167,20 @@ class RunConfig:
         d["drafter_options"] = {k: v for k, v in self.drafter_options}
         if self.tp == 1:
             del d["tp"]  # one device: the ids of runs before --tp existed stay valid
+        if self.spec_policy == "fixed":  # likewise the ids of runs before speculation policies
+            del d["spec_policy"]
         return d
 
     @property
     def config_id(self) -> str:
-        """``<drafter>-k<K>-b<B>-<corpus>-<hash>``: readable, and unique per identity."""
+        """``<drafter>-k<K>[-<policy>]-b<B>-<corpus>-<hash>``: readable, and unique per identity."""
         digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:10]
         corpus = Path(self.corpus).stem if ("/" in self.corpus or self.corpus.endswith(".jsonl")) else self.corpus
         tree = "-tree" if self.tree else ""
         inj = "-injected" if self.accept_model else ""
         sched = "-static" if self.schedule == "static" else ""
-        return f"{self.drafter}-k{self.k}{tree}-b{self.batch}{sched}-{corpus}{inj}-{digest}"
+        pol = "" if self.spec_policy == "fixed" else "-" + self.spec_policy.replace(":", "-").replace(",", "_")
+        return f"{self.drafter}-k{self.k}{tree}{pol}-b{self.batch}{sched}-{corpus}{inj}-{digest}"
 
     @property
     def label(self) -> str:
@@ -176,11 +188,13 @@ class RunConfig:
         sched = (" static" if self.schedule == "static" else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         if self.is_baseline:
             return f"none b{self.batch}{sched}"
-        return f"{self.drafter}{' tree' if self.tree else ''} k{self.k} b{self.batch}{sched}"
+        pol = "" if self.spec_policy == "fixed" else f" {self.spec_policy}"
+        return f"{self.drafter}{' tree' if self.tree else ''} k{self.k}{pol} b{self.batch}{sched}"
 
     def baseline(self) -> "RunConfig":
         """The no-drafter configuration at the same batch, corpus, budget and settings."""
-        return dataclasses.replace(self, drafter="none", k=0, tree=False, accept_model=None, drafter_options=())
+        return dataclasses.replace(self, drafter="none", k=0, tree=False, accept_model=None, drafter_options=(),
+                                   spec_policy="fixed")
 
 
 # ---- one configuration ----------------------------------------------------------------------
@@ -204,7 +218,9 @@ def _acceptance_injection(cfg: RunConfig, device: torch.device) -> tuple[Any, di
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 7919)
     label = injection_label(model)
     log.info("%s", label)
-    return make_acceptance_fn(model, gen, k=cfg.k), injection_record(model), label
+    # under a policy a step's K may be below the engine's: the model is restricted to each step's K
+    k = cfg.k if cfg.spec_policy == "fixed" else None
+    return make_acceptance_fn(model, gen, k=k), injection_record(model), label
 
 
 def prepare_configuration(session: Session, cfg: RunConfig) -> None:
@@ -260,13 +276,16 @@ def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
 def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
     """The engine of ``cfg``, every phase event going to ``ledger``."""
     from refspec.engine import Engine, EngineConfig
+    from refspec.eval.policy_setup import build_policy
     from refspec.sampling import SamplingConfig
 
     target = session.target
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    policy = build_policy(session, cfg, drafter)
+    watch = [policy.on_event] if hasattr(policy, "on_event") else []  # a policy calibrating on measured phases
     return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                  observers=[ledger], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                  acceptance_fn=acceptance_fn)
+                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
+                  acceptance_fn=acceptance_fn, policy=policy)
 
 
 def _run_labels(cfg: RunConfig, batches: int, injection_label: str | None) -> list[dict[str, Any]]:
@@ -316,7 +335,8 @@ def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, r
     return {
         "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
         "baseline_config_id": cfg.baseline().config_id,
-        "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "tree": cfg.tree, "batch": cfg.batch,
+        "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "spec_policy": cfg.spec_policy, "tree": cfg.tree,
+        "batch": cfg.batch,
         "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
         "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
         "compiled_step": bool(getattr(session, "compile_step", False)),
@@ -402,6 +422,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
                          injection=injection)
         record.update(experts_fields(ledger_records, ledger.run_ids))
         record.update(prefill_fields(ledger_records, ledger.run_ids, [len(q.prompt) for q in stream.requests]))
+        record.update(k_fields(ledger_records, ledger.run_ids))
         record.update(request_fields(ledger_records, ledger.run_ids, results, record["request_outputs"],
                                      profile=session.roofline_profile))  # energy and acceptance per request
         record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,

@@ -55,6 +55,8 @@ class SweepGrid:
         baseline: plan the no-drafter baseline at every (corpus, batch).
         default_k: each drafter's default K (used when ``ks`` is None).
         schedules: ``continuous`` and/or ``static`` (None: the base configuration's).
+        policies: speculation policy specs; ``fixed`` runs at every K, any other policy once
+            per drafter at the largest K (its ceiling).
     """
 
     corpora: tuple[str, ...]
@@ -65,6 +67,7 @@ class SweepGrid:
     baseline: bool = True
     default_k: Mapping[str, int] = dataclasses.field(default_factory=dict)
     schedules: tuple[str, ...] | None = None
+    policies: tuple[str, ...] = ("fixed",)
 
 
 def plan(grid: SweepGrid) -> list[RunConfig]:
@@ -90,9 +93,11 @@ def plan(grid: SweepGrid) -> list[RunConfig]:
         for drafter in drafters:
             ks = grid.ks if grid.ks is not None else (grid.default_k.get(drafter, 4),)
             for k in ks:
-                if k == 0:
+                if k == 0 or "fixed" not in grid.policies:
                     continue
                 add(dataclasses.replace(cell, drafter=drafter, k=k))
+            for policy in (p for p in grid.policies if p != "fixed" and max(ks) > 0):
+                add(dataclasses.replace(cell, drafter=drafter, k=max(ks), spec_policy=policy))
     return out
 
 

@@ -20,6 +20,15 @@ but the smallest K > 0 costs at most :data:`PROBE_SLACK` x (share of unprobed re
 per token, that K runs, so a request whose text drafts well is found even when the running
 estimate says drafting does not pay.
 
+Where the run measures time (a CPU's wall clock, a GPU's CUDA events) rather than modelling it,
+the roofline's times are only a prior: a CPU runs a product of a few rows far from both its
+peak and its bandwidth. Observing the run's phase events (:meth:`EnergyPolicy.on_event`), the
+policy then scales each K's predicted time by what the steps of that K measured (draft, verify
+and commit, over the roofline's draft and verify: :class:`TimeCalibration`), the static power
+following the time. It measures every K :data:`EXPLORE_STEPS` times at the start and the one
+measured longest ago every :data:`REPROBE_EVERY` steps, so the scale of a K it stopped
+choosing stays current.
+
 Example (H200 profile, Llama-3.1-8B shapes, acceptance 0.8): at 1 active row the verify
 reads the weights once whatever K, so K = 4 emits 3.4 tokens for about the energy of one; at
 256 rows the verify is compute-bound and each extra position costs its FLOPs, so K = 0 wins.
@@ -42,6 +51,12 @@ REQUEST_WEIGHT = 2.0
 """Observations the running estimate counts as, per position, in a request's own estimate."""
 PROBE_SLACK = 0.1
 """Extra J/token a probe of unprobed requests may cost, at a batch of nothing but unprobed ones."""
+EXPLORE_STEPS = 2
+"""Steps of each K measured at the start of a run whose time is measured."""
+REPROBE_EVERY = 64
+"""Steps after which the K measured longest ago is measured again."""
+RATIO_WINDOW = 8
+"""Latest measured/predicted time ratios a K's scale averages."""
 
 
 def default_ks(k: int) -> tuple[int, ...]:
@@ -145,6 +160,7 @@ class RooflineStepCost:
                  kv_bucket: int = 64) -> None:
         self.target, self.profile, self.drafter = target, profile, drafter
         self.dtype_bytes, self.verify_shape, self.kv_bucket = dtype_bytes, verify_shape, kv_bucket
+        self.static_w = profile.static_w
         self._memo: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def _verify(self, rows: int, k: int, keys: int) -> ForwardShape:
@@ -174,6 +190,41 @@ class RooflineStepCost:
             time_s, energy_j = time_s + t, energy_j + self.profile.energy_j(c, t)
         self._memo[(batch, k, keys)] = (time_s, energy_j)
         return time_s, energy_j
+
+
+class TimeCalibration:
+    """Measured over predicted step time, per K (a K never measured takes the nearest measured K's).
+
+    Args:
+        ks: the K a policy chooses from.
+    """
+
+    def __init__(self, ks: Sequence[int]) -> None:
+        self._ratios: dict[int, list[float]] = {k: [] for k in ks}
+        self._last: dict[int, int] = {k: -(1 << 30) for k in ks}  # step of each K's latest measurement
+
+    def add(self, k: int, step: int, measured_s: float, predicted_s: float) -> None:
+        """One step of K: its measured time against the roofline's prediction."""
+        if predicted_s > 0 and measured_s > 0 and k in self._ratios:
+            self._ratios[k] = (self._ratios[k] + [measured_s / predicted_s])[-RATIO_WINDOW:]
+            self._last[k] = step
+
+    def ratio(self, k: int) -> float:
+        """The scale of K's predicted time (1 before any measurement)."""
+        seen = [kk for kk, r in self._ratios.items() if r]
+        if not seen:
+            return 1.0
+        near = min(seen, key=lambda kk: (abs(kk - k), kk))
+        return sum(self._ratios[near]) / len(self._ratios[near])
+
+    def due(self, step: int) -> int | None:
+        """A K to measure now: one measured fewer than :data:`EXPLORE_STEPS` times, else the one
+        measured longest ago once that is :data:`REPROBE_EVERY` steps back; None otherwise."""
+        fresh = [k for k, r in self._ratios.items() if len(r) < EXPLORE_STEPS]
+        if fresh:
+            return fresh[0]
+        stale = min(self._last, key=lambda k: self._last[k])
+        return stale if step - self._last[stale] >= REPROBE_EVERY else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +265,15 @@ class EnergyPolicy:
         tpot_ms: TPOT target in ms, or None.
         prior: the prior per-token acceptance of the drafter on this corpus.
         ks: the K it chooses from (default :func:`default_ks`).
+        measured: the run measures time (wall clock, CUDA events) rather than modelling it with
+            ``cost``'s profile: calibrate each K's time from the phase events (:meth:`on_event`).
+        static_w: the static power in W behind ``cost``'s energy (default ``cost.static_w``),
+            which scales with a calibrated time.
     """
 
     def __init__(self, *, k: int, cost: Callable[[int, int, int], tuple[float, float]], tpot_ms: float | None = None,
-                 prior: float | Sequence[float] = 0.5, ks: Sequence[int] | None = None) -> None:
+                 prior: float | Sequence[float] = 0.5, ks: Sequence[int] | None = None, measured: bool = False,
+                 static_w: float | None = None) -> None:
         self.ks = tuple(sorted(set(ks))) if ks is not None else default_ks(k)
         if not self.ks or self.ks[0] < 0 or self.ks[-1] > k:
             raise ValueError(f"the energy policy's K must lie in 0..{k}, got {self.ks}")
@@ -227,6 +283,9 @@ class EnergyPolicy:
         self.cost, self.tpot_s = cost, None if tpot_ms is None else tpot_ms / 1e3
         self.tracker = AcceptanceTracker(max(max(self.ks), 1), prior)
         self.last: list[KOption] = []  # the latest step's predictions (for tests and reports)
+        self.calibration = TimeCalibration(self.ks) if measured else None
+        self.static_w = float(getattr(cost, "static_w", 0.0) if static_w is None else static_w)
+        self._step: tuple[int, int, float, float] | None = None  # (step, K, predicted s, measured s so far)
 
     def options(self, view: StepView) -> list[KOption]:
         """Every K's prediction for the step ``view`` describes."""
@@ -240,6 +299,9 @@ class EnergyPolicy:
         out = []
         for k in self.ks:
             time_s, energy_j = self.cost(view.batch, k, view.length_bound)
+            if self.calibration is not None:  # the measured time, and the static energy over it
+                extra_s = time_s * (self.calibration.ratio(k) - 1.0)
+                time_s, energy_j = time_s + extra_s, energy_j + self.static_w * extra_s
             tokens = per_k[k] * scale if requests else float(view.active)
             out.append(KOption(k=k, time_s=time_s, energy_j=energy_j, tokens=max(tokens, 1e-9), active=view.active))
         return out
@@ -247,6 +309,15 @@ class EnergyPolicy:
     def choose(self, view: StepView) -> int:
         if view.active <= 0 or self.ks == (0,):
             return 0
+        k = self._choose(view)
+        if self.calibration is not None:
+            self._step = (view.step, k, self.cost(view.batch, k, view.length_bound)[0], 0.0)
+        return k
+
+    def _choose(self, view: StepView) -> int:
+        due = self.calibration.due(view.step) if self.calibration is not None else None
+        if due is not None:
+            return due
         self.last = opts = self.options(view)
         best = cheapest(opts, self.tpot_s)
         requests = [r for r in view.slot_requests if r >= 0]
@@ -260,5 +331,18 @@ class EnergyPolicy:
     def observe(self, k: int, accepted: Sequence[int], slot_requests: Sequence[int]) -> None:
         self.tracker.observe(k, accepted, slot_requests)
 
+    def on_event(self, event) -> None:
+        """A phase observer (``Engine(observers=[..., policy.on_event])``): the measured time of
+        each step's draft, verify and commit phases calibrates its K (when ``measured``)."""
+        if self._step is None or event.step != self._step[0] or event.phase not in ("draft", "verify", "commit"):
+            return
+        step, k, predicted_s, measured_s = self._step
+        measured_s += event.measurement.time_s
+        self._step = (step, k, predicted_s, measured_s)
+        if event.phase == "commit":
+            self.calibration.add(k, step, measured_s, predicted_s)
+            self._step = None
 
-__all__ = ["AcceptanceTracker", "EnergyPolicy", "KOption", "PROBE_SLACK", "RooflineStepCost", "cheapest", "default_ks"]
+
+__all__ = ["AcceptanceTracker", "EnergyPolicy", "KOption", "PROBE_SLACK", "RooflineStepCost", "TimeCalibration",
+           "cheapest", "default_ks"]

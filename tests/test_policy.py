@@ -236,3 +236,48 @@ def test_the_predicted_step_is_what_a_roofline_meter_charges(tiny_models):
     for view in policy.views:
         k = (3, 0, 1)[view.step % 3]
         assert cost(view.batch, k, view.length_bound) == pytest.approx(steps[view.step], rel=1e-9)
+
+
+def test_time_calibration_scales_each_k_by_what_it_measured():
+    from refspec.policy_energy import EXPLORE_STEPS, REPROBE_EVERY, TimeCalibration
+
+    cal = TimeCalibration((0, 1, 2, 4))
+    assert cal.ratio(2) == 1.0 and cal.due(0) == 0, "nothing measured: the roofline as it is; explore K = 0 first"
+    for step in range(EXPLORE_STEPS):
+        cal.add(0, step, 3.0, 1.0)
+        cal.add(4, step, 8.0, 1.0)
+    assert cal.ratio(0) == 3.0 and cal.ratio(4) == 8.0
+    assert cal.ratio(1) == 3.0 and cal.ratio(2) == 3.0, "an unmeasured K takes the nearest measured (ties: smaller)"
+    assert cal.due(10) == 1
+    for step in range(EXPLORE_STEPS):
+        cal.add(1, 10 + step, 4.0, 1.0)
+        cal.add(2, 10 + step, 5.0, 1.0)
+    assert cal.due(20) is None and cal.due(REPROBE_EVERY + 1) == 0, "the K measured longest ago, once it is stale"
+
+
+class _Phase:
+    def __init__(self, step, phase, time_s):
+        from refspec.energy.phases import Measurement
+
+        self.step, self.phase, self.measurement = step, phase, Measurement(time_s=time_s, energy_j=None, source="t")
+
+
+def test_a_measured_run_decides_by_the_time_it_measured():
+    """The roofline prices every K alike (so it would draft 4), but the run measures a step of K
+    at 1 + K s: after measuring each K the policy decodes plainly, and keeps doing so."""
+    cost = lambda batch, k, length_bound: (1.0, 1.0)  # noqa: E731  1 s, 1 J (all static at 1 W) for any K
+    modelled = EnergyPolicy(k=4, cost=cost, prior=0.5, static_w=1.0)
+    modelled.observe(1, [1], [0])
+    assert modelled.choose(_view(1)) == 4
+    policy = EnergyPolicy(k=4, cost=cost, prior=0.5, measured=True, static_w=1.0)
+    chosen = []
+    for step in range(40):
+        k = policy.choose(StepView(step=step, batch=1, active=1, max_k=4, length_bound=9, slot_requests=(0,)))
+        chosen.append(k)
+        for phase, share in (("draft", 0.1), ("verify", 0.8), ("commit", 0.1)):
+            policy.on_event(_Phase(step, phase, share * (1.0 + k)))
+        policy.observe(k, [min(k, 1)], [0])
+    assert sorted(set(chosen[:10])) == [0, 1, 2, 3, 4], "every K measured at the start"
+    assert set(chosen[10:]) == {0}
+    by_k = {o.k: o for o in policy.last}
+    assert by_k[3].time_s == pytest.approx(4.0) and by_k[3].energy_j == pytest.approx(4.0)

@@ -1,0 +1,60 @@
+"""A stream mixing corpora: ``--corpus mixed:A+B[+C...]`` interleaves their requests.
+
+Request i takes the ``i // n``-th prompt of part ``i % n`` (n parts): ``mixed:conversation+code``
+serves conversation 1, code 1, conversation 2, code 2, and so on, each part's prompts as its
+own corpus gives them. A server sees such a stream when users of different tasks share it,
+and a per-request speculation policy is tested on it: one fixed K cannot suit both parts.
+
+The parts' reference answers are scaled by different corpus quantiles, so a mixed stream
+carries no reference lengths: ``--output-len-dist auto`` draws its budgets ``uniform:0.25``
+(any explicit distribution but ``reference`` works too).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+PREFIX = "mixed:"
+
+
+def mixed_parts(corpus: str) -> list[str] | None:
+    """The parts of a ``mixed:A+B`` corpus name, or None for any other name."""
+    if not corpus.startswith(PREFIX):
+        return None
+    return [p.strip() for p in corpus[len(PREFIX):].split("+")]
+
+
+def check_mixed(corpus: str, known: Iterable[str]) -> str:
+    """The canonical name of a mixed corpus whose parts are built-in corpora.
+
+    Raises:
+        ValueError: fewer than two parts, an unknown part, or a part named twice.
+    """
+    parts, known = mixed_parts(corpus), list(known)
+    if parts is None or len(parts) < 2 or len(set(parts)) != len(parts):
+        raise ValueError(f"{corpus!r}: a mixed corpus names two or more different built-in corpora, "
+                         f"e.g. mixed:conversation+code")
+    bad = [p for p in parts if p not in known]
+    if bad:
+        raise ValueError(f"{corpus!r}: {', '.join(bad)} is not a built-in corpus ({', '.join(known)})")
+    return PREFIX + "+".join(parts)
+
+
+def mixed_prompt_set(corpus: str, tokenizer: Any, *, chat: bool, wanted: int, cap: int | None = None) -> Any:
+    """Up to ``min(wanted, cap)`` prompts alternating over the parts (no reference lengths).
+
+    Returns:
+        A :class:`refspec.eval.requests.PromptSet`.
+    """
+    from refspec.eval.requests import PromptSet, corpus_prompt_set
+
+    parts = mixed_parts(corpus)
+    assert parts, f"{corpus!r} is not a mixed corpus"
+    limit = wanted if cap is None else min(wanted, cap)
+    each = math.ceil(limit / len(parts))
+    sets = [corpus_prompt_set(p, tokenizer, chat=chat, wanted=each, references=False).prompts for p in parts]
+    prompts = [s[i] for i in range(each) for s in sets if i < len(s)][:limit]
+    return PromptSet(prompts, [None] * len(prompts))
+
+
+__all__ = ["PREFIX", "check_mixed", "mixed_parts", "mixed_prompt_set"]

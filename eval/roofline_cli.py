@@ -255,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             acceptances=accs, context=args.context, drafter=drafter, dtype_bytes=args.dtype_bytes,
                             out=args.out))
             return 0
+        if args.policy is not None:  # the K the energy policy picks: refspec.eval.roofline_policy
+            return _policy_report(args, target, profile, drafter, batches, ks, accs)
         rows = prediction_table(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
                                 drafter=drafter, dtype_bytes=args.dtype_bytes)
     except (UsageError, ValueError) as exc:
@@ -289,6 +291,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _policy_report(args: argparse.Namespace, target: ModelArgs, profile: HardwareProfile, drafter: DrafterModel,
+                   batches: Sequence[int], ks: Sequence[int], accs: Sequence[float]) -> int:
+    """``--policy energy[:tpot_ms=T]``: the K the energy policy picks per acceptance and batch."""
+    from refspec.eval.roofline_policy import format_policy_table, policy_rows
+    from refspec.policy import PolicySpecError, parse_policy
+
+    try:
+        spec = parse_policy(args.policy)
+    except PolicySpecError as exc:
+        raise UsageError(str(exc).replace("--spec-policy", "--policy")) from None
+    if spec.kind != "energy":
+        raise UsageError(f"--policy {args.policy!r}: the table shows the energy policy's choice; use energy or "
+                         f"energy:tpot_ms=T (the fixed-rule policies need no prediction)")
+    rows = policy_rows(target, profile, batches=batches, ks=ks, acceptances=accs, context=args.context,
+                       drafter=None if drafter.free else drafter, dtype_bytes=args.dtype_bytes, tpot_ms=spec.tpot_ms)
+    print(f"model {args.model} on {profile.name} (modelled), drafter {drafter.name}, context {args.context}, K from "
+          f"{', '.join(map(str, ks))}")
+    print(format_policy_table(rows, spec.tpot_ms))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line of ``python -m refspec.eval roofline``."""
     parser = OneLineParser(
@@ -317,6 +340,9 @@ def _parser() -> argparse.ArgumentParser:
                              "or block:ARCH (one forward drafts k tokens)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
     parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
+    parser.add_argument("--policy", default=None, metavar="energy[:tpot_ms=T]",
+                        help="instead of the table, the K the energy speculation policy picks (from --k) per "
+                             "acceptance and batch, and its saving against K=0")
     parser.add_argument("--tp", default=None, metavar="N,...",
                         help="tensor-parallel GPUs, comma-separated (e.g. 1,2,4,8): each GPU's share of the weights, "
                              "two ring all-reduces per layer over the profile's NVLink, replicated drafters; prints "

@@ -179,11 +179,10 @@ class RooflineStepCost:
             return hit
         costs = [forward_cost(self._verify(batch, k, keys))]
         d = self.drafter
-        if k > 0 and d is not None and not d.free:
-            width, forwards = (k, 1) if d.parallel else (1, k)
-            one = d.forward_cost(self.target, rows=batch, tokens_per_row=width, context_tokens=batch * keys,
-                                 dtype_bytes=self.dtype_bytes)
-            costs += [one] * forwards
+        if k > 0 and d is not None and not d.free:  # as predict_step: K one-token forwards over a growing
+            widths = [(k, length_bound - 1 + k)] if d.parallel else [(1, length_bound + i) for i in range(k)]  # cache
+            costs += [d.forward_cost(self.target, rows=batch, tokens_per_row=w, context_tokens=batch * ctx,
+                                     dtype_bytes=self.dtype_bytes) for w, ctx in widths]
         time_s = energy_j = 0.0
         for c in costs:
             t = self.profile.time_s(c)

@@ -124,9 +124,23 @@ def test_step_cost_equals_the_roofline_prediction_of_the_step():
     cost = RooflineStepCost(LLAMA8B, H200_SXM, drafter=EAGLE_HEAD, dtype_bytes=2, kv_bucket=1)
     for batch, k in ((1, 0), (1, 4), (64, 2)):
         time_s, energy_j = cost(batch, k, 513)  # 512 tokens committed in the longest row
-        p = predict_step(LLAMA8B, H200_SXM, batch=batch, k=k, context=512, acceptance=0.5, drafter=None)
-        assert (time_s >= p.step_time_s and energy_j >= p.step_energy_j) if k else (
-            time_s == pytest.approx(p.step_time_s) and energy_j == pytest.approx(p.step_energy_j))
+        p = predict_step(LLAMA8B, H200_SXM, batch=batch, k=k, context=512, acceptance=0.5, drafter=EAGLE_HEAD)
+        assert (time_s, energy_j) == pytest.approx((p.step_time_s, p.step_energy_j), rel=1e-12)
+
+
+def test_roofline_policy_table_picks_the_least_j_per_token_of_the_prediction_table():
+    from refspec.eval.roofline_cli import prediction_table
+    from refspec.eval.roofline_policy import policy_rows
+
+    kw = dict(batches=[1, 8, 64, 512], ks=[0, 1, 2, 4, 7], acceptances=[0.3, 0.6, 0.9], context=512,
+              drafter=EAGLE_HEAD, dtype_bytes=2)
+    chosen = {(r["acceptance"], r["batch"]): r for r in policy_rows(LLAMA8B, H200_SXM, **kw)}
+    table = prediction_table(LLAMA8B, H200_SXM, **kw)
+    for (a, b), r in chosen.items():
+        cells = [t for t in table if t["acceptance"] == a and t["batch"] == b]
+        best = min(cells, key=lambda t: (t["j_per_token"], t["k"]))
+        assert r["k"] == best["k"] and r["j_per_token"] == pytest.approx(best["j_per_token"])
+    assert chosen[(0.9, 1)]["k"] == 7 and chosen[(0.3, 512)]["k"] == 0
 
 
 def test_high_acceptance_drafts_at_batch_one_on_an_h200():
@@ -281,3 +295,20 @@ def test_a_measured_run_decides_by_the_time_it_measured():
     assert set(chosen[10:]) == {0}
     by_k = {o.k: o for o in policy.last}
     assert by_k[3].time_s == pytest.approx(4.0) and by_k[3].energy_j == pytest.approx(4.0)
+
+
+def test_roofline_cli_prints_the_k_the_energy_policy_picks(capsys):
+    from refspec.eval.roofline_cli import main
+
+    assert main(["--policy", "energy", "--batch", "1,1024", "--k", "0,4", "--acceptance", "0.9,0.1"]) == 0
+    out = capsys.readouterr().out
+    import re
+
+    row = {line.split()[0]: re.findall(r"(\d+) \(", line) for line in out.splitlines()
+           if line.strip().startswith(("0.90", "0.10"))}
+    assert row == {"0.90": ["4", "0"], "0.10": ["0", "0"]}, out
+    assert main(["--policy", "energy:tpot_ms=1e-9", "--batch", "8", "--k", "0,4", "--acceptance", "0.5"]) == 0
+    assert "!" in capsys.readouterr().out, "no K meets an impossible target: marked"
+    assert main(["--policy", "fixed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --policy")

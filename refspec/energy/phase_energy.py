@@ -19,8 +19,9 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
     of its own. A phase record's energy = its phase's power x its time.
 ``attributed-loops``
     Where a loop runner wrote ``loop`` records (a phase alone, repeated at the run's shapes), a
-    phase record's energy = its loop's J per call; a phase without a loop (commit) takes the
-    fit's power x its time. Both estimates are reported with their agreement.
+    phase record's energy = its loop's J per call (per row of the record's ``rows_active`` when
+    the loop gives its rows per call: a refill prefill); a phase without a loop (commit) takes
+    the fit's power x its time. Both estimates are reported with their agreement.
 
 ``measured-total-only``
     No loops, and the fit cannot split: too few sub-windows (fewer than the powers to fit), or

@@ -187,3 +187,21 @@ def test_sampling_stays_lossless_whatever_k_each_step_takes(tiny_models, name):
     gen = Engine(m, drafter, config=EngineConfig(k=k, sampling=WARPED), policy=CyclingK((0, 3, 1))).generate(
         [[5, 9, 11, 4]] * 2000, max_new_tokens=3, generator=torch.Generator().manual_seed(5))
     assert_follows_target(m, [5, 9, 11, 4], gen.tokens, WARPED)
+
+
+@pytest.mark.parametrize("name", ["eagle", "block"])
+def test_static_shape_runner_holds_one_step_shape_per_k(tiny_models, name):
+    """Through the CUDA-graph runner's static-shape path (eager here, captured on a GPU): output
+    equals plain decoding, and the verify shapes are one per K (times the key buckets reached)."""
+    from refspec.cuda_graphs import GraphRunner
+
+    m = tiny_models["llama"]
+    prompts = _prompts(4, seed=4)
+    plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=20)
+    runner = GraphRunner(m, capture=False, keys_bucket=512)
+    drafter, k, pattern = _drafter(name, m)
+    spec = Engine(m, drafter, config=EngineConfig(k=k), policy=CyclingK(pattern), verify_fn=runner,
+                  eos_token_ids=EOS).generate(prompts, max_new_tokens=20)
+    assert spec.tokens == plain.tokens
+    assert {key.tokens_per_row for key in runner._entries} == {kk + 1 for kk in set(pattern)}
+    assert runner.num_keys_prepared == len(set(pattern)), "one shape (one graph on a GPU) per K"

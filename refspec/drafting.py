@@ -6,7 +6,10 @@ imports a concrete drafter; ``refspec.drafters`` registers them by CLI name.
 Life cycle per batch: ``reset(state)`` once after the target's prefill (``state.hidden`` then
 holds prompt features), then per step ``propose(state, k)`` and, after verification and the
 engine's own bookkeeping, ``commit(state)`` (``state.hidden`` then holds the features of
-the pending token and the accepted drafts, ``state.num_accepted`` the counts).
+the pending token and the accepted drafts, ``state.num_accepted`` the counts). The speculation
+policy (:mod:`refspec.policy`) picks k per step, below the engine's K or 0: a step with k = 0
+calls ``commit`` without ``propose`` (one position per row committed, its features in
+``state.hidden``), and the drafter's state must stay exact across such steps.
 
 Continuous batching (:meth:`refspec.engine.Engine.serve`) refills a slot whose request finished
 with a new request: after its prefill the engine calls ``reset_rows(state, rows, hidden)`` for
@@ -45,7 +48,7 @@ class Draft:
 
     Attributes:
         tokens: ``[B, K']`` drafted tokens; a chain has ``K' <= K`` (a drafter may cut the
-            whole batch's draft short, e.g. n-gram trimming; 0 makes a plain step); for
+            whole batch's draft short; 0 makes a plain step); for
             trees, N nodes.
         probs: the drafter's processed distributions q when it samples, or None for
             deterministic drafts (one-hot q) and for greedy decoding. A chain gives ``[B, K', V]``,

@@ -1,9 +1,9 @@
-"""Ceilings measured in the run: a large device-to-device copy and a large GEMM on random data.
+"""Ceilings measured on the GPU at start: a large device-to-device copy and a large GEMM.
 
-The data sheet's 4.8 TB/s and 989 TFLOP/s are not what an H200 reaches (about 4.3 TB/s and
-770-800 TFLOP/s); the run's roofline uses these measured figures, the data sheet's stay beside
-them. Operands are drawn from a normal distribution: a GEMM on zeros runs faster than on real
-data (less switching), so it would overstate the ceiling.
+A data sheet's bandwidth and peak are not what a GPU reaches (an H200 copies at about 4.3 of its
+4.8 TB/s and multiplies at 770-800 of its 989 TFLOP/s), so predictions beside measured figures
+use these; the data sheet's stay beside them. Operands are normal random data: a GEMM on zeros
+runs faster (less switching) and would overstate the ceiling.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class CeilingShapes:
 
 
 GPU_SHAPES = CeilingShapes(copy_bytes=2 << 30, gemm_n=8192, repeats=20, trials=5)
-DRY_SHAPES = CeilingShapes(copy_bytes=8 << 20, gemm_n=256, repeats=3, trials=2)
+SMALL_SHAPES = CeilingShapes(copy_bytes=8 << 20, gemm_n=256, repeats=3, trials=2)  # tests
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:

@@ -29,6 +29,7 @@ TOOLS = {
     "assets": ("refspec.eval.assets_cli", "list, fetch, verify and convert the pinned real models"),
     "train": ("refspec.eval.train", "train EAGLE / EAGLE-3 / block drafter heads"),
     "dvfs": ("refspec.eval.dvfs_cli", "show the SM clocks a DVFS sweep can lock"),
+    "paper": ("refspec.eval.paper", "the paper's seven claims on this hardware: claims.md, claims.json, plots"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"

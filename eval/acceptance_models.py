@@ -324,9 +324,63 @@ def geometric_model(acceptance: float, k: int) -> AcceptanceModel:
                                name=f"geometric:{acceptance:g}", drafter="any", corpus="any", provenance=prov)
 
 
+DFLASH_B16_TAU: dict[str, float] = {"conversation": 3.36, "code": 3.52}
+"""Acceptance length (tau, bonus included) of z-lab's DFlash block drafter (block size 16) on
+Qwen3-8B served by vLLM on an H100, MT-Bench's 80 prompts, as NVIDIA Model-Optimizer's DFlash
+page reports them per category (``examples/speculative_decoding/doc/dflash.md``, "vLLM
+Deployment Results", z-lab column): ``code`` is its coding category (3.52); ``conversation`` the
+mean of writing, roleplay, reasoning, extraction, stem and humanities (3.97, 3.37, 3.49, 3.02,
+3.63, 2.68). DFlash's own paper (arXiv 2602.06036) reports higher acceptance at batch 1 with
+thinking off; these are third-party serving figures."""
+
+_DFLASH_CATEGORY = {"code": "coding category", "conversation": "mean of the six non-math, non-coding categories"}
+PUBLISHED_ON = "2026-12-03"
+"""Date the published-level file was derived (its ``provenance.date``)."""
+
+
+def dflash_like_model(corpus: str, k: int = 16) -> AcceptanceModel:
+    """A DFlash-like block drafter's distribution at K = ``k`` on ``corpus``: constant per-draft
+    acceptance ``a`` (a geometric survival, the only shape a mean fixes) whose tau at K = 16 is the
+    published :data:`DFLASH_B16_TAU`.
+
+    Raises:
+        AcceptanceModelError: a corpus without a published figure.
+    """
+    if corpus not in DFLASH_B16_TAU:
+        raise AcceptanceModelError(f"no published DFlash acceptance for corpus {corpus!r}; have "
+                                   f"{sorted(DFLASH_B16_TAU)}")
+    tau, lo, hi = DFLASH_B16_TAU[corpus], 0.0, 1.0
+    for _ in range(80):  # tau(a) = (1 - a^17) / (1 - a) rises with a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(17)) < tau else (lo, mid)
+    prov = Provenance(kind="derived", source_model="Qwen3-8B", corpus=corpus, prompts=80, date=PUBLISHED_ON,
+                      source="NVIDIA Model-Optimizer, examples/speculative_decoding/doc/dflash.md, vLLM deployment "
+                             "results, z-lab DFlash block size 16 on Qwen3-8B, MT-Bench per category",
+                      notes=f"tau {tau} at K=16 ({_DFLASH_CATEGORY[corpus]}); geometric survival with per-draft "
+                            f"acceptance {lo:.4f} (an assumed shape: the source gives means only)")
+    return model_from_survival([lo ** i for i in range(1, 17)], k, tail_ratio=None, name=f"dflash-b16-{corpus}",
+                               drafter="block", corpus=corpus, provenance=prov)
+
+
+def published_models() -> list[AcceptanceModel]:
+    """The published-level acceptance the paper command injects (``refspec.eval.paper``): EAGLE-3
+    on Llama-3.1-8B (vLLM's chain taus, K = 7, one model per corpus since the source states none)
+    and a DFlash-like block drafter at K = 16 per corpus."""
+    out = []
+    for corpus in ("conversation", "code"):
+        m = _vllm_eagle3(7)
+        prov = dataclasses.replace(m.provenance, corpus=corpus,
+                                   notes=_join(m.provenance.notes, f"served for corpus {corpus}: the source states "
+                                                                   f"none, so every corpus gets the same model"))
+        out.append(dataclasses.replace(m, name=f"eagle3-llama3.1-8b-vllm-{corpus}", drafter="eagle", corpus=corpus,
+                                       provenance=prov))
+    return out + [dflash_like_model(c) for c in ("conversation", "code")]
+
+
 BUILTIN: dict[str, Callable[[int], AcceptanceModel]] = {"vllm-eagle3-llama3.1-8b": _vllm_eagle3}
 """Named models for ``--accept-model NAME`` (plus ``geometric:A`` for any A in [0, 1])."""
 
 
 __all__ = ["AcceptanceModel", "AcceptanceModelError", "Provenance", "BUILTIN", "VLLM_EAGLE3_TAU", "DERIVED_ON",
-           "geometric_model", "survival_from_taus", "model_from_survival"]
+           "DFLASH_B16_TAU", "geometric_model", "survival_from_taus", "model_from_survival", "dflash_like_model",
+           "published_models"]

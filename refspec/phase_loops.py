@@ -123,7 +123,8 @@ def _set_up(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.
     raise AssertionError("unreachable: the set-up returns at its last step")
 
 
-def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callable[[], None]) -> Loop:
+def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callable[[], None],
+          rows: int | None = None) -> Loop:
     """Repeat ``body`` for at least ``min_s`` seconds; the counter is read at the loop's bounds only."""
     sync()
     first = meter.counter.read()
@@ -138,7 +139,8 @@ def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callab
             break
     sync()
     last = meter.counter.read()
-    return Loop(energy_j=last.energy_j - first.energy_j, time_s=last.wall_s - first.wall_s, iterations=iterations)
+    return Loop(energy_j=last.energy_j - first.energy_j, time_s=last.wall_s - first.wall_s, iterations=iterations,
+                rows=rows)
 
 
 def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | None = None,
@@ -193,7 +195,8 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
             for name in phases:  # the prefill loop last: it overwrites the set-up's rows
                 if name == "draft" and (t.drafter is None or not shapes.k):
                     continue
-                out[name] = _loop(meter, name, bodies[name], min_s, sync)
+                rows = shapes.refill if name == "prefill" else None  # refills differ in rows: priced per row
+                out[name] = _loop(meter, name, bodies[name], min_s, sync, rows)
         finally:
             meter.abandon_run()  # the loops' phases opened a counter run the ledger never closes
     return out

@@ -69,7 +69,8 @@ def start(args: argparse.Namespace) -> "TensorParallel | None":
     """Join the group torchrun started (None: no ``--tp`` and no torchrun, or ``--print-sbatch``,
     which only writes the torchrun line). On ranks other than 0 the command is then quiet: no
     progress bars, no prints, logs at ERROR, no ``--export-acceptance`` or
-    ``--per-request-metrics`` file, and ``args.device`` is the GPU torchrun gave the rank.
+    ``--per-request-metrics`` file. On GPUs ``args.device`` becomes ``cuda``: the rank's GPU
+    (``LOCAL_RANK``) is made current, so every rank's configurations keep the same ids.
 
     Raises:
         TPError: a launch that cannot work (see :func:`refspec.distributed.check_launch`).

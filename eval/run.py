@@ -267,9 +267,12 @@ def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
     """``cfg`` with the draft model it will run written out, so the record names it (loads the target)."""
     if cfg.drafter != "draft-model" or "draft_model" in dict(cfg.drafter_options):
         return cfg
-    from refspec.drafters.draft_model import default_draft_model
+    from refspec.drafters.draft_model import default_draft_model, missing_draft_model
 
-    options = {**dict(cfg.drafter_options), "draft_model": default_draft_model(session.target.model)}
+    draft = default_draft_model(session.target.model)
+    if draft is None:
+        raise UsageError(missing_draft_model(cfg.model))
+    options = {**dict(cfg.drafter_options), "draft_model": draft}
     return dataclasses.replace(cfg, drafter_options=tuple(sorted(options.items())))
 
 

@@ -350,6 +350,18 @@ def test_auto_dtype_is_fp32_on_cpus_without_native_bf16():
     assert auto_dtype(torch.device("cuda"), plain) == "bf16"
 
 
+def test_the_evaluations_auto_dtype_is_fp32_on_every_cpu(monkeypatch):
+    """``--dtype auto`` of run and sweep: fp32 on a CPU even with native bf16, so greedy requests equal the baseline."""
+    import torch
+
+    from refspec.eval import cli_args, machine
+
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda *a: True)
+    assert cli_args._resolve_dtype("auto", torch.device("cpu")) == "fp32"
+    assert cli_args._resolve_dtype("auto", torch.device("cuda")) == "bf16"
+    assert cli_args._resolve_dtype("bfloat16", torch.device("cpu")) == "bf16", "--dtype says otherwise"
+
+
 # ---- real tier ----------------------------------------------------------------------------------------
 @pytest.mark.real
 def test_smollm2_ngram_on_two_corpora(tmp_path, capsys):
@@ -368,12 +380,29 @@ def test_smollm2_ngram_on_two_corpora(tmp_path, capsys):
     assert "code" in capsys.readouterr().out
 
 
-def test_a_default_draft_model_is_written_out_in_the_record(tiny, tmp_path):
-    rc = cli.main([*_base(tiny), "--drafter", "draft-model", "--batch", "1", "--num-prompts", "1", "--meter", "time",
-                   "--no-baseline", "--out", str(tmp_path)])
-    assert rc == 0
-    (record,) = json.loads((tmp_path / "summary.json").read_text())
-    assert record["config"]["drafter_options"] == {"draft_model": "self:1"}, "3 layers: the default is self:L/4 = 1"
+def test_draft_model_without_a_pinned_sibling_asks_for_one_then_records_it(tiny, tmp_path, capsys):
+    argv = [*_base(tiny), "--drafter", "draft-model", "--batch", "1", "--num-prompts", "1", "--meter", "time",
+            "--no-baseline"]
+    assert cli.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --drafter draft-model needs --draft-model for "), err
+    assert not (tmp_path / "a" / "records.jsonl").exists()
+    assert cli.main([*argv, "--draft-model", "self:1", "--out", str(tmp_path / "b")]) == 0
+    (record,) = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert record["config"]["drafter_options"] == {"draft_model": "self:1"}
+
+
+def test_the_default_draft_is_the_pinned_qwen_sibling_only_for_larger_qwen_targets():
+    from types import SimpleNamespace
+
+    from refspec.drafters.draft_model import default_draft_model
+
+    def target(family, layers, hidden):
+        return SimpleNamespace(args=SimpleNamespace(family=family, num_layers=layers, hidden_size=hidden))
+
+    assert default_draft_model(target("qwen2", 28, 1536)) == "qwen2.5-coder-0.5b", "Qwen2.5-Coder-1.5B"
+    assert default_draft_model(target("qwen2", 24, 896)) is None, "the 0.5B itself would draft for itself"
+    assert default_draft_model(target("llama", 30, 576)) is None, "SmolLM2: no pinned sibling"
 
 
 def test_log_axes_over_less_than_a_decade_get_a_few_labels_that_do_not_overlap():

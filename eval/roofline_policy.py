@@ -25,7 +25,7 @@ def policy_rows(target: ModelArgs, profile: HardwareProfile, *, batches: Sequenc
     rows = []
     for a in acceptances:
         for b in batches:
-            policy = EnergyPolicy(k=max(ks), cost=cost, tpot_ms=tpot_ms, prior=a, ks=ks)
+            policy = EnergyPolicy(k=max(ks), cost=cost, tpot_ms=tpot_ms, prior=a, ks=ks, optimism=0.0)
             view = StepView(step=0, batch=b, active=b, max_k=max(ks), length_bound=context + 1,
                             slot_requests=tuple(range(b)))
             opts = policy.options(view)

@@ -11,7 +11,9 @@ For every K of its set, :class:`EnergyPolicy` predicts, before the step:
 * the **tokens** the active rows will emit: per request ``1 + sum_{i<=K} prod_{j<=i} a_j``
   with ``a_j`` the conditional acceptance of draft position j (:class:`AcceptanceTracker`:
   the request's own counts, shrunk to the running estimate over every request, itself shrunk
-  to the drafter's and corpus's prior).
+  to the drafter's and corpus's prior, plus :data:`OPTIMISM` pseudo-acceptances, so one
+  rejected draft does not stop a request's drafting for good: a step without drafts teaches
+  nothing).
 
 It returns the K of least energy / tokens among those whose predicted time per output token,
 step time x active rows / tokens, meets the TPOT target (without one, every K qualifies; when
@@ -49,6 +51,9 @@ PRIOR_WEIGHT = 8.0
 """Observations the drafter's prior counts as, per draft position, in the running estimate."""
 REQUEST_WEIGHT = 2.0
 """Observations the running estimate counts as, per position, in a request's own estimate."""
+OPTIMISM = 1.0
+"""Pseudo-acceptances a request's estimate holds per position beyond the running estimate's
+(optimism under uncertainty: it fades as the request's own drafts are counted)."""
 PROBE_SLACK = 0.1
 """Extra J/token a probe of unprobed requests may cost, at a batch of nothing but unprobed ones."""
 EXPLORE_STEPS = 2
@@ -78,15 +83,16 @@ class AcceptanceTracker:
         prior: the prior per-token acceptance (one value for every position, or P values).
         prior_weight: observations the prior counts as per position.
         request_weight: observations the running estimate counts as in a request's estimate.
+        optimism: pseudo-acceptances added to a request's estimate per position.
     """
 
     def __init__(self, positions: int, prior: float | Sequence[float] = 0.5, *, prior_weight: float = PRIOR_WEIGHT,
-                 request_weight: float = REQUEST_WEIGHT) -> None:
+                 request_weight: float = REQUEST_WEIGHT, optimism: float = OPTIMISM) -> None:
         prior = [float(prior)] * positions if isinstance(prior, (int, float)) else [float(p) for p in prior]
         if len(prior) != positions or any(not 0.0 <= p <= 1.0 for p in prior):
             raise ValueError(f"prior must be {positions} acceptance rates in [0, 1], got {prior}")
         self.prior = prior
-        self.prior_weight, self.request_weight = prior_weight, request_weight
+        self.prior_weight, self.request_weight, self.optimism = prior_weight, request_weight, optimism
         self.tried = [0.0] * positions  # [P] over every request
         self.accepted = [0.0] * positions
         self._requests: dict[int, tuple[list[float], list[float]]] = {}  # id -> (tried [P], accepted [P])
@@ -115,13 +121,12 @@ class AcceptanceTracker:
         return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, self.prior)]
 
     def rates(self, request: int, running: Sequence[float] | None = None) -> list[float]:
-        """``[P]`` conditional acceptance of ``request`` (the running estimate before it drafted)."""
+        """``[P]`` conditional acceptance of ``request``: ``(accepted + w g + o) / (tried + w + o)``
+        (w the request weight, g the running estimate, o the optimism)."""
         running = self.running() if running is None else running
-        own = self._requests.get(request)
-        if own is None:
-            return list(running)
-        w = self.request_weight
-        return [(a + w * g) / (t + w) for t, a, g in zip(*own, running)]
+        tried, acc = self._requests.get(request, ((0.0,) * len(running), (0.0,) * len(running)))
+        w, o = self.request_weight, self.optimism
+        return [(a + w * g + o) / (t + w + o) for t, a, g in zip(tried, acc, running)]
 
     def probed(self, request: int) -> bool:
         """Whether ``request`` has drafted at least once."""
@@ -268,11 +273,13 @@ class EnergyPolicy:
             ``cost``'s profile: calibrate each K's time from the phase events (:meth:`on_event`).
         static_w: the static power in W behind ``cost``'s energy (default ``cost.static_w``),
             which scales with a calibrated time.
+        optimism: the acceptance tracker's pseudo-acceptances per request (0: the estimates as
+            counted, e.g. for tables of what a known acceptance implies).
     """
 
     def __init__(self, *, k: int, cost: Callable[[int, int, int], tuple[float, float]], tpot_ms: float | None = None,
                  prior: float | Sequence[float] = 0.5, ks: Sequence[int] | None = None, measured: bool = False,
-                 static_w: float | None = None) -> None:
+                 static_w: float | None = None, optimism: float = OPTIMISM) -> None:
         self.ks = tuple(sorted(set(ks))) if ks is not None else default_ks(k)
         if not self.ks or self.ks[0] < 0 or self.ks[-1] > k:
             raise ValueError(f"the energy policy's K must lie in 0..{k}, got {self.ks}")
@@ -280,7 +287,7 @@ class EnergyPolicy:
             raise ValueError(f"tpot_ms must be a positive number, got {tpot_ms}")
         self.name = "energy" if tpot_ms is None else f"energy:tpot_ms={tpot_ms:g}"
         self.cost, self.tpot_s = cost, None if tpot_ms is None else tpot_ms / 1e3
-        self.tracker = AcceptanceTracker(max(max(self.ks), 1), prior)
+        self.tracker = AcceptanceTracker(max(max(self.ks), 1), prior, optimism=optimism)
         self.last: list[KOption] = []  # the latest step's predictions (for tests and reports)
         self.calibration = TimeCalibration(self.ks) if measured else None
         self.static_w = float(getattr(cost, "static_w", 0.0) if static_w is None else static_w)

@@ -87,7 +87,7 @@ def test_ngram_drafts_every_position_it_is_asked_for():
 
 # ---- acceptance estimates -------------------------------------------------------------------------
 def test_tracker_counts_tried_and_accepted_positions_per_request():
-    t = AcceptanceTracker(4, 0.5, prior_weight=2.0, request_weight=2.0)
+    t = AcceptanceTracker(4, 0.5, prior_weight=2.0, request_weight=2.0, optimism=0.0)
     # slot 0 (request 7) accepted 2 of 4: tried 1..3, accepted 1..2; slot 1 empty; slot 2 (request 9) 4 of 4
     t.observe(4, [2, -1, 4], [7, -1, 9])
     assert t.tried == [2.0, 2.0, 2.0, 1.0] and t.accepted == [2.0, 2.0, 1.0, 1.0]
@@ -104,6 +104,21 @@ def test_tracker_counts_tried_and_accepted_positions_per_request():
     assert t.tried == [2.0, 2.0, 2.0, 1.0] and not t.probed(7) and t.probed(9)
 
 
+def test_optimism_keeps_a_request_drafting_past_its_first_rejection():
+    """A step without drafts teaches nothing, so one rejected draft must not end a request's
+    drafting: with a pseudo-acceptance it drafts until a run of rejections outweighs it."""
+    ks = {}
+    for optimism in (0.0, 1.0):
+        policy, ks[optimism] = _energy(0.3, optimism=optimism), []
+        for _ in range(6):  # one active row among 16 slots: drafting is near break-even here
+            ks[optimism].append(cheapest(policy.options(_view(1, batch=16))).k)
+            policy.tracker.observe(1, [0], [0])  # the request rejects every draft
+    assert ks[0.0] == [1, 0, 0, 0, 0, 0]
+    assert ks[1.0][:3] == [1, 1, 1] and ks[1.0][-1] == 0
+    t = AcceptanceTracker(2, 0.5, prior_weight=1e9, request_weight=2.0, optimism=1.0)
+    assert t.rates(5) == pytest.approx([(2 * 0.5 + 1) / 3] * 2), "an unseen request: running estimate and optimism"
+
+
 def test_running_estimate_converges_to_the_true_acceptance():
     g = torch.Generator().manual_seed(0)
     t = AcceptanceTracker(4, 0.5)
@@ -115,9 +130,9 @@ def test_running_estimate_converges_to_the_true_acceptance():
 
 
 # ---- the energy policy ----------------------------------------------------------------------------
-def _energy(a, *, tpot_ms=None, k=4, profile=H200_SXM):
+def _energy(a, *, tpot_ms=None, k=4, profile=H200_SXM, optimism=0.0):
     cost = RooflineStepCost(LLAMA8B, profile, drafter=EAGLE_HEAD, dtype_bytes=2)
-    return EnergyPolicy(k=k, cost=cost, tpot_ms=tpot_ms, prior=a)
+    return EnergyPolicy(k=k, cost=cost, tpot_ms=tpot_ms, prior=a, optimism=optimism)
 
 
 def test_step_cost_equals_the_roofline_prediction_of_the_step():

@@ -125,14 +125,13 @@ def sources_of(ctx: dict[str, Any], variants: list[dict[str, Any]]) -> Callable[
 
 def claims_markdown(claims: list[dict[str, Any]], data: dict[str, Any]) -> str:
     """claims.md: the table, then each claim's checks; every energy figure labelled."""
+    others = [f"verdict ({o['profile']})" for o in (claims[0]["other_profiles"] if claims else [])]
     lines = [f"# The paper's claims on {data.get('hardware', '?')}", "",
              f"Energy: {data.get('energy_label', '?')}. Acceptance: INJECTED (random-weight targets). "
              f"Profile: {claims[0]['profile'] if claims else '?'}. Run "
              f"{'complete' if data.get('complete') else 'in progress or cut'} ({len(data['variants'])} variants, "
              f"{len(data['skipped'])} shapes skipped).", "",
-             "| claim | verdict | " + " | ".join(f"verdict ({o['profile']})" for o in
-                                              (claims[0]["other_profiles"] if claims else [])) + " what |",
-             "|---|---|" + "---|" * len(claims[0]["other_profiles"] if claims else []) + "---|"]
+             "| " + " | ".join(["claim", "verdict", *others, "what"]) + " |", "|---" * (3 + len(others)) + "|"]
     for c in claims:
         others = "".join(f" {o['verdict']} |" for o in c["other_profiles"])
         lines.append(f"| {c['claim']} | **{c['verdict']}** |{others} {c['title']} |")
@@ -144,7 +143,7 @@ def claims_markdown(claims: list[dict[str, Any]], data: dict[str, Any]) -> str:
         for x in c["figures"].get("crossover", []):
             b = x["crossover_batch"]
             lines.append(f"- crossover {x['arch']} {x['drafter']} ({x['source']} acceptance): "
-                         f"{x['note'] if b is None or x['note'].startswith('a loss') else f'batch {b:.1f}'}"
+                         f"{x['note'] if b is None or not x['note'].startswith('log') else f'batch {b:.1f}'}"
                          f" (savings by batch: {', '.join(f'{k}: {100 * v:+.1f}%' for k, v in x['savings'].items())})")
         lines += ["", "Sources: " + "; ".join(c["sources"])]
     return "\n".join(lines) + "\n"

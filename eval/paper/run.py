@@ -199,8 +199,9 @@ class Grid:
             ledger.end_run()
             for tee in tees:
                 tee.ledger.end_run()
-            clock = sum(e.measurement.time_s for e in res.events)
-            self.pace.learn(sr.target.arch, spec.name, planned, clock / max(res.steps, 1))
+            clock = sum(e.measurement.time_s for e in res.events)  # the engine's clock: no host gaps
+            cpu = bench.device.type == "cpu"  # a modelled clock there; a counter's window is wall time on a GPU
+            self.pace.learn(sr.target.arch, spec.name, planned, (clock if cpu else wall) / max(res.steps, 1))
             if state["loops"] is None and hasattr(bench.meter, "counter") and a.loops:
                 wall_per_clock = wall / clock if bench.device.type == "cpu" and clock > 0 else 1.0
                 state["loops"] = phase_loops(sr, drafter, accept, res, requests, wall_per_clock)

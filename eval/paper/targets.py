@@ -8,7 +8,7 @@ block head (:data:`BLOCK_LAYERS` decoder layers over fused target features, bloc
 embeddings in its slots). Acceptance is injected, so what they propose does not matter; what
 they cost does.
 
-On a CPU the same code runs a toy of the same family (:data:`TOY`: E 64, two layers, V 512),
+On a CPU the same code runs a toy of the same family (:data:`TOY`: E 32, two layers, V 256),
 eager-static through the same runner (its block head one layer, priced as
 :data:`BLOCK_LAYERS`), and :class:`RealShapes` rewrites the work every forward
 reports into the real architecture's before the meter and the ledger see it: the target's

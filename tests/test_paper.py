@@ -3,6 +3,7 @@ verdict rules, the plan against the lent machine's window, real-shape pricing, t
 The whole command is rehearsed in tests/test_paper_rehearsal.py."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -61,6 +62,36 @@ def test_a_bad_accept_model_is_one_line_exit_2_before_any_work(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [["--accept-model", "geometric:0.8"], ["--accept-model", "vllm-eagle3-llama3.1-8b"],
+                                   ["--accept-file", str(acceptance.PUBLISHED_FILE)],
+                                   ["--accept-model", str(acceptance.SMALL_FILE)]])
+def test_every_accept_form_the_help_names_passes_the_checks_before_the_grid(flags):
+    proc = subprocess.run([sys.executable, "-m", "refspec.eval", "paper", "--plan-only", *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "block core" in proc.stdout
+
+
+def test_ctrl_c_exits_130_and_keeps_the_tables_written_so_far(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", "paper", "--device", "cpu", "--quick", "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out / "results.json").exists():
+        time.sleep(0.5)
+    while time.time() < deadline and not json.loads((out / "results.json").read_text())["variants"]:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    claims = json.loads((out / "claims.json").read_text())
+    assert [c["claim"] for c in claims] == list(range(1, 8))  # the tables of the variants done so far
 
 
 # ---- the counter's period ------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-window-s", type=float, default=5.0,
                    help="shortest steady-state window on a GPU, s (and at least 50 counter periods)")
     p.add_argument("--no-loops", dest="loops", action="store_false", help="skip the phase-isolated loops")
+    p.add_argument("--ledgers", type=Path, default=None, metavar="DIR",
+                   help="keep every run's ledger (JSONL) in DIR (default: a temporary folder, deleted at exit)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128, help="mean budget per request (uniform in [N/2, 3N/2])")
     p.add_argument("--kv-bucket", type=int, default=128)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from refspec.eval.paper.bench import EXIT_MODELLED_ONLY, ModelledEnergyOnly, build_bench
@@ -73,10 +76,17 @@ def run_all(args: Any, blocks: list[Any], sources: dict[str, Any], taus: dict, p
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, host=True) for b in blocks]
         log.info("plan with this GPU's ceilings and counter:\n%s", format_plan(own, FIXED_GPU_S))
         outputs.data["plan_measured"] = own
-    grid = Grid(args, bench, outputs, Budget(args.budget_s, t_start), sources, tees)
-    for block, plan in zip(blocks, own):
-        grid.run_block(block, plan)
-    getattr(bench.meter, "close", lambda: None)()
+    work = Path(args.ledgers) if args.ledgers else Path(tempfile.mkdtemp(prefix="refspec-paper-"))
+    work.mkdir(parents=True, exist_ok=True)
+    outputs.data["ledgers"] = str(work) if args.ledgers else "deleted at exit (--ledgers DIR keeps them)"
+    grid = Grid(args, bench, outputs, Budget(args.budget_s, t_start), sources, tees, work)
+    try:
+        for block, plan in zip(blocks, own):
+            grid.run_block(block, plan)
+    finally:
+        getattr(bench.meter, "close", lambda: None)()
+        if not args.ledgers:
+            shutil.rmtree(work, ignore_errors=True)
     return _finish(args, outputs, t_start)
 
 

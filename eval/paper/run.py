@@ -77,11 +77,11 @@ class Grid:
     """The run's grid over one bench: targets, streams, ledgers and the outputs they feed."""
 
     def __init__(self, args: Any, bench: Any, outputs: Any, budget: Budget, sources: dict[str, Any],
-                 tees: dict[str, Any] | None = None) -> None:
+                 tees: dict[str, Any] | None = None, work: Path | None = None) -> None:
         self.args, self.bench, self.outputs, self.budget, self.sources = args, bench, outputs, budget, sources
         self.tees = tees or {}  # CPU: label -> a further profile, priced directly from the same runs
         self.pace = Pace()
-        self.work = Path(tempfile.mkdtemp(prefix="refspec-paper-"))
+        self.work = work or Path(tempfile.mkdtemp(prefix="refspec-paper-"))  # the runs' ledgers
 
     def run_block(self, block: Block, plan: dict[str, Any]) -> None:
         """Every shape of ``block`` the budget allows."""

@@ -36,7 +36,7 @@ from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec
 from refspec.eval.cli_args import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
-from refspec.models.ops import gemm_plan
+from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
             row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
                    "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
-                   "weight_bytes": weight_bytes(target.model), "weight_copies": target.model.weight_copy_kind,
+                   "weight_bytes": weight_bytes(target.model), "weight_copies": weight_copy_kind(target.model),
                    "gemm_plan": gemm_plan().describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
@@ -150,7 +150,7 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 def _machine_fields(target: Any) -> dict[str, Any]:
     """The CPU, its notable flags and the paths chosen for it (weight copies, GEMM plan)."""
     return {"cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
-            "weight_copies": target.model.weight_copy_kind, "gemm_plan": gemm_plan().describe() or "reference"}
+            "weight_copies": weight_copy_kind(target.model), "gemm_plan": gemm_plan().describe() or "reference"}
 
 
 def _compiled_rates(row: dict[str, Any], t: dict[str, float], tokens: dict[str, list[list[int]]]) -> None:

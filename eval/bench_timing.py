@@ -67,12 +67,12 @@ def _refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: An
 def products_run(model, rows: int) -> Callable[[], Any]:
     """One decode step's matrix products alone (every block matrix and the LM head, ``rows``
     rows each, in the active plan's forms): the part of a step no fusion of the other ops removes."""
-    from refspec.models.ops import linear
+    from refspec.models.cpu_speed import copied_linears, linear
 
     g = torch.Generator().manual_seed(0)
-    lins = model._copied_linears()
+    lins = copied_linears(model)
     xs = [torch.randn(rows, lin.weight.shape[1], generator=g).to(model.dtype) for lin in lins]
-    return lambda: [linear(x, lin.weight, None, lin.__dict__.get("_copy")) for x, lin in zip(xs, lins)]
+    return lambda: [linear(x, lin.weight, None, lin.__dict__.get("copy")) for x, lin in zip(xs, lins)]
 
 
 def compiled_step(model) -> Any:

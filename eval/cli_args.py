@@ -30,6 +30,7 @@ TOOLS = {
     "train": ("refspec.eval.train", "train EAGLE / EAGLE-3 / block drafter heads"),
     "dvfs": ("refspec.eval.dvfs_cli", "show the SM clocks a DVFS sweep can lock"),
     "paper": ("refspec.eval.paper", "the paper's seven claims on this hardware: claims.md, claims.json, plots"),
+    "calibrate": ("refspec.eval.calibrate_cli", "show (or with --force redo) this CPU's GEMM plan and its timings"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"

@@ -40,7 +40,7 @@ def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> str:
 
 def gemm_plan_text() -> str:
     """The CPU GEMM forms the run's products took (``reference``: F.linear everywhere)."""
-    from refspec.models.ops import gemm_plan
+    from refspec.models.cpu_speed import gemm_plan
 
     return gemm_plan().describe() or "reference"
 

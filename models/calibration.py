@@ -9,19 +9,14 @@ keeps the fastest, and caches the choice under ``$REFSPEC_HOME/calibration`` key
 model name and flags, the torch version and the thread count. A change of any of them
 recalibrates.
 
-Forms of ``x [rows, in] @ W.T`` (``W [out, in]``):
+The forms are timed in interleaved rounds (every bucket and form once per round); when the
+rounds' totals differ by more than :data:`BUSY_SPREAD` another job was competing for the
+machine and the choice cannot be trusted: it is refused, not cached, the products take the
+reference form, and a warning names the command that redoes it
+(``python -m refspec.eval calibrate --force``, which also prints the timings).
 
-- ``linear``: ``F.linear`` on the weight (the reference);
-- ``nodnn``: ``F.linear`` with oneDNN switched off around the call, so a half-precision product
-  takes ATen's own kernels (for one row on some CPUs about twice as fast as oneDNN's, with the
-  same fp32 accumulation; half-precision models only);
-- ``wxt``: ``(W @ x^T)^T`` on the weight, with a row-major ``x``;
-- ``column``: ``x @ Wc`` through a column-major copy ``Wc [in, out]`` of the weight;
-- ``fp32``: ``(W32 @ x^T)^T`` through an fp32 copy, rounded back to the model's dtype
-  (half-precision models only);
-- ``packed``: oneDNN's product on a copy of the weight reordered once into oneDNN's blocked
-  layout (where torch has oneDNN and it supports the dtype on this CPU), so no call pays the
-  reorder a plain oneDNN product makes of its weight.
+The forms (:mod:`refspec.models.gemm_forms`): ``linear`` (``F.linear``, the reference), ``nodnn``,
+``wxt``, ``column``, ``fp32`` and ``packed``.
 
 The ``fp32`` form is a candidate for several rows only, so one-row products always stream the
 model's dtype. A model keeps at most one kind of copy: the plan drops the copy whose saving is
@@ -46,20 +41,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from refspec.models.gemm_forms import COPY_FORMS, DTYPES, FORMS, apply_form, make_copy, packed_supported
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
+ROUNDS = 3  # timed rounds per calibration, after one warm-up round
+BUSY_SPREAD = 0.15
+"""Rounds whose totals differ by more than this fraction say the machine was busy: the plan is refused."""
 BUCKETS = ("one", "few", "many")
 BUCKET_ROWS = {"one": (1,), "few": (2, 5, 16), "many": (40, 200)}
 CURVE_ROWS = (1, 2, 4, 5, 8, 16, 32, 64, 128)  # the product-cost curve a drafter reads (GemmPlan.product_cost)
 BUCKET_ROWS |= {f"rows{r}": (r,) for r in CURVE_ROWS}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMS = {"fp32": ("linear", "wxt", "column", "packed"), "bf16": ("linear", "nodnn", "wxt", "column", "fp32", "packed"),
-         "fp16": ("linear", "nodnn", "wxt", "column", "fp32", "packed")}
-COPY_FORMS = ("column", "fp32", "packed")
-PACK_ROWS = 8  # the row count oneDNN lays a packed weight out for (a hint: any row count runs)
 # (out, in) of the products timed: a decoder's q/k/v, MLP up and down projections, repeated
 # until they fill WEIGHT_BYTES, well beyond a CPU's caches, as a decode step streams them
 SHAPES = ((1728, 576), (3072, 576), (576, 1536))
@@ -72,36 +66,6 @@ Timer = Callable[[str, str, str], float]
 def bucket_of(rows: int) -> str:
     """The bucket a product of ``rows`` rows belongs to."""
     return "one" if rows == 1 else "few" if rows < 32 else "many"
-
-
-def make_copy(form: str, weight: torch.Tensor) -> torch.Tensor | None:
-    """The copy of ``weight [out, in]`` that ``form`` reads (None for the copy-free forms)."""
-    w = weight.detach()
-    if form == "column":
-        return w.t().contiguous()
-    if form == "fp32":
-        return w.float().contiguous()
-    if form == "packed":
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
-    return None
-
-
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` through a weight :func:`make_copy` packed for oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_supported(dtype: torch.dtype) -> bool:
-    """Whether this torch and CPU run :func:`packed_product` in ``dtype`` (oneDNN refuses, e.g.,
-    fp16 on CPUs without fp16 conversion instructions)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(16, 16, dtype=dtype)
-        packed_product(torch.ones(2, 16, dtype=dtype), make_copy("packed", w), None)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-    return True
 
 
 def candidate_forms(dtype: str) -> tuple[str, ...]:
@@ -117,11 +81,13 @@ class GemmPlan:
         forms: ``{dtype name: {bucket: form}}``.
         timings_s: ``{dtype name: {bucket: {form: seconds}}}`` as measured (or injected).
         machine: the key the plan was measured under (see :func:`machine_key`).
+        spread: ``{dtype name: max / min - 1}`` of the timing rounds' totals (:func:`spread`).
     """
 
     forms: dict[str, dict[str, str]]
     timings_s: dict[str, dict[str, dict[str, float]]]
     machine: dict[str, str]
+    spread: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # {torch dtype: (one, few, many)}: the lookup linear() makes for every product
@@ -176,12 +142,19 @@ class GemmPlan:
                 for b, forms in t.items()}
         return dataclasses.replace(self, forms=self.forms | {name: free})
 
+    def without(self, dtype: str) -> "GemmPlan":
+        """This plan with nothing planned for ``dtype`` (its products take the reference form)."""
+        return dataclasses.replace(self, forms={d: f for d, f in self.forms.items() if d != dtype},
+                                   timings_s={d: t for d, t in self.timings_s.items() if d != dtype},
+                                   spread={d: v for d, v in self.spread.items() if d != dtype})
+
     def describe(self) -> str:
         """One line: ``fp32 one=column few=wxt many=wxt; bf16 ...``."""
         return "; ".join(f"{d} " + " ".join(f"{b}={f[b]}" for b in BUCKETS) for d, f in self.forms.items())
 
     def to_json(self) -> dict:
-        return {"version": PLAN_VERSION, "forms": self.forms, "timings_s": self.timings_s, "machine": self.machine}
+        return {"version": PLAN_VERSION, "forms": self.forms, "timings_s": self.timings_s, "machine": self.machine,
+                "spread": self.spread}
 
 
 REFERENCE = GemmPlan(forms={}, timings_s={}, machine={})
@@ -220,31 +193,6 @@ def machine_key(threads: int | None = None) -> dict[str, str]:
             "torch": torch.__version__, "threads": str(threads if threads is not None else torch.get_num_threads())}
 
 
-def without_onednn(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """``fn(*args)`` with oneDNN off (process-wide while it runs: decoding runs one product at a
-    time; ``torch.backends.mkldnn.flags`` does the same with more per-call overhead)."""
-    before = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return fn(*args)
-    finally:
-        torch._C._set_mkldnn_enabled(before)
-
-
-def _apply(form: str, x: torch.Tensor, w: torch.Tensor, copy: torch.Tensor | None) -> torch.Tensor:
-    if form == "linear":
-        return F.linear(x, w)
-    if form == "nodnn":
-        return without_onednn(F.linear, x, w)
-    if form == "wxt":
-        return torch.mm(w, x.t()).t()
-    if form == "column":
-        return torch.mm(x, copy)
-    if form == "packed":
-        return packed_product(x, copy, None)
-    return torch.mm(copy, x.float().t()).t().to(x.dtype)  # fp32
-
-
 def _operands(dtype: str, forms: tuple[str, ...]) -> tuple[list[torch.Tensor], dict[str, list]]:
     """:data:`WEIGHT_BYTES` of random matrices in ``dtype`` and the copies each form reads."""
     dt, gen = DTYPES[dtype], torch.Generator().manual_seed(0)
@@ -254,29 +202,43 @@ def _operands(dtype: str, forms: tuple[str, ...]) -> tuple[list[torch.Tensor], d
     return weights, copies
 
 
-def measure_forms(dtype: str, buckets: dict[str, tuple[str, ...]], *, repeats: int = 3) -> dict[str, dict[str, float]]:
-    """Seconds one pass over the matrices takes in each form, summed over each bucket's rows.
+def measure_rounds(dtype: str, buckets: dict[str, tuple[str, ...]], *, rounds: int = ROUNDS,
+                   timer: Timer | None = None) -> list[dict[str, dict[str, float]]]:
+    """Seconds one pass over the matrices takes in each bucket and form, summed over the
+    bucket's rows, once per round (``timer`` replaces the measurement: tests).
 
-    Forms are timed in turn within every repeat (best of ``repeats``), so a burst of load on a
-    shared machine hits them all alike."""
+    Every round times every bucket and form once, after one untimed warm-up round, so a burst
+    of load on a shared machine shows as a difference between rounds (:func:`spread`)."""
+    if timer is not None:
+        return [{b: {f: timer(dtype, b, f) for f in forms} for b, forms in buckets.items()} for _ in range(rounds)]
     all_forms = tuple(dict.fromkeys(f for forms in buckets.values() for f in forms))
     weights, copies = _operands(dtype, all_forms)
     gen = torch.Generator().manual_seed(1)
-    out: dict[str, dict[str, float]] = {}
-    for bucket, forms in buckets.items():
-        out[bucket] = dict.fromkeys(forms, 0.0)
-        for rows in BUCKET_ROWS[bucket]:
-            xs = [torch.randn(rows, w.shape[1], generator=gen).to(DTYPES[dtype]) for w in weights]
-            best = dict.fromkeys(forms, float("inf"))
-            for _ in range(repeats + 1):  # the first pass warms caches and kernels
+    xs = {r: [torch.randn(r, w.shape[1], generator=gen).to(DTYPES[dtype]) for w in weights]
+          for b in buckets for r in BUCKET_ROWS[b]}
+    out = []
+    for r in range(rounds + 1):  # round 0 warms caches and kernels
+        t = {b: dict.fromkeys(forms, 0.0) for b, forms in buckets.items()}
+        for b, forms in buckets.items():
+            for rows in BUCKET_ROWS[b]:
                 for f in forms:
                     start = time.perf_counter()
-                    for x, w, c in zip(xs, weights, copies[f]):
-                        _apply(f, x, w, c)
-                    best[f] = min(best[f], time.perf_counter() - start)
-            for f in forms:
-                out[bucket][f] += best[f]
+                    for x, w, c in zip(xs[rows], weights, copies[f]):
+                        apply_form(f, x, w, c)
+                    t[b][f] += time.perf_counter() - start
+        if r:
+            out.append(t)
     return out
+
+
+def spread(rounds: list[dict[str, dict[str, float]]]) -> float:
+    """How much the rounds' total times differ: ``max / min - 1`` (0 for one round)."""
+    totals = [sum(sum(forms.values()) for forms in rnd.values()) for rnd in rounds]
+    return max(totals) / min(totals) - 1.0
+
+
+def _best(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {b: {f: min(rnd[b][f] for rnd in rounds) for f in forms} for b, forms in rounds[0].items()}
 
 
 def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
@@ -292,22 +254,27 @@ def _choose(timings: dict[str, dict[str, float]]) -> dict[str, str]:
 
 
 def calibrate(dtypes: tuple[str, ...] = ("fp32", "bf16"), *, timer: Timer | None = None) -> GemmPlan:
-    """Time every form for every bucket in each dtype and keep the fastest (see module doc);
-    ``timer`` replaces the measurement (tests)."""
-    timings, forms = {}, {}
+    """Time every form for every bucket in each dtype in interleaved rounds and keep the fastest
+    (see module doc); the plan records the rounds' spread per dtype (:func:`trusted` reads it)."""
+    timings, forms, spreads = {}, {}, {}
     for d in dtypes:
         forms_here = candidate_forms(d) if timer is None else FORMS[d]
         candidates = {b: tuple(f for f in forms_here if b != "one" or f != "fp32") for b in BUCKETS}
-        if timer is None:
-            timings[d] = measure_forms(d, candidates)
-        else:
-            timings[d] = {b: {f: timer(d, b, f) for f in fs} for b, fs in candidates.items()}
+        rounds = measure_rounds(d, candidates, timer=timer)
+        timings[d] = _best(rounds)
         forms[d] = _choose(timings[d])
         # the cost of verifying extra positions, in the forms just chosen
         chosen = {f"rows{r}": (forms[d][bucket_of(r)],) for r in CURVE_ROWS}
-        t = measure_forms(d, chosen) if timer is None else {b: {f: timer(d, b, f) for f in fs} for b, fs in chosen.items()}
+        curve = measure_rounds(d, chosen, timer=timer)
+        t = _best(curve)
         timings[d]["rows"] = {str(r): t[f"rows{r}"][forms[d][bucket_of(r)]] for r in CURVE_ROWS}
-    return GemmPlan(forms=forms, timings_s=timings, machine=machine_key())
+        spreads[d] = max(spread(rounds), spread(curve))
+    return GemmPlan(forms=forms, timings_s=timings, machine=machine_key(), spread=spreads)
+
+
+def trusted(plan: GemmPlan, dtype: str) -> bool:
+    """Whether ``dtype``'s rounds agreed within :data:`BUSY_SPREAD` (else the machine was busy)."""
+    return plan.spread.get(dtype, 0.0) <= BUSY_SPREAD
 
 
 def plan_path(home: Path, machine: dict[str, str]) -> Path:
@@ -315,28 +282,56 @@ def plan_path(home: Path, machine: dict[str, str]) -> Path:
     return home / "calibration" / f"gemm-{digest}.json"
 
 
-def load_or_calibrate(home: Path, *, dtypes: tuple[str, ...] = ("fp32", "bf16"),
-                      timer: Timer | None = None) -> GemmPlan:
-    """The cached plan for this machine; dtypes it lacks are calibrated and added to the cache
-    (written atomically)."""
+def cached_plan(home: Path) -> GemmPlan:
+    """The plan cached for this machine (empty when there is none or it cannot be read)."""
     machine = machine_key()
-    path = plan_path(home, machine)
-    forms: dict[str, dict[str, str]] = {}
-    timings: dict[str, dict[str, dict[str, float]]] = {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(plan_path(home, machine).read_text())
         if data.get("version") == PLAN_VERSION and data.get("machine") == machine:
-            forms, timings = dict(data["forms"]), dict(data["timings_s"])
+            return GemmPlan(forms=dict(data["forms"]), timings_s=dict(data["timings_s"]), machine=machine,
+                            spread=dict(data.get("spread", {})))
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: calibrate again
-    missing = tuple(d for d in dtypes if d not in forms or d not in timings)
-    if not missing:
-        return GemmPlan(forms=forms, timings_s=timings, machine=machine)
-    start = time.perf_counter()
-    fresh = calibrate(missing, timer=timer)
-    plan = GemmPlan(forms=forms | fresh.forms, timings_s=timings | fresh.timings_s, machine=machine)
-    log.info("calibrated CPU GEMM forms for %s in %.1f s: %s", ", ".join(missing), time.perf_counter() - start,
-             fresh.describe())
+    return GemmPlan(forms={}, timings_s={}, machine=machine)
+
+
+_refused: set[tuple[Path, str]] = set()  # (cache file, dtype) refused in this process: not timed again
+
+
+def load_or_calibrate(home: Path, *, dtypes: tuple[str, ...] = ("fp32", "bf16"), timer: Timer | None = None,
+                      force: bool = False) -> GemmPlan:
+    """The cached plan for this machine, with the dtypes it lacks (every dtype with ``force``)
+    calibrated and :func:`adopt` -ed; a dtype refused in this process is not timed again
+    (unless ``force``)."""
+    plan = cached_plan(home)
+    path = plan_path(home, plan.machine)
+    missing = tuple(d for d in dtypes if force or (d not in plan.forms and (path, d) not in _refused))
+    return adopt(home, plan, calibrate(missing, timer=timer)) if missing else plan
+
+
+def adopt(home: Path, plan: GemmPlan, fresh: GemmPlan) -> GemmPlan:
+    """``plan`` with ``fresh`` 's dtypes whose rounds agreed, written to the cache atomically.
+
+    A dtype whose rounds spread more than :data:`BUSY_SPREAD` is refused: not cached, its
+    products take the reference form (``F.linear``), and a warning names the command that
+    redoes it."""
+    path = plan_path(home, plan.machine)
+    keep = tuple(d for d in fresh.forms if trusted(fresh, d))
+    for d in fresh.forms:
+        if d not in keep:
+            _refused.add((path, d))
+            plan = plan.without(d)
+            log.warning("CPU GEMM calibration for %s refused: its timing rounds differed by %.0f%% (limit %.0f%%), "
+                        "the machine was busy; %s products take the reference form (F.linear) and nothing is "
+                        "cached. Redo it on a quiet machine: python -m refspec.eval calibrate --force", d,
+                        100 * fresh.spread[d], 100 * BUSY_SPREAD, d)
+    if not keep:
+        return plan
+    plan = GemmPlan(forms=plan.forms | {d: fresh.forms[d] for d in keep},
+                    timings_s=plan.timings_s | {d: fresh.timings_s[d] for d in keep}, machine=plan.machine,
+                    spread=plan.spread | {d: fresh.spread[d] for d in keep})
+    log.info("calibrated CPU GEMM forms: %s", GemmPlan(forms={d: fresh.forms[d] for d in keep}, timings_s={},
+                                                         machine={}).describe())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(plan.to_json(), indent=1))

@@ -17,7 +17,7 @@ How one call runs:
 2. **run**: the compiled forward on the caller's own cache (written in place, as eagerly).
    Calls it cannot serve run the eager model: more than ``max_tokens_per_row`` tokens per row
    (prefill), input embeddings, or a weight copy gone stale (a weight changed or replaced since
-   :class:`~refspec.models.ops.WeightCopy` made it: the graph would read the copy). The Linears
+   :class:`~refspec.models.cpu_speed.WeightCopy` made it: the graph would read the copy). The Linears
    checked are the model's at construction: wrap the model after replacing modules.
 3. **account**: the compiled graph records no work; the wrapper records the forward's
    :meth:`~refspec.models.Transformer.forward_shape` as the eager forward would.
@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
+from refspec.config import round_up
 from refspec.energy.phases import record_forward, recording
-from refspec.models.calibration import without_onednn
-from refspec.models.ops import gemm_plan
+from refspec.models.gemm_forms import without_onednn
+from refspec.models.cpu_speed import copied_linears, gemm_plan
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class CompiledStep:
         fn = types.FunctionType(_static_forward.__code__.replace(), _static_forward.__globals__, "_static_forward")
         self._fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
         # the Linears that may multiply through a WeightCopy: their copies are checked before each call
-        self._linears = list(model._copied_linears())
+        self._linears = copied_linears(model)
 
     def __getattr__(self, name: str) -> Any:
         # only reached for attributes the wrapper lacks: args, device, dtype, new_cache, ...
@@ -154,7 +155,7 @@ class CompiledStep:
         if key not in self._keys and len(self._keys) >= self.max_keys:
             return f"max_keys={self.max_keys} shapes are compiled already"
         for lin in self._linears:
-            copy = lin.__dict__.get("_copy")
+            copy = lin.__dict__.get("copy")
             if copy is not None and copy.of(lin._parameters["weight"]) is None:
                 return "a weight changed since its copy was made"
         return None
@@ -168,7 +169,7 @@ class CompiledStep:
         b, s = positions.shape
         tk = cache.max_len if num_keys is None else int(num_keys)
         if self.keys_bucket and mask is None and sliding_mask is None:
-            tk = min(cache.max_len, -(-tk // self.keys_bucket) * self.keys_bucket)
+            tk = min(cache.max_len, round_up(tk, self.keys_bucket))
         hidden_layers = tuple(hidden_layers)
         key = (tk, hidden_layers, torch.is_grad_enabled(),
                *map(_signature, (tokens, positions, slots, mask, sliding_mask, logits_at, cache.k, cache.v)))

@@ -8,11 +8,13 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn import Linear  # plain products; refspec.models.cpu_speed plans them on CPUs
 
 from refspec.config import ModelArgs
 from refspec.models.moe import MoE
-from refspec.models.ops import WeightCopy, apply_rope, gated_act, linear, rms_norm
+from refspec.models.ops import apply_rope, gated_act, rms_norm
 
 
 
@@ -25,17 +27,6 @@ class AttentionContext(Protocol):
     def __call__(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         """Write ``k, v [B, S, Hkv, D]``, attend with ``q [B, S, H, D]``; returns ``[B, S, H*D]``."""
-
-
-class Linear(nn.Linear):
-    """:class:`torch.nn.Linear` that multiplies through :func:`linear`."""
-
-    def __init__(self, *args, **kwargs) -> None:  # noqa: D107
-        super().__init__(*args, **kwargs)
-        self._copy: WeightCopy | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._copy)
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +109,7 @@ class Attention(_SplitNames, nn.Module):
         b, s, _ = x.shape
         rows = self.h * self.d
         w, bias = self.wqkv.weight[rows:], (self.wqkv.bias[rows:] if self.wqkv.bias is not None else None)
-        k, v = linear(x, w, bias).view(b, s, 2 * self.hkv, self.d).split(self.hkv, dim=2)
+        k, v = F.linear(x, w, bias).view(b, s, 2 * self.hkv, self.d).split(self.hkv, dim=2)
         return k, v
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from refspec.config import ModelArgs
-from refspec.models.calibration import GemmPlan, resolve_plan
-from refspec.models.ops import use_gemm_plan
+from refspec.models.calibration import GemmPlan
+from refspec.models.cpu_speed import apply_cpu_speed
 from refspec.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -224,10 +223,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.layers.Attention`). On a CPU its products follow a GEMM plan timed
-    on this machine (:mod:`refspec.models.calibration`), and it keeps the copy of each matrix
-    the plan's forms read (:class:`~refspec.models.ops.WeightCopy`) when the copies take at
-    most ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (0 turns them off).
+    :class:`~refspec.models.layers.Attention`). On a CPU it gets the speed-ups of
+    :func:`~refspec.models.cpu_speed.apply_cpu_speed`: products in the GEMM forms timed on this
+    machine (:mod:`refspec.models.calibration`), through weight copies when they take at most
+    ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (0 turns them off).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
@@ -257,25 +256,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     model.init_buffers(device)
     model.eval().requires_grad_(False)
     if model.device.type == "cpu":
-        _plan_cpu_products(model, gemm_plan)
+        apply_cpu_speed(model, gemm_plan)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
-
-
-def _plan_cpu_products(model: Transformer, plan: GemmPlan | None) -> None:
-    """Activate the CPU GEMM plan for the model's dtype and keep the copies it reads."""
-    plan = plan if plan is not None else resolve_plan(model.dtype)
-    wanted = plan.copy_kind(model.dtype)
-    limit = int(float(os.environ.get("REFSPEC_CPU_WEIGHT_COPIES_GIB", "2")) * 2**30)
-    kind = model.add_weight_copies(limit, wanted)
-    if wanted and not kind:
-        if limit > 0:
-            log.info("no %s weight copies: they would take %.1f GiB, above REFSPEC_CPU_WEIGHT_COPIES_GIB=%g; "
-                     "the products take the fastest copy-free forms measured", wanted,
-                     model.weight_copy_bytes(wanted) / 2**30, limit / 2**30)
-        plan = plan.without_copies(model.dtype)
-    use_gemm_plan(plan)
-    log.info("CPU GEMM plan: %s; weight copies: %s", plan.describe() or "reference (F.linear)", kind or "none")
 
 
 def save_model(model: Transformer, path: str | Path, extra_config: dict | None = None) -> None:

@@ -28,7 +28,8 @@ Three dispatch paths compute the same sum:
 
 Either way the layer writes the number of distinct experts its forward routed to into the
 device scalar :attr:`MoE.touched` (inside a captured graph too, so a replay updates it); the
-cost model bills expert bytes from it (:meth:`refspec.models.Transformer.forward_shape`).
+cost model bills expert bytes from it (:meth:`refspec.models.Transformer.forward_shape`, which
+on a GPU hands the count on as a device tensor, read once the step has synchronised).
 """
 from __future__ import annotations
 
@@ -96,7 +97,9 @@ def dispatch_grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     k = experts.shape[1]
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # [N*k] pairs grouped by expert
-    ends = torch.cumsum(torch.bincount(flat, minlength=gate_up.shape[0]), 0).to(torch.int32)  # [X] group ends
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device)  # [X] static size: no host sync
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount on CUDA reads its size from the device)
+    ends = torch.cumsum(counts, 0).to(torch.int32)  # [X] group ends
     rows = order // k
     h = F.grouped_mm(x.index_select(0, rows), gate_up.transpose(1, 2), offs=ends)  # [N*k, 2I]
     gate, up = h.chunk(2, dim=-1)

@@ -1,6 +1,6 @@
-"""Tensor functions of the decoder, shared by the target models and the drafter heads: the
-CPU GEMM paths and their weight copies, RMSNorm, rotary embedding, grouped-query attention
-and the gated MLP. Modules holding parameters live in :mod:`refspec.models.layers`.
+"""Tensor functions of the decoder, shared by the target models and the drafter heads: RMSNorm,
+rotary embedding, grouped-query attention and the gated MLP's activation. Modules holding
+parameters live in :mod:`refspec.models.layers`.
 """
 from __future__ import annotations
 
@@ -8,94 +8,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from refspec.models.calibration import COPY_FORMS, REFERENCE, GemmPlan, make_copy, packed_product, without_onednn
-
-
-class WeightCopy:
-    """A copy of a weight in the layout or dtype a CPU GEMM form needs (see
-    :mod:`refspec.models.calibration`, which chooses the forms by timing them on the machine).
-
-    Three kinds: ``column``, a column-major ``[in, out]`` copy in the weight's dtype; ``fp32``,
-    an fp32 ``[out, in]`` copy of a bf16/fp16 weight whose product is rounded back to the
-    model's dtype (as a half-precision kernel rounds its fp32 accumulator: only the summation
-    order differs); ``packed``, the weight reordered once into oneDNN's blocked layout.
-
-    The copy is used only while the weight is the very tensor it was made from, unmodified
-    (same storage, same version counter), and no gradient to it is being recorded; otherwise
-    :func:`linear` falls back to the weight.
-    """
-
-    __slots__ = ("ptr", "version", "t", "kind")
-
-    def __init__(self, weight: torch.Tensor, kind: str) -> None:  # noqa: D107
-        if weight.is_inference():
-            raise ValueError("an inference-mode tensor has no version counter to guard a copy with")
-        if kind not in COPY_FORMS:
-            raise ValueError(f"kind must be one of {COPY_FORMS}, got {kind!r}")
-        self.ptr, self.version, self.kind = weight.data_ptr(), weight._version, kind
-        self.t = make_copy(kind, weight)
-
-    def of(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The copy if ``weight`` is unchanged since it was made, else None (also while
-        gradients to ``weight`` are being recorded: the copy is detached). While compiling, the
-        copy: a :class:`~refspec.models.compiled.CompiledStep` checks every copy before each call,
-        and pointers and version counters cannot be traced."""
-        if torch.compiler.is_compiling():
-            return self.t
-        if weight.data_ptr() != self.ptr or weight.is_inference():
-            return None
-        if weight.requires_grad and torch.is_grad_enabled():
-            return None
-        return self.t if weight._version == self.version else None
-
-
-_plan: GemmPlan = REFERENCE
-
-
-def use_gemm_plan(plan: GemmPlan) -> None:
-    """Make ``plan`` the forms every CPU :func:`linear` takes (one machine, one plan)."""
-    global _plan
-    _plan = plan
-
-
-def gemm_plan() -> GemmPlan:
-    """The plan :func:`linear` follows now."""
-    return _plan
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           copy: WeightCopy | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in the GEMM form the active plan chose for this dtype and row
-    count on CPUs (``F.linear`` elsewhere, and where a form's copy is missing or stale).
-
-    The result may be a column-major view; later ops accept it as is. The decoder passes 2-D
-    ``[rows, in]`` activations.
-    """
-    if x.dim() != 2:
-        lead = x.shape[:-1]
-        return linear(x.reshape(-1, x.shape[-1]), weight, bias, copy).view(*lead, weight.shape[0])
-    form = _plan.form(x.dtype, x.shape[0]) if x.is_cpu else "linear"
-    if form == "wxt":
-        # (W @ x^T)^T with a row-major x: a column-major x sends some BLAS down a slow path
-        xt = x.contiguous().t()
-        return (torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)).t()
-    if form == "nodnn":
-        # ATen's own half-precision kernels: on some CPUs oneDNN's one-row products run at half their speed
-        return F.linear(x, weight, bias) if torch.compiler.is_compiling() else without_onednn(F.linear, x, weight, bias)
-    if form == "packed" and (torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())):
-        # oneDNN's packed product has no backward, and a graph cannot take its opaque layout
-        return F.linear(x, weight, bias)
-    c = copy.of(weight) if form != "linear" and copy is not None and copy.kind == form else None
-    if c is None:
-        return F.linear(x, weight, bias)
-    if form == "packed":
-        return packed_product(x, c, bias)
-    if form == "column":
-        return torch.mm(x, c) if bias is None else torch.addmm(bias, x, c)
-    xt = x.to(torch.float32, memory_format=torch.contiguous_format).t()  # fp32 copy: one fp32 GEMM, rounded back
-    out = torch.mm(c, xt) if bias is None else torch.addmm(bias.float()[:, None], c, xt)
-    return out.t().to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:

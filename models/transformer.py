@@ -21,7 +21,7 @@ from refspec.energy.phases import ForwardShape, record_forward, recording
 from refspec.models.attention import CacheAttention, PackedAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.moe import DISPATCH, MoE
-from refspec.models.ops import WeightCopy, gemm_plan, attention_bias, rope_inv_freq, rope_tables
+from refspec.models.ops import attention_bias, rope_inv_freq, rope_tables
 
 
 class Transformer(nn.Module):
@@ -68,13 +68,20 @@ class Transformer(nn.Module):
         for moe in self._moe_layers():
             moe.dispatch = dispatch
 
-    def experts_touched(self) -> int | None:
+    def experts_touched(self) -> int | torch.Tensor | None:
         """Distinct experts the last forward routed to, summed over MoE layers (None: a dense
-        model). Reads the layers' device counters (a host sync)."""
+        model, or a forward being captured into a CUDA graph, whose work is not billed).
+
+        On a CPU an int; on a GPU a 0-dim device tensor, a snapshot of the layers' counters taken
+        without a host sync (each forward or graph replay would otherwise wait for the GPU): it
+        is read with ``int()`` after the step's own synchronisation."""
         if not self.args.is_moe:
-            return None  # a dense model: no layer scan, no sync in every forward
+            return None  # a dense model: no layer scan
         moes = self._moe_layers()
-        return int(torch.stack([m.touched for m in moes]).sum()) if moes else None
+        if not moes or (moes[0].touched.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        total = torch.stack([m.touched for m in moes]).sum()  # [] int64, on the layers' device
+        return int(total) if total.device.type == "cpu" else total
 
     @property
     def num_layers(self) -> int:
@@ -112,42 +119,14 @@ class Transformer(nn.Module):
         small.sliding_window = _window(self.args, small.layers)
         return small
 
-    def _copied_linears(self) -> list[nn.Linear]:
-        return [self.lm_head] + [lin for blk in self.layers for lin in (blk.attn.wqkv, blk.attn.wo)
-                                 + (() if isinstance(blk.mlp, MoE) else (blk.mlp.gate_up, blk.mlp.down))]
-
-    def weight_copy_bytes(self, kind: str = "fp32") -> int:
-        """Memory :meth:`add_weight_copies` would take for copies of ``kind``."""
-        elem = 4 if kind == "fp32" else self.lm_head.weight.element_size()
-        return elem * sum(lin.weight.numel() for lin in self._copied_linears())
-
-    def add_weight_copies(self, max_bytes: int, kind: str | None) -> str | None:
-        """Keep a :class:`WeightCopy` of ``kind`` (what the CPU GEMM plan's forms read) of every
-        block matrix and of the LM head. Skipped when there is no kind or the copies would take
-        more than ``max_bytes``; returns the kind made, or None."""
-        lins = self._copied_linears()
-        if kind is None or self.weight_copy_bytes(kind) > max_bytes or any(lin.weight.is_inference() for lin in lins):
-            return None  # nothing to copy, too big, or weights made under inference_mode (no version counter)
-        for lin in lins:
-            lin._copy = WeightCopy(lin.weight, kind)
-        return kind
-
-    @property
-    def weight_copy_kind(self) -> str | None:
-        """The kind of :class:`WeightCopy` the matrices are multiplied through (``column``,
-        ``fp32``), or None; read from the LM head's copy while it is in use."""
-        head = self.lm_head
-        copy = head.__dict__.get("_copy")
-        return copy.kind if copy is not None and copy.of(head.weight) is not None else None
-
     def multirow_matrix_bytes(self, rows: int | None = None) -> int | None:
-        """Bytes per element its matrices stream in products of 2 or more rows (of ``rows``
-        rows, when given) when that differs from the parameter size: 4 where a half-precision
-        model multiplies them through its fp32 copies (on a CPU, see :func:`linear`), else
-        None; for :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`."""
-        if self.weight_copy_kind != "fp32" or (rows is not None and gemm_plan().form(self.dtype, rows) != "fp32"):
-            return None
-        return 4
+        """Bytes per element the matrices stream in products of 2 or more rows (of ``rows`` rows,
+        when given) when that differs from the parameter size, else None; for
+        :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`. A plain model streams its
+        parameters; an LM head swapped in by a speed-up that multiplies through copies of
+        another dtype says so (``multirow_element_bytes``, :mod:`refspec.models.cpu_speed`)."""
+        report = getattr(self.lm_head, "multirow_element_bytes", None)
+        return None if report is None else report(rows)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""

@@ -60,7 +60,8 @@ from typing import Any, Sequence
 import torch
 
 from refspec.cache import StaticKVCache
-from refspec.energy.phases import WorkRecorder, record_forward
+from refspec.config import round_up
+from refspec.energy.phases import WorkRecorder, record_forward, recording
 from refspec.graph_buffers import CacheView, StaticBuffers, StepKey, allocate, batch_bucket, load
 
 log = logging.getLogger(__name__)
@@ -266,9 +267,9 @@ class GraphRunner:
                 entry.graph.replay()
                 self.stats.replays += 1
                 logits, hidden = entry.logits, entry.hidden
-                # a replay runs no Python forward: record the work of the forward it replays
-                lm_rows = 0 if logits is None else logits.shape[0] * logits.shape[1]
-                record_forward(self.model.forward_shape(bp, s, key.num_keys, lm_rows))
+                if recording():  # a replay runs no Python forward: record the work of the forward it replays
+                    lm_rows = 0 if logits is None else logits.shape[0] * logits.shape[1]
+                    record_forward(self.model.forward_shape(bp, s, key.num_keys, lm_rows))
             else:
                 logits, hidden = self._run(entry)
                 self.stats.static_calls += 1
@@ -282,7 +283,7 @@ class GraphRunner:
         assert bp is not None
         tk_key = tk
         if self.keys_bucket:
-            tk_key = min(self._pool.max_len, -(-tk // self.keys_bucket) * self.keys_bucket)
+            tk_key = min(self._pool.max_len, round_up(tk, self.keys_bucket))
         return StepKey(batch=bp, tokens_per_row=s, num_keys=tk_key, hidden_layers=hidden_layers,
                        logits_width=None if logits_at is None else int(logits_at.shape[1]), tree=tree,
                        sliding=sliding, embeds=embeds)

@@ -41,8 +41,8 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _restore_gemm_plan():
     """load_model activates a process-wide CPU GEMM plan; each test starts and ends on the same one."""
-    from refspec.models import ops
+    from refspec.models import cpu_speed
 
-    before = ops.gemm_plan()
+    before = cpu_speed.gemm_plan()
     yield
-    ops.use_gemm_plan(before)
+    cpu_speed.use_gemm_plan(before)

@@ -53,14 +53,14 @@ def test_products_run_multiplies_every_matrix_of_a_step_once(tiny_models, monkey
     """The 'products alone' figure times one product per block matrix and the LM head, with the
     step's rows, through the model's own copies."""
     from refspec.eval import bench_timing
-    from refspec.models import ops
+    from refspec.models import cpu_speed
 
     model = tiny_models["llama"]
     seen = []
-    real = ops.linear
-    monkeypatch.setattr(ops, "linear", lambda x, w, b=None, copy=None: seen.append((x.shape, w.shape)) or real(x, w, b, copy))
+    real = cpu_speed.linear
+    monkeypatch.setattr(cpu_speed, "linear", lambda x, w, b=None, copy=None: seen.append((x.shape, w.shape)) or real(x, w, b, copy))
     outs = bench_timing.products_run(model, 3)()
-    lins = model._copied_linears()
+    lins = cpu_speed.copied_linears(model)
     assert len(lins) == 1 + 4 * model.num_layers and len(outs) == len(seen) == len(lins)
     assert [w for _, w in seen] == [lin.weight.shape for lin in lins]
     assert all(x[0] == 3 for x, _ in seen) and outs[0].shape == (3, model.args.vocab_size)

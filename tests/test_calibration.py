@@ -1,5 +1,5 @@
-"""CPU GEMM calibration: the fastest measured form is chosen, cached per machine, and every form
-computes the reference product."""
+"""CPU GEMM calibration: the fastest measured form is chosen, cached per machine unless its timing
+rounds say the machine was busy, and every form computes the reference product."""
 import json
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from refspec.models import calibration as C
+from refspec.models import gemm_forms as G
 from tiny import packed_form_runs
 
 
@@ -85,28 +86,29 @@ def test_every_form_computes_the_reference_product(dtype, rows):
     ref = F.linear(x.double(), w.double())
     assert set(C.candidate_forms(dtype)) >= set(C.FORMS[dtype]) - {"packed"}
     for form in C.candidate_forms(dtype):
-        out = C._apply(form, x, w, C.make_copy(form, w))
+        out = G.apply_form(form, x, w, G.make_copy(form, w))
         assert out.dtype == dt and out.shape == (rows, 96)
         # fp32: summation order only; bf16: one rounding of the fp32 accumulator (2^-8 relative)
         tol = 1e-5 if dtype == "fp32" else 2 ** -8
         assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()), form
 
 
-def test_measure_times_real_products():
-    t = C.measure_forms("fp32", {"one": ("linear", "column")}, repeats=1)
-    assert t["one"]["linear"] > 0 and t["one"]["column"] > 0
+def test_measure_times_real_products_in_rounds():
+    rounds = C.measure_rounds("fp32", {"one": ("linear", "column")}, rounds=2)
+    assert len(rounds) == 2 and all(r["one"]["linear"] > 0 and r["one"]["column"] > 0 for r in rounds)
+    assert C.spread(rounds) >= 0.0
 
 
 @pytest.mark.parametrize("form", ["column", "wxt", "linear", "packed"])
 def test_linear_takes_the_plans_form_and_equals_the_reference(form):
-    from refspec.models.ops import WeightCopy, linear, use_gemm_plan
+    from refspec.models.cpu_speed import WeightCopy, linear, use_gemm_plan
 
     if form == "packed" and not packed_form_runs():
         return  # calibration never offers it here (asserted by packed_form_runs)
     use_gemm_plan(C.GemmPlan(forms={"fp32": {b: form for b in C.BUCKETS}}, timings_s={}, machine={}))
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    kind = form if form in C.COPY_FORMS else "column"
+    kind = form if form in G.COPY_FORMS else "column"
     copy = WeightCopy(w, kind)
     for rows in (1, 5, 40):
         x = torch.randn(rows, 64, generator=g)
@@ -114,9 +116,9 @@ def test_linear_takes_the_plans_form_and_equals_the_reference(form):
         xt = torch.randn(64, rows, generator=g).t()  # a column-major activation
         assert torch.allclose(linear(xt, w, b, copy), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
     # routing: only the plan's copy form reads the copy
-    copy.t = C.make_copy(kind, torch.zeros_like(w))
+    copy.t = G.make_copy(kind, torch.zeros_like(w))
     out = linear(torch.randn(1, 64, generator=g), w, None, copy)
-    assert torch.equal(out, torch.zeros(1, 96)) == (form in C.COPY_FORMS)
+    assert torch.equal(out, torch.zeros(1, 96)) == (form in G.COPY_FORMS)
     w.add_(1.0)  # a changed weight: the stale copy is not read
     x = torch.randn(3, 64, generator=g)
     assert torch.allclose(linear(x, w, None, copy), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -128,7 +130,7 @@ def test_packed_form_in_half_precision_rounds_like_the_reference():
             continue  # oneDNN refuses fp16 on CPUs without fp16 conversion instructions; never offered
         g = torch.Generator().manual_seed(3)
         w, x = torch.randn(96, 64, generator=g).to(dt), torch.randn(5, 64, generator=g).to(dt)
-        out = C._apply("packed", x, w, C.make_copy("packed", w))
+        out = G.apply_form("packed", x, w, G.make_copy("packed", w))
         ref = F.linear(x.double(), w.double())
         assert out.dtype == dt and torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
@@ -141,8 +143,8 @@ def test_resolve_plan_reads_the_environment(tmp_path, monkeypatch):
         C.resolve_plan(torch.float32)
     monkeypatch.setenv("REFSPEC_GEMM_PLAN", "auto")
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(C, "measure_forms", lambda d, buckets: {b: {f: {"wxt": 0.5}.get(f, 1.0) for f in fs}
-                                                                 for b, fs in buckets.items()})
+    monkeypatch.setattr(C, "measure_rounds", lambda d, buckets, timer: [
+        {b: {f: {"wxt": 0.5}.get(f, 1.0) for f in fs} for b, fs in buckets.items()}] * 3)
     plan = C.resolve_plan(torch.float32)
     assert plan.forms["fp32"] == {"one": "wxt", "few": "wxt", "many": "wxt"}
     assert C.plan_path(tmp_path, C.machine_key()).exists()
@@ -157,7 +159,7 @@ def test_notable_cpu_flags_are_read_from_the_flags_line(monkeypatch):
 
 
 def test_nodnn_form_equals_the_reference_and_restores_onednn():
-    from refspec.models.ops import linear, use_gemm_plan
+    from refspec.models.cpu_speed import linear, use_gemm_plan
 
     timer, _ = table({("bf16", "one"): "nodnn"})
     plan = C.calibrate(("bf16",), timer=timer)
@@ -173,14 +175,14 @@ def test_nodnn_form_equals_the_reference_and_restores_onednn():
     # one rounding of the fp32 accumulator, and of the bias add
     assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7)
     with pytest.raises(RuntimeError):  # a failing product still restores the flag
-        C.without_onednn(F.linear, x, w[:, :3])
+        G.without_onednn(F.linear, x, w[:, :3])
     assert torch._C._get_mkldnn_enabled() == before
 
 
 def test_packed_form_passes_gradients_to_its_input():
     """A frozen weight's packed copy is bypassed while a gradient to the input is recorded
     (oneDNN's packed product has no backward: the gradient would silently vanish)."""
-    from refspec.models.ops import WeightCopy, linear, use_gemm_plan
+    from refspec.models.cpu_speed import WeightCopy, linear, use_gemm_plan
 
     if not packed_form_runs():
         return  # calibration never offers it here (asserted by packed_form_runs)
@@ -209,7 +211,7 @@ def test_without_copies_takes_the_fastest_copy_free_forms():
 
 def test_a_model_whose_copies_do_not_fit_runs_copy_free_forms(tmp_path, monkeypatch):
     from refspec.models import load_model
-    from refspec.models.ops import gemm_plan
+    from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
     from tiny import save_hf
 
     def timer(dtype, bucket, form):
@@ -218,4 +220,47 @@ def test_a_model_whose_copies_do_not_fit_runs_copy_free_forms(tmp_path, monkeypa
     save_hf("llama", tmp_path)
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
     model = load_model(tmp_path, gemm_plan=plan)
-    assert model.weight_copy_kind is None and gemm_plan().forms["fp32"] == {b: "wxt" for b in C.BUCKETS}
+    assert weight_copy_kind(model) is None and gemm_plan().forms["fp32"] == {b: "wxt" for b in C.BUCKETS}
+
+
+def busy(spread: float):
+    """A fake timer whose every other round takes ``1 + spread`` times as long (another job
+    competing for the machine), with column fastest for one row."""
+    calls, per_round = [], len(G.FORMS["fp32"]) * len(C.BUCKETS)  # an fp32 round times each form per bucket
+
+    def timer(dtype, bucket, form):
+        calls.append((dtype, bucket, form))
+        slow = 1.0 + spread if (len(calls) - 1) // per_round % 2 else 1.0  # the load comes and goes
+        return slow * (0.5 if (bucket, form) == ("one", "column") else 1.0)
+    return timer, calls
+
+
+def test_a_busy_calibration_is_refused_uncached_and_not_redone(tmp_path, caplog):
+    """Rounds differing by more than BUSY_SPREAD: the dtype takes the reference form, nothing is
+    written, the warning names the retry command, and the process does not time it again."""
+    timer, calls = busy(0.5)
+    with caplog.at_level("WARNING", logger="refspec.models.calibration"):
+        plan = C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert plan.form(torch.float32, 1) == "linear" and "fp32" not in plan.forms
+    assert not C.plan_path(tmp_path, C.machine_key()).exists()
+    assert "python -m refspec.eval calibrate --force" in caplog.text and "refused" in caplog.text
+    n = len(calls)
+    C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert len(calls) == n, "a refused dtype is not timed again in this process"
+    quiet, _ = table({("fp32", "one"): "column"})
+    forced = C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=quiet, force=True)
+    assert forced.form(torch.float32, 1) == "column" and C.plan_path(tmp_path, C.machine_key()).exists()
+
+
+def test_a_quiet_calibration_is_cached_with_its_spread(tmp_path):
+    timer, _ = busy(0.05)  # within BUSY_SPREAD
+    plan = C.load_or_calibrate(tmp_path, dtypes=("fp32",), timer=timer)
+    assert plan.form(torch.float32, 1) == "column" and C.trusted(plan, "fp32")
+    saved = json.loads(C.plan_path(tmp_path, C.machine_key()).read_text())
+    assert saved["forms"]["fp32"]["one"] == "column" and 0.0 < saved["spread"]["fp32"] <= C.BUSY_SPREAD
+
+
+def test_rounds_pick_each_forms_best_and_spread_compares_their_totals():
+    rounds = [{"one": {"linear": 1.0, "wxt": 2.0}}, {"one": {"linear": 1.5, "wxt": 1.8}}]
+    assert C._best(rounds) == {"one": {"linear": 1.0, "wxt": 1.8}}
+    assert C.spread(rounds) == pytest.approx(3.3 / 3.0 - 1.0)

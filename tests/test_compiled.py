@@ -9,7 +9,7 @@ import torch
 
 from refspec.drafters.ngram import NgramDrafter
 from refspec.engine import Engine, EngineConfig
-from refspec.models import ops
+from refspec.models.cpu_speed import apply_cpu_speed
 from refspec.models.compiled import CompiledStep, CompileError, make_compiled_step
 from refspec.models.transformer import Transformer
 from tiny import copy_plan, tiny_args
@@ -115,9 +115,8 @@ def test_prefill_and_embeddings_run_eagerly():
 
 
 def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
-    ops.use_gemm_plan(copy_plan())  # column copies for one fp32 row: the graph reads them
     m = _model()
-    assert m.add_weight_copies(2**30, "column") == "column"
+    assert apply_cpu_speed(m, copy_plan()) == "column"  # column copies for one fp32 row: the graph reads them
     step = CompiledStep(m, backend="eager")
     cache, tok, pos = _step_inputs(m, 1, 1)
     with torch.inference_mode():
@@ -129,7 +128,7 @@ def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
         out2, _ = step(tok, pos, cache, num_keys=64)
         wo = m.layers[1].attn.wo
         wo.weight = torch.nn.Parameter(wo.weight * 2, requires_grad=False)  # replaced: its copy is stale too
-        m.layers[0].mlp.down._copy = None  # (no copy: that matrix is multiplied by F.linear)
+        m.layers[0].mlp.down.copy = None  # (no copy: that matrix is multiplied by F.linear)
         ref3, _ = m(tok, pos, cache, num_keys=64)
         out3, _ = step(tok, pos, cache, num_keys=64)
     assert torch.equal(out2, ref2) and not torch.equal(ref2, ref) and torch.equal(out3, ref3)
@@ -194,9 +193,9 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
 def test_a_nodnn_plan_runs_the_graph_with_onednn_off():
     from refspec.models.calibration import GemmPlan
 
-    ops.use_gemm_plan(GemmPlan(forms={"bf16": {"one": "nodnn", "few": "linear", "many": "linear"}}, timings_s={},
-                               machine={}))
     m = _model(dtype=torch.bfloat16)
+    apply_cpu_speed(m, GemmPlan(forms={"bf16": {"one": "nodnn", "few": "linear", "many": "linear"}}, timings_s={},
+                                machine={}))
     step = CompiledStep(m, backend="eager")
     cache, tok, pos = _step_inputs(m, 1, 1)
     seen = []

@@ -233,6 +233,62 @@ def test_graph_replays_equal_eager_and_count_experts_on_cuda(moe_models, dispatc
         m.init_buffers("cpu")
 
 
+def test_static_dispatch_counts_experts_without_bincount(moe_models, monkeypatch):
+    """grouped and dense count routed pairs with a static-size scatter_add_ (bincount on CUDA
+    reads its output size from the device, a host sync that breaks graph capture)."""
+    def no_bincount(*args, **kwargs):
+        raise AssertionError("bincount synchronises with the host on CUDA")
+
+    m = moe_models["qwen3_moe"][1]
+    toks = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(8))
+    ref = _logits(m, toks)
+    touched = m.experts_touched()
+    monkeypatch.setattr(torch, "bincount", no_bincount)
+    try:
+        for dispatch in ("grouped", "dense"):
+            m.set_moe_dispatch(dispatch)
+            assert torch.allclose(_logits(m, toks), ref, atol=1e-4), dispatch
+            assert m.experts_touched() == touched, dispatch
+    finally:
+        m.set_moe_dispatch("gather")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch", ["grouped", "dense"])
+def test_recorded_capture_and_replay_do_not_sync_the_host(moe_models, dispatch):
+    """A recorded graph replay (and an eager forward) of an MoE target hands its experts count on
+    as a device tensor: no host read until the caller synchronises, then the eager count."""
+    from refspec.cuda_graphs import GraphRunner
+    from refspec.energy.phases import WorkRecorder
+
+    m = moe_models["qwen3_moe"][1]
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    m.init_buffers("cuda")
+    try:
+        m.set_moe_dispatch(dispatch)
+        runner = GraphRunner(m, capture=True)
+        view = runner.new_cache(2, 64)
+        tok = torch.randint(3, 96, (2, 4), device="cuda")
+        pos = torch.arange(4, device="cuda")[None].expand(2, 4) + 5
+        with torch.inference_mode():
+            with WorkRecorder():
+                runner(tok, pos, view, num_keys=64)  # capture, recorded
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with WorkRecorder() as rec:
+                    runner(tok, pos, view, num_keys=64)  # replay
+                    m(tok, pos, view, num_keys=64)  # eager
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        replayed, eager = (int(w.experts_touched) for w in rec.work)
+        assert 0 < replayed <= m.args.moe_layers() * m.args.num_experts and replayed == eager
+    finally:
+        m.set_moe_dispatch("gather")
+        m.to(device="cpu", dtype=torch.float32)
+        m.init_buffers("cpu")
+
+
 # ---- every drafter is lossless on an MoE target -------------------------------------------------
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)

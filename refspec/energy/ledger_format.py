@@ -127,6 +127,8 @@ def _forward(shape: ForwardShape, model: int) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model}
     for f in _SHAPE_FIELDS:
         value = getattr(shape, f.name)
+        if hasattr(value, "item"):  # a GPU forward's experts count stays on the device until the step synchronised
+            value = value.item()
         if f.default is dataclasses.MISSING or value != f.default:
             out[f.name] = value
     return out

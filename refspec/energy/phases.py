@@ -50,11 +50,12 @@ class ForwardShape:
         matrix_bytes: bytes per element the block matrices and LM head stream in products of
             2 or more rows, when that differs from ``dtype_bytes``: 4 for a bf16 model on a CPU,
             which multiplies several rows through fp32 copies
-            (:class:`~refspec.models.ops.WeightCopy`); one-row products stream
+            (:class:`~refspec.models.cpu_speed.WeightCopy`); one-row products stream
             ``dtype_bytes``.
         experts_touched: distinct experts a mixture-of-experts forward routed to, summed over
             its MoE layers (the expert bytes it read); None for a dense model or a prediction,
-            whose expert reads the cost model takes as the expectation over uniform routing.
+            whose expert reads the cost model takes as the expectation over uniform routing. A
+            GPU forward hands it on as a 0-dim device tensor (no host sync), read after the step.
         query_tokens: query tokens of a ragged forward (a packed prefill of prompts of
             different lengths), summed over rows; None: ``rows * tokens_per_row``.
         attention_pairs: (query, key) pairs one full-attention layer computes, summed over

@@ -19,6 +19,10 @@ The decode core, read top-down:
    and result types in :mod:`refspec.serving`.
 7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed (its static
    buffers in :mod:`refspec.graph_buffers`).
+8. :mod:`refspec.phase_loops`: each phase of a step alone in a loop, for a counter that cannot
+   see one phase; :mod:`refspec.distributed` and :mod:`refspec.sharding`: tensor parallelism's
+   process group and which heads and MLP columns each rank keeps (the sharding itself is applied
+   to a built model by ``refspec.models.tp``).
 
 Rooms beside the core: :mod:`refspec.energy` (meters, ledger, accounting, roofline, latency,
 DVFS, attribution) and :mod:`refspec.assets` (pinned real models, download, GGUF conversion,

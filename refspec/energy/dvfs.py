@@ -9,7 +9,7 @@ logged and added to it as a note. Setting clocks needs root, CAP_SYS_ADMIN or th
 daemon. An idle GPU runs below any lock, so :func:`dvfs_sweep` verifies each lock by sampling
 the SM clock while the workload runs.
 
-Only a user's own GPU is swept: nothing in the GPU check (``scripts/gpu_check.py``) imports
+Only a user's own GPU is swept: nothing in the paper command (``refspec.eval.paper``) imports
 this module, and lent machines' clocks are only read (``refspec.energy.nvml_meter.sm_clock_reader``).
 
 The GPU is reached through a small :class:`GPUBackend` protocol; :class:`ZeusGPUBackend` wraps

@@ -115,6 +115,36 @@ def test_measure_period_finds_the_update_period():
     assert period == pytest.approx(0.02, rel=0.06) and changes >= 20
 
 
+class _WallCounter:
+    """A 100 W counter on the wall clock that updates every 20 ms (a fast NVML counter)."""
+
+    source, period_s = "measured:fake-counter(gpu0)", 0.1  # the period assumed until measured
+
+    def read(self):
+        import time
+
+        from refspec.energy.counters import CounterRead
+
+        t = time.perf_counter()
+        value = 100.0 * (t // 0.02) * 0.02
+        return CounterRead(energy_j=value, devices={"gpu0": value}, wall_s=t)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_gpu_meter_is_sized_by_the_period_it_measures(monkeypatch):
+    import types
+
+    from refspec.energy import meters
+    from refspec.eval.paper import bench
+
+    monkeypatch.setattr(meters, "measured_gpu_counter", lambda gpus: _WallCounter())
+    meter, period, note = bench._gpu_meter(types.SimpleNamespace(min_window_s=5.0))
+    assert period == pytest.approx(0.02, rel=0.2) and meter.period_s == period and note.startswith("measured")
+    assert meter.sub_window_s == pytest.approx(10 * period) and meter.idle_w == pytest.approx(100.0, rel=0.05)
+
+
 def test_windows_are_counted_in_periods():
     w = grid.Windows.for_period(0.1, 5.0)
     assert (w.window_s, w.loop_s, w.sub_window_s) == (5.0, pytest.approx(1.0), pytest.approx(1.0))

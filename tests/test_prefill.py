@@ -4,8 +4,6 @@ cache rows and slots, and record only the work of real tokens."""
 import pytest
 import torch
 
-from tiny import TINY_HF
-
 from refspec.energy.phases import WorkRecorder
 from refspec.models.random_models import random_model
 

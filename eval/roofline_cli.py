@@ -309,6 +309,15 @@ def _policy_report(args: argparse.Namespace, target: ModelArgs, profile: Hardwar
     print(f"model {args.model} on {profile.name} (modelled), drafter {drafter.name}, context {args.context}, K from "
           f"{', '.join(map(str, ks))}")
     print(format_policy_table(rows, spec.tpot_ms))
+    if args.mix is not None:
+        from refspec.eval.roofline_policy import format_mixed_table, mixed_rows
+
+        mix = _floats("--mix", args.mix.replace("+", ","))
+        if len(mix) != 2:
+            raise UsageError(f"--mix {args.mix!r}: two acceptance rates A1+A2, e.g. 0.8+0.3")
+        print(format_mixed_table(mixed_rows(target, profile, batches=batches, ks=ks, mix=(mix[0], mix[1]),
+                                            context=args.context, drafter=None if drafter.free else drafter,
+                                            dtype_bytes=args.dtype_bytes), (mix[0], mix[1])))
     return 0
 
 
@@ -343,6 +352,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default=None, metavar="energy[:tpot_ms=T]",
                         help="instead of the table, the K the energy speculation policy picks (from --k) per "
                              "acceptance and batch, and its saving against K=0")
+    parser.add_argument("--mix", default=None, metavar="A1+A2",
+                        help="with --policy: also a stream mixing requests of acceptance A1 and A2 (equal odds, "
+                             "binomial per step): J/token of every fixed K and of the policy choosing K per step")
     parser.add_argument("--tp", default=None, metavar="N,...",
                         help="tensor-parallel GPUs, comma-separated (e.g. 1,2,4,8): each GPU's share of the weights, "
                              "two ring all-reduces per layer over the profile's NVLink, replicated drafters; prints "

@@ -327,3 +327,16 @@ def test_roofline_cli_prints_the_k_the_energy_policy_picks(capsys):
     assert main(["--policy", "fixed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --policy")
+
+
+def test_on_a_mixed_stream_the_policy_is_never_above_the_best_fixed_k():
+    """Modelled: per-step K for the rows at hand beats one K for every composition, most at batch
+    1 (a request's own K) and not at all when both kinds of request accept alike."""
+    from refspec.eval.roofline_policy import mixed_rows
+
+    kw = dict(batches=[1, 8, 64], ks=[0, 1, 2, 4, 7], context=512, drafter=EAGLE_HEAD, dtype_bytes=2)
+    rows = mixed_rows(LLAMA8B, H200_SXM, mix=(0.9, 0.2), **kw)
+    assert all(r["policy"] <= min(r["fixed"].values()) * (1 + 1e-12) for r in rows)
+    assert rows[0]["vs_best"] < -0.05 and rows[0]["vs_best"] < rows[-1]["vs_best"] <= 0
+    same = mixed_rows(LLAMA8B, H200_SXM, mix=(0.6, 0.6), **kw)
+    assert all(r["vs_best"] == pytest.approx(0.0, abs=1e-12) for r in same)

@@ -170,7 +170,8 @@ def test_high_acceptance_drafts_at_batch_one_on_an_h200():
 def test_large_batch_or_low_acceptance_decodes_plainly(active, a, context):
     """Compute-bound verification (1024 rows of short context), or drafts rarely accepted."""
     policy = _energy(a)
-    hits = [int(i < round(a * active)) for i in range(active)]  # every request has drafted (no probe), a of them accepted
+    # every request has drafted once (no probe), a of them accepted
+    hits = [int(i < round(a * active)) for i in range(active)]
     policy.observe(1, hits, list(range(active)))
     assert policy.choose(_view(active, length_bound=context + 1)) == 0
     opts = policy.last

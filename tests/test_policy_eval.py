@@ -88,7 +88,8 @@ def test_acceptance_from_tau_inverts_the_expected_tokens():
     assert corpus_prior("smollm2-135m", "eagle", "code", 0.0) == pytest.approx(acceptance_from_tau(2.032, 4))
     both = corpus_prior("smollm2-135m", "eagle", "mixed:conversation+code", 0.0)
     assert both == pytest.approx((acceptance_from_tau(1.46, 4) + acceptance_from_tau(2.032, 4)) / 2)
-    assert corpus_prior("smollm2-135m", "ngram", "code", 0.0) is None and corpus_prior("other", "eagle", "code", 0) is None
+    assert corpus_prior("smollm2-135m", "ngram", "code", 0.0) is None
+    assert corpus_prior("other", "eagle", "code", 0.0) is None
 
 
 def _ledger(path, run_id, pattern, model):
@@ -112,7 +113,8 @@ def test_k_fields_count_the_ks_the_ledger_recorded(tmp_path):
 
 
 def _rec(drafter, k, j, tpot, policy="fixed", corpus="code", batch=8, run="r"):
-    return {"drafter": drafter, "k": k, "batch": batch, "corpus": corpus, "spec_policy": policy, "schedule": "continuous",
+    return {"drafter": drafter, "k": k, "batch": batch, "corpus": corpus, "spec_policy": policy,
+            "schedule": "continuous",
             "energy_per_token_j": j, "energy_per_token_j_run": j * 1.1, "tpot_p50_s": tpot, "stream_digest": "s",
             "meter": "auto", "tree": False, "run_ids": [run], "k_mean": 1.5 if policy != "fixed" else float(k)}
 
@@ -164,3 +166,23 @@ def test_bad_policy_flags_are_one_line_errors(argv, match, capsys):
     assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and match in err[0]
+
+
+def test_injected_acceptance_follows_each_steps_k_under_a_policy(tiny_models):
+    """Under a policy the injection is restricted to each step's K (k=None): steps of K = 0 and
+    K below the engine's run, and never accept more than they drafted."""
+    import torch
+
+    from refspec.drafters.ngram import NgramDrafter
+    from refspec.engine import Engine, EngineConfig
+    from refspec.eval.injection import geometric_model, make_acceptance_fn
+    from test_policy_engine import CyclingK
+
+    fn = make_acceptance_fn(geometric_model(0.9, 4), torch.Generator().manual_seed(0), k=None)
+    gen = Engine(tiny_models["llama"], NgramDrafter(), config=EngineConfig(k=4), acceptance_fn=fn,
+                 policy=CyclingK((4, 0, 2))).generate([[20, 21, 22, 23]] * 3, max_new_tokens=16)
+    ks = [e.k for e in gen.events if e.phase == "verify"]
+    assert set(ks) == {0, 2, 4}
+    for k, step in zip(ks, gen.accepted_per_step):
+        assert all(a <= k for a in step)
+    assert any(a == 4 for step in gen.accepted_per_step for a in step), "injected acceptance of full drafts"

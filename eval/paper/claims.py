@@ -105,7 +105,7 @@ def claim1(vs: Sequence[Variant]) -> list[dict[str, Any]]:
         for small, large in zip(plain, plain[1:]):
             a, b = fig(large, "j_per_token"), fig(small, "j_per_token")
             out.append(check(f"{arch}: plain J/token at batch {large['batch']} below batch {small['batch']}",
-                             compare(a, b), smaller=_fmt(a), larger=_fmt(b)))
+                             compare(a, b), **{f"batch_{large['batch']}": _fmt(a), f"batch_{small['batch']}": _fmt(b)}))
         b1 = min((v["batch"] for v in plain), default=None)
         base = _plain(vs, arch, b1) if b1 is not None else None
         for v in vs:

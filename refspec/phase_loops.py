@@ -15,8 +15,8 @@ The loops use the step functions of :mod:`refspec.step` on a batch of their own:
 2. **draft**: ``drafter.propose`` on that state (a proposal reads the state, it does not move it);
 3. **verify**: the target forward over the same pending tokens and drafts (it rewrites the same
    cache slots);
-4. **commit**: acceptance and commit of that verify's logits (each call advances the rows, as
-   every real commit does);
+4. **commit**: acceptance and commit of that verify's logits (each call first puts the rows
+   back to their length before the step, so every call commits the same step);
 5. **prefill**: the run's refill group (R prompts) prefilled into R slots.
 
 Each iteration is bracketed by the meter as ``loop:<phase>``, so a simulated counter learns the
@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
 from refspec.energy.attribution import Loop
 from refspec.energy.phases import MeteredPhase, PhaseEvent
@@ -100,8 +101,10 @@ def _set_up(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.
     """A batch of B active rows decoded to the run's keys; returns it, a draft and its base."""
     b, k = shapes.batch, shapes.k
     prompts = [list(p) for p in shapes.prompts[:b]]
-    slots = max(map(len, prompts)) + max_steps * (k + 1) + k + 2 + shapes.keys
-    run = new_batch(_cache(t, b, slots), b, slots, max_steps * (k + 1), k, sampling=t.sampling,
+    # each step advances a row by at least one, so the set-up ends within the run's keys plus a step
+    slots = round_up(max(shapes.keys, max(map(len, prompts))) + 2 * (k + 1) + 1, t.kv_bucket)
+    max_steps = min(max_steps, slots)
+    run = new_batch(_cache(t, b, slots), b, slots, slots, k, sampling=t.sampling,
                     target_args=t.target.args, dtype_bytes=torch.finfo(t.target.dtype).bits // 8)
     prefill(t.target, run, list(range(b)), prompts, [UNBOUNDED] * b, drafter=t.drafter, sampling=t.sampling,
             eos=no_eos, generator=gen)
@@ -126,16 +129,17 @@ def _set_up(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.
 def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callable[[], None],
           rows: int | None = None) -> Loop:
     """Repeat ``body`` for at least ``min_s`` seconds; the counter is read at the loop's bounds only."""
+    clock = getattr(meter, "clock", time.perf_counter)  # the counter's time base (modelled under a GPU profile)
     sync()
     first = meter.counter.read()
-    t0, iterations = time.perf_counter(), 0
+    t0, iterations = clock(), 0
     while True:
         with MeteredPhase(meter, f"loop:{name}"):
             body()
         iterations += 1
         if iterations % 8 == 0:
             sync()  # a GPU's queue stays short, so the host clock tracks the work
-        if time.perf_counter() - t0 >= min_s:
+        if clock() - t0 >= min_s:
             break
     sync()
     last = meter.counter.read()
@@ -174,7 +178,11 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
         logits, hidden = verify_forward(t.verify_fn, run, draft, base, kv_bucket=t.kv_bucket,
                                         hidden_layers=hidden_layers, sliding_window=window)
 
+        base_host = list(run.lengths_host)
+
         def step_commit() -> None:
+            run.cache.lengths.copy_(base)  # every call commits the same step: rows stay inside the cache
+            run.lengths_host = list(base_host)
             acc, chain, kept = decide(draft, logits, hidden, base, run.cache, sampling=t.sampling, generator=gen,
                                       accept=t.accept)
             commit(run, acc, chain, kept, base, no_eos)

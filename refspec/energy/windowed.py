@@ -176,6 +176,11 @@ class WindowedMeter:
         self._start: CounterRead | None = None  # the open run's start read; None: no run open
         self._last_s = 0.0
 
+    @property
+    def clock(self) -> Clock:
+        """The counter's time base (a loop that must span counter periods is timed on it)."""
+        return self._clock
+
     def _read(self) -> CounterRead:
         read = self.counter.read()
         self.reads += 1

@@ -330,8 +330,8 @@ class Engine:
         draft_phase, verify_phase, commit_phase = phases
         for phase, extra in ((draft_phase, dict(drafted=active * n)),
                              (verify_phase, dict(verified=active * (n + 1), accepted=n_acc)),
-                             (commit_phase, dict(accepted=n_acc, emitted=n_emit,
-                                                 emitted_per_row=tuple(outcome.emitted)))):
+                             (commit_phase, dict(accepted=n_acc, emitted=n_emit, emitted_per_row=tuple(outcome.emitted),
+                                                 accepted_per_row=tuple(outcome.accepted)))):
             clock_s = sched.advance(phase.measurement.time_s)
             self._emit(PhaseEvent(**common, **extra, phase=phase.name, work=phase.work,
                                   measurement=phase.measurement, queued=sched.queued, clock_s=clock_s), events)

@@ -144,6 +144,16 @@ def test_generate_is_the_static_schedule(tiny_models):
     assert [e.phase for e in gen.events] == [e.phase for e in res.events]
 
 
+def test_each_commit_event_carries_the_steps_acceptance_and_policy_choice(tiny_models):
+    """The ledger can audit acceptance per request: each commit event holds every slot's accepted
+    drafts (what the step decided), and every decode event the K the policy chose."""
+    m, reqs = tiny_models["qwen2"], _requests(6)
+    res = Engine(m, BigramDrafter(), config=EngineConfig(k=3), eos_token_ids=EOS).serve(reqs, batch=3)
+    commits = [e for e in res.events if e.phase == "commit"]
+    assert [list(e.accepted_per_row) for e in commits] == res.accepted_per_step
+    assert all(e.k == 3 for e in res.events if e.phase != "prefill")
+
+
 def test_generation_and_serve_result_share_tau_and_num_emitted(tiny_models):
     from refspec.engine import Generation
     from refspec.serving import ServeResult

@@ -67,6 +67,8 @@ SCHEMA: dict[str, str] = {
     "clock_s": "engine clock at the phase's start, s (float)",
     "row_lengths": "keys each slot's queries attend in the phase (prefill: prompt length; decode: committed "
                    "length plus the step's positions), 0 empty, length batch (list of int)",
+    "accepted_per_row": "commit only: drafts each slot accepted in the step, -1 where no request was generating, "
+                        "length batch; empty on other phases (list of int)",
 }
 """Fields of a phase record, name -> description. A meter may add its own (``Measurement.extra``:
 a simulated counter's ``energy_true_j``, the true energy of the phase in J)."""
@@ -146,7 +148,7 @@ def phase_record(event: PhaseEvent, run_id: str, model_id: Callable[[ModelArgs],
         "work": [_forward(s, model_id(s.args)) for s in event.work],
         "emitted_per_row": list(event.emitted_per_row), "slot_requests": list(event.slot_requests),
         "arrivals_s": list(event.arrivals_s), "queued": event.queued, "clock_s": event.clock_s,
-        "row_lengths": list(event.row_lengths), **dict(m.extra),
+        "row_lengths": list(event.row_lengths), "accepted_per_row": list(event.accepted_per_row), **dict(m.extra),
     }
 
 

@@ -27,7 +27,8 @@ Acceptance per request (:func:`request_acceptance`)
     From the engine's per-request accepted drafts per verify step (``RequestResult.accepted_per_step``,
     what its own verify decisions accepted), checked against the ledger: the request's decode
     steps (where its slot did work) must match in number, each count lie in ``0..k`` of the
-    step, and every step but its last emit accepted + 1 tokens. Histogram over ``0..K``;
+    step and equal the commit record's ``accepted_per_row``, and every step but its last emit
+    accepted + 1 tokens. Histogram over ``0..K``;
     acceptance rate at draft position i = steps accepting at least i drafts / steps that
     offered position i (k >= i), so with a fixed K, tau = 1 + sum of the rates; acceptance
     length = (accepted + steps) / steps.
@@ -288,15 +289,18 @@ def rates(accepted: Sequence[int], offered: Sequence[int]) -> list[float | None]
     return [a / o if o else None for a, o in zip(accepted, offered)]
 
 
-def _ledger_rows(records: Sequence[Record], run_ids: Sequence[str]) -> dict[int, list[tuple[int, int, int]]]:
-    """Per request, ``(step, k, emitted)`` of each decode step its slot did work in, from the ledger."""
-    out: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+def _ledger_rows(records: Sequence[Record], run_ids: Sequence[str]
+                 ) -> dict[int, list[tuple[int, int, int, int | None]]]:
+    """Per request, ``(step, k, emitted, accepted)`` of each decode step its slot did work in, from
+    the ledger (``accepted`` from the commit record's ``accepted_per_row``, None where absent)."""
+    out: dict[int, list[tuple[int, int, int, int | None]]] = defaultdict(list)
     for run in run_ids:
         phases = [r for r in records if r.get("run_id") == run and r.get("kind") == "phase"]
         for st in decode_steps(group_steps(run, phases)):
             k = max(int(r.get("k", 0) or 0) for r in st.records)
+            per_row = next((r["accepted_per_row"] for r in st.records if r.get("accepted_per_row")), None)
             for slot, rid, _ in participants(st.records[0]):
-                out[rid].append((st.index, k, st.emitted(slot)))
+                out[rid].append((st.index, k, st.emitted(slot), None if per_row is None else int(per_row[slot])))
     return out
 
 
@@ -328,12 +332,12 @@ def request_acceptance(records: Sequence[Record], run_ids: Sequence[str],
         if len(steps) != len(counts):
             raise PerRequestError(f"request {rid}: the engine counted {len(counts)} verify steps, the ledger shows its "
                                   f"slot working in {len(steps)} decode steps")
-        for i, ((step, k, emitted), a) in enumerate(zip(steps, counts)):
+        for i, ((step, k, emitted, logged), a) in enumerate(zip(steps, counts)):
             last = i == len(steps) - 1
-            if not 0 <= a <= k or (emitted != a + 1 if not last else emitted > a + 1):
+            if not 0 <= a <= k or (emitted != a + 1 if not last else emitted > a + 1) or logged not in (None, a):
                 raise PerRequestError(f"request {rid}, step {step}: {a} drafts accepted of k={k}, but the ledger "
-                                      f"records {emitted} tokens emitted in its slot")
-        out[rid] = RequestAcceptance(id=rid, k_per_step=tuple(k for _, k, _ in steps),
+                                      f"records {emitted} tokens emitted in its slot and {logged} accepted")
+        out[rid] = RequestAcceptance(id=rid, k_per_step=tuple(k for _, k, _, _ in steps),
                                      accepted_per_step=tuple(int(a) for a in counts))
     return out
 

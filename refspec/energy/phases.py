@@ -193,6 +193,8 @@ class PhaseEvent:
             queries attend in this phase (a prefill: its prompt length; a decode step: its
             committed length plus the step's positions), 0 for an empty or finished slot;
             what per-row work is charged by (empty when the caller tracks none).
+        accepted_per_row: commit only, length ``batch``: drafts each slot accepted in the step,
+            -1 where no request was generating (per-request acceptance read from the ledger).
     """
 
     step: int
@@ -212,6 +214,7 @@ class PhaseEvent:
     clock_s: float = 0.0
     k: int = 0
     row_lengths: tuple[int, ...] = ()
+    accepted_per_row: tuple[int, ...] = ()
 
 
 PhaseObserver = Callable[[PhaseEvent], None]

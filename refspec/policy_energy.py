@@ -17,19 +17,20 @@ For every K of its set, :class:`EnergyPolicy` predicts, before the step:
 
 It returns the K of least energy / tokens among those whose predicted time per output token,
 step time x active rows / tokens, meets the TPOT target (without one, every K qualifies; when
-none does, the fastest). A request it has never seen draft is probed: where the best K is 0
-but the smallest K > 0 costs at most :data:`PROBE_SLACK` x (share of unprobed requests) more
-per token, that K runs, so a request whose text drafts well is found even when the running
-estimate says drafting does not pay.
+none does, the fastest). Where most active requests have never drafted (a new request at
+batch 1), they are probed: where the best K is 0 but the smallest K > 0 costs at most
+:data:`PROBE_SLACK` x (share of unprobed requests) more per token, that K runs, so a request
+whose text drafts well is found even when the running estimate says drafting does not pay.
 
 Where the run measures time (a CPU's wall clock, a GPU's CUDA events) rather than modelling it,
 the roofline's times are only a prior: a CPU runs a product of a few rows far from both its
 peak and its bandwidth. Observing the run's phase events (:meth:`EnergyPolicy.on_event`), the
 policy then scales each K's predicted time by what the steps of that K measured (draft, verify
 and commit, over the roofline's draft and verify: :class:`TimeCalibration`), the static power
-following the time. It measures every K :data:`EXPLORE_STEPS` times at the start and the one
-measured longest ago every :data:`REPROBE_EVERY` steps, so the scale of a K it stopped
-choosing stays current.
+following the time; a K not measured yet takes the scale interpolated between the nearest
+measured K below and above. It measures the smallest and the largest K
+:data:`EXPLORE_STEPS` times at the start, and a measured K it stopped choosing again every
+:data:`REPROBE_EVERY` steps, so its scale stays current.
 
 Example (H200 profile, Llama-3.1-8B shapes, acceptance 0.8): at 1 active row the verify
 reads the weights once whatever K, so K = 4 emits 3.4 tokens for about the energy of one; at
@@ -56,10 +57,10 @@ OPTIMISM = 1.0
 (optimism under uncertainty: it fades as the request's own drafts are counted)."""
 PROBE_SLACK = 0.1
 """Extra J/token a probe of unprobed requests may cost, at a batch of nothing but unprobed ones."""
-EXPLORE_STEPS = 2
-"""Steps of each K measured at the start of a run whose time is measured."""
-REPROBE_EVERY = 64
-"""Steps after which the K measured longest ago is measured again."""
+EXPLORE_STEPS = 1
+"""Steps of the smallest and the largest K measured at the start of a run whose time is measured."""
+REPROBE_EVERY = 128
+"""Steps after which a measured K not chosen since is measured again."""
 RATIO_WINDOW = 8
 """Latest measured/predicted time ratios a K's scale averages."""
 
@@ -197,7 +198,8 @@ class RooflineStepCost:
 
 
 class TimeCalibration:
-    """Measured over predicted step time, per K (a K never measured takes the nearest measured K's).
+    """Measured over predicted step time, per K (a K never measured: interpolated between the
+    nearest measured K below and above, or the nearest's beyond them).
 
     Args:
         ks: the K a policy chooses from.
@@ -213,21 +215,33 @@ class TimeCalibration:
             self._ratios[k] = (self._ratios[k] + [measured_s / predicted_s])[-RATIO_WINDOW:]
             self._last[k] = step
 
+    def _mean(self, k: int) -> float:
+        return sum(self._ratios[k]) / len(self._ratios[k])
+
     def ratio(self, k: int) -> float:
         """The scale of K's predicted time (1 before any measurement)."""
-        seen = [kk for kk, r in self._ratios.items() if r]
+        seen = sorted(kk for kk, r in self._ratios.items() if r)
         if not seen:
             return 1.0
-        near = min(seen, key=lambda kk: (abs(kk - k), kk))
-        return sum(self._ratios[near]) / len(self._ratios[near])
+        below, above = [kk for kk in seen if kk <= k], [kk for kk in seen if kk >= k]
+        if not below or not above:
+            return self._mean(seen[0] if not below else seen[-1])
+        lo, hi = below[-1], above[0]
+        if lo == hi:
+            return self._mean(lo)
+        w = (k - lo) / (hi - lo)
+        return (1 - w) * self._mean(lo) + w * self._mean(hi)
 
     def due(self, step: int) -> int | None:
-        """A K to measure now: one measured fewer than :data:`EXPLORE_STEPS` times, else the one
-        measured longest ago once that is :data:`REPROBE_EVERY` steps back; None otherwise."""
-        fresh = [k for k, r in self._ratios.items() if len(r) < EXPLORE_STEPS]
+        """A K to measure now: the smallest or largest K while measured fewer than
+        :data:`EXPLORE_STEPS` times, else a measured K last measured :data:`REPROBE_EVERY` steps
+        back; None otherwise."""
+        ends = (min(self._ratios), max(self._ratios))
+        fresh = [k for k in ends if len(self._ratios[k]) < EXPLORE_STEPS]
         if fresh:
             return fresh[0]
-        stale = min(self._last, key=lambda k: self._last[k])
+        measured = [k for k, r in self._ratios.items() if r]
+        stale = min(measured, key=lambda k: self._last[k])
         return stale if step - self._last[stale] >= REPROBE_EVERY else None
 
 
@@ -329,7 +343,7 @@ class EnergyPolicy:
         requests = [r for r in view.slot_requests if r >= 0]
         unprobed = sum(not self.tracker.probed(r) for r in requests) / max(len(requests), 1)
         probe = next((o for o in opts if o.k > 0), None)
-        if best.k == 0 and unprobed and probe is not None and (self.tpot_s is None or probe.tpot_s <= self.tpot_s) \
+        if best.k == 0 and unprobed >= 0.5 and probe is not None and (self.tpot_s is None or probe.tpot_s <= self.tpot_s) \
                 and probe.j_per_token <= best.j_per_token * (1 + PROBE_SLACK * unprobed):
             return probe.k
         return best.k

@@ -269,20 +269,20 @@ def test_the_predicted_step_is_what_a_roofline_meter_charges(tiny_models):
 
 
 def test_time_calibration_scales_each_k_by_what_it_measured():
-    from refspec.policy_energy import EXPLORE_STEPS, REPROBE_EVERY, TimeCalibration
+    from refspec.policy_energy import REPROBE_EVERY, TimeCalibration
 
     cal = TimeCalibration((0, 1, 2, 4))
     assert cal.ratio(2) == 1.0 and cal.due(0) == 0, "nothing measured: the roofline as it is; explore K = 0 first"
-    for step in range(EXPLORE_STEPS):
-        cal.add(0, step, 3.0, 1.0)
-        cal.add(4, step, 8.0, 1.0)
+    cal.add(0, 0, 3.0, 1.0)
+    assert cal.ratio(4) == 3.0 and cal.due(1) == 4, "then the largest K; meanwhile the nearest measured scale"
+    cal.add(4, 1, 7.0, 1.0)
+    cal.add(4, 2, 9.0, 1.0)
     assert cal.ratio(0) == 3.0 and cal.ratio(4) == 8.0
-    assert cal.ratio(1) == 3.0 and cal.ratio(2) == 3.0, "an unmeasured K takes the nearest measured (ties: smaller)"
-    assert cal.due(10) == 1
-    for step in range(EXPLORE_STEPS):
-        cal.add(1, 10 + step, 4.0, 1.0)
-        cal.add(2, 10 + step, 5.0, 1.0)
-    assert cal.due(20) is None and cal.due(REPROBE_EVERY + 1) == 0, "the K measured longest ago, once it is stale"
+    assert cal.ratio(1) == pytest.approx(3.0 + 5.0 / 4) and cal.ratio(2) == pytest.approx(3.0 + 5.0 / 2), "interpolated"
+    assert cal.due(3) is None, "the middle K are interpolated, not explored"
+    cal.add(1, 3, 4.0, 1.0)
+    assert cal.ratio(1) == 4.0 and cal.ratio(2) == pytest.approx(4.0 + 4.0 / 3), "now from K = 1 and K = 4"
+    assert cal.due(REPROBE_EVERY - 1) is None and cal.due(REPROBE_EVERY) == 0, "a measured K gone stale"
 
 
 class _Phase:
@@ -307,10 +307,11 @@ def test_a_measured_run_decides_by_the_time_it_measured():
         for phase, share in (("draft", 0.1), ("verify", 0.8), ("commit", 0.1)):
             policy.on_event(_Phase(step, phase, share * (1.0 + k)))
         policy.observe(k, [min(k, 1)], [0])
-    assert sorted(set(chosen[:10])) == [0, 1, 2, 3, 4], "every K measured at the start"
-    assert set(chosen[10:]) == {0}
+    assert chosen[:2] == [0, 4], "the smallest and largest K measured at the start"
+    assert set(chosen[2:]) == {0}
     by_k = {o.k: o for o in policy.last}
-    assert by_k[3].time_s == pytest.approx(4.0) and by_k[3].energy_j == pytest.approx(4.0)
+    assert by_k[4].time_s == pytest.approx(5.0) and by_k[4].energy_j == pytest.approx(5.0)
+    assert by_k[2].time_s == pytest.approx(3.0), "interpolated between the measured K = 0 and K = 4"
 
 
 def test_roofline_cli_prints_the_k_the_energy_policy_picks(capsys):

@@ -32,9 +32,10 @@ measured K below and above. It measures the smallest and the largest K
 :data:`EXPLORE_STEPS` times at the start, and a measured K it stopped choosing again every
 :data:`REPROBE_EVERY` steps, so its scale stays current.
 
-Example (H200 profile, Llama-3.1-8B shapes, acceptance 0.8): at 1 active row the verify
-reads the weights once whatever K, so K = 4 emits 3.4 tokens for about the energy of one; at
-256 rows the verify is compute-bound and each extra position costs its FLOPs, so K = 0 wins.
+Example (H200 profile, Llama-3.1-8B shapes): at 1 active row accepting 0.8 of its drafts the
+verify reads the weights once whatever K, so K = 4 emits 3.4 tokens for under half the energy
+per token of K = 0; at 1024 rows of 64-token context accepting 0.6 the verify is compute-bound
+and each extra position costs its FLOPs, so K = 0 wins (``tests/test_policy.py``).
 """
 from __future__ import annotations
 

@@ -41,6 +41,8 @@ from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batc
 LOOP_PHASES = ("draft", "verify", "commit", "prefill")
 MIN_PERIODS = 10
 """A loop lasts at least this many counter periods."""
+WALL_CAP = 20
+"""A loop never runs longer than this many times its length on the host clock (a slow modelled clock)."""
 UNBOUNDED = 1 << 30
 """Budget of a loop row: it never finishes."""
 
@@ -132,14 +134,16 @@ def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callab
     clock = getattr(meter, "clock", time.perf_counter)  # the counter's time base (modelled under a GPU profile)
     sync()
     first = meter.counter.read()
-    t0, iterations = clock(), 0
+    t0, wall0, iterations = clock(), time.perf_counter(), 0
     while True:
         with MeteredPhase(meter, f"loop:{name}"):
             body()
         iterations += 1
         if iterations % 8 == 0:
             sync()  # a GPU's queue stays short, so the host clock tracks the work
-        if clock() - t0 >= min_s:
+        wall = time.perf_counter() - wall0
+        # a modelled clock stands still over a phase without forwards (commit): the wall clock ends it
+        if clock() - t0 >= min_s or (clock() == t0 and wall >= min_s) or wall >= WALL_CAP * min_s:
             break
     sync()
     last = meter.counter.read()

@@ -117,3 +117,12 @@ def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
     for run_id in {r["run_id"] for r in lines if r["kind"] == "loop"}:
         acc = account([r for r in lines if r.get("run_id") == run_id])
         assert acc.phase_energy_method == "attributed-loops", "the loops are the split's first source"
+
+
+def test_a_clock_that_stands_still_does_not_hang_a_loop(tiny_models):
+    """Under a modelled clock a phase without forwards (commit) takes no time: the wall clock ends its loop."""
+    m = tiny_models["llama"]
+    meter = WindowedMeter(CountingCounter(), clock=lambda: 7.0)
+    loops = run_phase_loops(LoopTarget(target=m, drafter=None, verify_fn=m, sampling=SamplingConfig()),
+                            _shapes(0), meter, min_s=0.05)
+    assert all(loop.iterations >= 1 for loop in loops.values())

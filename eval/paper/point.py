@@ -134,15 +134,15 @@ def serve_once(sr: ShapeRun, ledger: Any, drafter: Any, accept: Any, requests: l
 def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: list[Any], wall_per_clock: float
                 ) -> dict[str, Any]:
     """Each phase alone at the run's shapes, for at least ten counter periods of the counter's clock
-    (the loops time themselves on the host clock, so a modelled clock's loop is stretched by
-    ``wall_per_clock``, the run's host seconds per clock second)."""
+    (the loops time themselves on the meter's clock, modelled or not; ``wall_per_clock`` is kept
+    for the caller's budget)."""
     from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
     from refspec.sampling import SamplingConfig
 
     shapes = shapes_of(res.events, batch=sr.batch, k=sr.spec.k, prompts=[q.prompt for q in requests])
     lt = LoopTarget(target=sr.target.model, drafter=drafter, verify_fn=sr.target.loop_runner, sampling=SamplingConfig(),
                     kv_bucket=sr.args.kv_bucket, **({"accept": accept} if accept is not None else {}))
-    min_s = 1.1 * sr.bench.windows.loop_s * max(wall_per_clock, 1.0)
+    min_s = 1.1 * sr.bench.windows.loop_s
     return run_phase_loops(lt, shapes, sr.meter, min_s=min_s, seed=sr.args.seed)
 
 

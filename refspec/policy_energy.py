@@ -11,9 +11,11 @@ For every K of its set, :class:`EnergyPolicy` predicts, before the step:
 * the **tokens** the active rows will emit: per request ``1 + sum_{i<=K} prod_{j<=i} a_j``
   with ``a_j`` the conditional acceptance of draft position j (:class:`AcceptanceTracker`:
   the request's own counts, shrunk to the running estimate over every request, itself shrunk
-  to the drafter's and corpus's prior, plus :data:`OPTIMISM` pseudo-acceptances, so one
-  rejected draft does not stop a request's drafting for good: a step without drafts teaches
-  nothing).
+  to the drafter's and corpus's prior, plus :data:`OPTIMISM` / (active rows) pseudo-acceptances,
+  so one rejected draft does not stop a request's drafting for good: a step without drafts
+  teaches nothing. The optimism is shared by the rows of a step because they share its K: at
+  batch 1 exploring is the request's own choice, at batch 32 one fresh request's optimism
+  would make every row pay for drafts that do not pay).
 
 It returns the K of least energy / tokens among those whose predicted time per output token,
 step time x active rows / tokens, meets the TPOT target (without one, every K qualifies; when
@@ -54,8 +56,9 @@ PRIOR_WEIGHT = 8.0
 REQUEST_WEIGHT = 2.0
 """Observations the running estimate counts as, per position, in a request's own estimate."""
 OPTIMISM = 1.0
-"""Pseudo-acceptances a request's estimate holds per position beyond the running estimate's
-(optimism under uncertainty: it fades as the request's own drafts are counted)."""
+"""Pseudo-acceptances a request's estimate holds per position beyond the running estimate's,
+divided by the active rows (optimism under uncertainty: it fades as the request's own drafts
+are counted)."""
 PROBE_SLACK = 0.1
 """Extra J/token a probe of unprobed requests may cost, at a batch of nothing but unprobed ones."""
 EXPLORE_STEPS = 1
@@ -122,12 +125,13 @@ class AcceptanceTracker:
         w = self.prior_weight
         return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, self.prior)]
 
-    def rates(self, request: int, running: Sequence[float] | None = None) -> list[float]:
+    def rates(self, request: int, running: Sequence[float] | None = None, shared: int = 1) -> list[float]:
         """``[P]`` conditional acceptance of ``request``: ``(accepted + w g + o) / (tried + w + o)``
-        (w the request weight, g the running estimate, o the optimism)."""
+        (w the request weight, g the running estimate, o the optimism / ``shared``, the rows
+        sharing the step)."""
         running = self.running() if running is None else running
         tried, acc = self._requests.get(request, ((0.0,) * len(running), (0.0,) * len(running)))
-        w, o = self.request_weight, self.optimism
+        w, o = self.request_weight, self.optimism / max(shared, 1)
         return [(a + w * g + o) / (t + w + o) for t, a, g in zip(tried, acc, running)]
 
     def probed(self, request: int) -> bool:
@@ -135,10 +139,10 @@ class AcceptanceTracker:
         own = self._requests.get(request)
         return own is not None and own[0][0] > 0
 
-    def expected_tokens(self, request: int, ks: Sequence[int], running: Sequence[float] | None = None
-                        ) -> dict[int, float]:
+    def expected_tokens(self, request: int, ks: Sequence[int], running: Sequence[float] | None = None,
+                        shared: int = 1) -> dict[int, float]:
         """Expected tokens ``request`` emits in a step of each K: ``1 + sum_i prod_{j<=i} a_j``."""
-        rates = self.rates(request, running)
+        rates = self.rates(request, running, shared)
         out, total, survive = {}, 1.0, 1.0
         for i in range(max(ks) + 1):
             if i:
@@ -314,7 +318,7 @@ class EnergyPolicy:
         running = self.tracker.running()
         per_k = dict.fromkeys(self.ks, 0.0)
         for rid in requests:
-            for k, n in self.tracker.expected_tokens(rid, self.ks, running).items():
+            for k, n in self.tracker.expected_tokens(rid, self.ks, running, shared=view.active).items():
                 per_k[k] += n
         scale = view.active / len(requests) if requests else 1.0  # finished rows still in a slot emit nothing
         out = []

@@ -342,3 +342,9 @@ def test_on_a_mixed_stream_the_policy_is_never_above_the_best_fixed_k():
     assert rows[0]["vs_best"] < -0.05 and rows[0]["vs_best"] < rows[-1]["vs_best"] <= 0
     same = mixed_rows(LLAMA8B, H200_SXM, mix=(0.6, 0.6), **kw)
     assert all(r["vs_best"] == pytest.approx(0.0, abs=1e-12) for r in same)
+
+
+def test_optimism_is_shared_by_the_rows_of_a_step():
+    t = AcceptanceTracker(1, 0.3, prior_weight=1e9, request_weight=2.0, optimism=1.0)
+    assert t.rates(0) == pytest.approx([(0.6 + 1) / 3])
+    assert t.rates(0, shared=8) == pytest.approx([(0.6 + 1 / 8) / (2 + 1 / 8)]), "at batch 8 an eighth each"

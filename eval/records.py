@@ -114,6 +114,18 @@ RECORD_FIELDS: dict[str, str] = {
     "line_items_j": "prefill, draft kept/rejected, verify useful/rejected, commit, other (J)",
     "line_items_sum_j": "the line items added up (J)", "closure_error_j": "line items sum - total energy (J)",
     "rejected_energy_j": "J spent on refuted drafts", "closes": "line items sum to the total",
+    "unattributed_energy_j": "a counter's energy no phase was given (host time outside every phase, the fit's "
+                             "remainder): a line item of its own, so the parts close on the measured total (J)",
+    "phase_energy_method": "how the phase split was obtained: modelled | measured-direct (a fine-grained meter) | "
+                           "attributed-loops (phase-isolated loops) | attributed-fit (non-negative fit over "
+                           "sub-windows) | measured-total-only (the counter's total, no split it can bear)",
+    "phase_share_true": "simulated counter only: the true share of each phase (what attribution should recover)",
+    "phase_share_naive": "simulated counter only: each phase's share as a counter read per phase would give it",
+    "attribution": "the attribution's figures: fit and loop shares, their agreement, the additivity residual, "
+                   "sub-windows, the fit's condition (refspec.energy.accounting)",
+    "window_valid": "the steady-state window is long and full enough to trust (default: >= 20 s and mean active "
+                    "rows >= 0.85 x batch; under a counter, at least two reads inside it)",
+    "window_invalid_reason": "why the window is not valid (null when it is)",
     "idle_w": "idle power for net-of-idle figures (W)", "net_energy_j": "energy net of idle (J)",
     "net_energy_per_token_j": "J/token net of idle power over the whole run (null without idle power)",
     "energy_source": "ledger source string(s): measured:<counter> | modelled:roofline(<profile>) | none:time-only",
@@ -166,7 +178,8 @@ _COPIED = ("emitted", "drafted", "accepted", "row_steps", "steps", "verified", "
            "prefill_time_s", "phase_time_s", "tokens_per_s", "tau", "acceptance_rate", "rows_with_tpot",
            "tpot_p50_s", "tpot_p99_s", "total_energy_j", "j_per_token", "phase_energy_j", "phase_share",
            "phase_j_per_token", "line_items_j", "line_items_sum_j", "closure_error_j", "rejected_energy_j",
-           "closes", "idle_w", "net_energy_j", "net_j_per_token")
+           "closes", "idle_w", "net_energy_j", "net_j_per_token", "unattributed_energy_j", "phase_energy_method",
+           "phase_share_true", "phase_share_naive", "attribution", "window_valid", "window_invalid_reason")
 
 
 def _known(x: Any) -> Any:

@@ -183,24 +183,25 @@ def test_a_fit_over_a_steady_mix_is_undetermined_and_splits_nothing(tmp_path):
     assert acc.unattributed_energy_j == pytest.approx(w["e"] - sum(acc.phase_energy_j.values()))
 
 
-def test_loops_price_their_phases_per_call_and_report_agreement_and_additivity(tmp_path):
-    # draft loop: 60 J per call (the run's draft phases average 0.6 s at 100 W = 60 J); verify loop:
-    # 330 J per call (the run's verify phases average 1.3 s at 250 W = 325 J: 5 J more per call)
+def test_loops_price_their_phases_at_the_loops_power_and_report_agreement_and_additivity(tmp_path):
+    # draft loop: 600 J in 6 s, 100 W, 60 J per call; verify loop: 3,300 J in 13 s (253.8 W, 5 W more
+    # than the run's verify draws), 330 J per call
     records, _, w = built(loops=[("draft", (600.0, 6.0, 10)), ("verify", (3300.0, 13.0, 10))])
     acc = account(_read(tmp_path, records), min_window_s=5.0)
     assert acc.phase_energy_method == "attributed-loops"
     a = acc.attribution
     assert a["loops_j_per_call"] == {"draft": 60.0, "verify": 330.0}
     phase_time = acc.phase_time_s
-    assert acc.phase_energy_j["draft"] == pytest.approx(60.0 * STEPS)
-    assert acc.phase_energy_j["verify"] == pytest.approx(330.0 * STEPS)
+    loop_power = {"draft": 100.0, "verify": 3300.0 / 13.0}
+    assert acc.phase_energy_j["draft"] == pytest.approx(100.0 * phase_time["draft"])
+    assert acc.phase_energy_j["verify"] == pytest.approx(loop_power["verify"] * phase_time["verify"])
     assert acc.phase_energy_j["commit"] == pytest.approx(50.0 * phase_time["commit"]), "no loop: the fit's power"
-    # prediction = loops' calls + the fit's phases without a loop + the fit's host energy
-    predicted = 60.0 * STEPS + 330.0 * STEPS + 300.0 * phase_time["prefill"] + 50.0 * phase_time["commit"] \
-        + HOST_W * w["gap"]
+    # prediction = loops' phases + the fit's phases without a loop + the fit's host energy
+    predicted = sum(loop_power[p] * phase_time[p] for p in loop_power) + 300.0 * phase_time["prefill"] \
+        + 50.0 * phase_time["commit"] + HOST_W * w["gap"]
     assert a["additivity_residual"] == pytest.approx((predicted - w["e"]) / w["e"], rel=1e-9)
     fit_energy = {p: POWER[p] * phase_time[p] for p in POWER}
-    loop_energy = {**fit_energy, "draft": 60.0 * STEPS, "verify": 330.0 * STEPS}
+    loop_energy = {**fit_energy, **{p: loop_power[p] * phase_time[p] for p in loop_power}}
     share = {p: e / sum(fit_energy.values()) for p, e in fit_energy.items()}
     share_loops = {p: e / sum(loop_energy.values()) for p, e in loop_energy.items()}
     assert a["fit_share"] == pytest.approx(share) and a["loops_share"] == pytest.approx(share_loops)
@@ -209,11 +210,11 @@ def test_loops_price_their_phases_per_call_and_report_agreement_and_additivity(t
     assert "loops:" in format_accounting(acc) and "closure (attributed-loops split)" in format_accounting(acc)
 
 
-def test_a_loop_of_several_rows_prices_a_prefill_per_row_and_a_varying_k_splits_the_fit(tmp_path):
-    # a prefill loop of 4 rows per call, 10 calls, 4,000 J: 100 J per row; each prefill here fills one row
+def test_a_slower_run_keeps_the_loops_power_and_a_varying_k_splits_the_fit(tmp_path):
+    # a prefill loop of 4 rows per call, 10 calls, 4,000 J in 10 s: 400 W, whatever a refill's size
     records, _, w = built(loops=[("prefill", (4000.0, 10.0, 10, 4))])
     acc = account(_read(tmp_path, records), min_window_s=5.0)
-    assert acc.phase_energy_j["prefill"] == pytest.approx(100.0 * (1 + len(REFILLS)))
+    assert acc.phase_energy_j["prefill"] == pytest.approx(400.0 * acc.phase_time_s["prefill"])
     with pytest.raises(AccountingError, match="mix calls priced per call and per row"):
         account(_read(tmp_path, built(loops=[("prefill", (1.0, 1.0, 1, 4)), ("prefill", (1.0, 1.0, 1))])[0]))
     # steps at two draft lengths: the fit gives each (phase, K) its own power

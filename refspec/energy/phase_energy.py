@@ -19,9 +19,11 @@ Its phases' energy is then attributed (:mod:`refspec.energy.attribution`):
     of its own. A phase record's energy = its phase's power x its time.
 ``attributed-loops``
     Where a loop runner wrote ``loop`` records (a phase alone, repeated at the run's shapes), a
-    phase record's energy = its loop's J per call (per row of the record's ``rows_active`` when
-    the loop gives its rows per call: a refill prefill); a phase without a loop (commit) takes
-    the fit's power x its time. Both estimates are reported with their agreement.
+    phase record's energy = its loop's power (the loop's J over its s) x the record's own time:
+    the loop gives the power the phase draws alone, the run's timer what the phase lasted there
+    (a loaded host, longer keys, another refill size change the time, hardly the power); a phase
+    without a loop takes the fit's power x its time. The loops' J per call are reported too,
+    and both estimates with their agreement.
 
 ``measured-total-only``
     No loops, and the fit cannot split: too few sub-windows (fewer than the powers to fit), or
@@ -266,11 +268,11 @@ def _attributed(phases: list[list[Record]], runs: Sequence[tuple[Sequence[Record
     def by_fit(r: Record, power: PhasePower | None = fit) -> float:
         return power.power_w.get(column(r), 0.0) * float(r["time_s"]) if power is not None else 0.0
 
-    def by_loops(r: Record) -> float:  # a phase without a loop (commit) takes the fit's figure
+    def by_loops(r: Record) -> float:  # a phase without a loop takes the fit's figure
         loop = loops.get(str(r["phase"]))
         if loop is None:
             return by_fit(r)
-        return loop.j_per_step * (int(r["rows_active"]) if loop.rows else 1)
+        return loop.energy_j / loop.time_s * float(r["time_s"])
 
     def share_by(energy: Callable[[Record], float]) -> dict[str, float]:
         return shares({p: sum(energy(r) for r in flat if r["phase"] == p) for p in names})

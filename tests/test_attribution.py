@@ -256,13 +256,15 @@ def window(time_s=30.0, rows=8.0, reads=0, steps=10):
 
 
 def test_validity_flags_short_and_underfilled_windows():
-    assert window_validity(window(), 8) == (True, None)
-    assert window_validity(window(time_s=19.9), 8) == (False, "window 19.9 s < 20 s")
+    m = dict(measured=True)  # the length rule is the counter's
+    assert window_validity(window(), 8, **m) == (True, None)
+    assert window_validity(window(time_s=19.9), 8, **m) == (False, "window 19.9 s < 20 s")
+    assert window_validity(window(time_s=19.9), 8) == (True, None), "a modelled window's energy is exact at any length"
     assert window_validity(window(rows=6.7), 8) == (False, "mean active rows 6.7 < 0.85 x batch 8")
-    ok, why = window_validity(window(time_s=5.0, rows=6.7), 8)
+    ok, why = window_validity(window(time_s=5.0, rows=6.7), 8, **m)
     assert not ok and why == "window 5 s < 20 s; mean active rows 6.7 < 0.85 x batch 8"
-    assert window_validity(window(rows=6.8), 8) == (True, None), "0.85 x 8 = 6.8 is enough"
-    assert window_validity(window(time_s=5.0, rows=4.0), 8, WindowRule(min_s=5.0, min_fill=0.5)) == (True, None)
+    assert window_validity(window(rows=6.8), 8, **m) == (True, None), "0.85 x 8 = 6.8 is enough"
+    assert window_validity(window(time_s=5.0, rows=4.0), 8, WindowRule(min_s=5.0, min_fill=0.5), **m) == (True, None)
     empty = Window(bounds=(None,), steps=0, time_s=math.nan, decode_time_s=math.nan, energy_j=math.nan,
                    tokens=math.nan, mean_active_rows=math.nan, note="never busy")
     assert window_validity(empty, 8) == (False, "empty window (never busy)")

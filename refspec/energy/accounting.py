@@ -292,7 +292,8 @@ def _accounting(runs: Sequence[_Run], idle_w: float | None, rule: WindowRule) ->
     labels = {k: v for k, v in label_sets[0].items() if all(k in s and s[k] == v for s in label_sets)}
     batch = max(int(r["batch"]) for r in phases)
     window = pool_windows([run_window(run, r.counters) for r, run in zip(runs, per_run)])
-    window_ok, why = window_validity(window, batch, rule, counter=bool(pe.sub_windows))
+    window_ok, why = window_validity(window, batch, rule, counter=bool(pe.sub_windows),
+                                     measured=any(s.startswith("measured") for s in sources))
     return Accounting(
         run_ids=tuple(r.run_id for r in runs), labels=labels, sources=sources,
         measured=all(s.startswith("measured") for s in sources), batch=batch,

@@ -22,9 +22,11 @@ Steady-state window
     window's energy is its records' attributed energy, and the window is invalid.
 
 Validity
-    A window is valid (:func:`window_validity`) when it is not empty, lasts at least
-    ``min_s`` (20 s, ML.ENERGY's rule; ``time_s``), its mean active rows reach ``min_fill``
-    (0.85) of the batch, and, under a counter, the counter was read at least twice inside it.
+    A window is valid (:func:`window_validity`) when it is not empty, its mean active rows reach
+    ``min_fill`` (0.85) of the batch, and, when a counter read its energy, it lasts at least
+    ``min_s`` (20 s, ML.ENERGY's rule; ``time_s``) and, under a counter that cannot see a phase,
+    the counter was read at least twice inside it (a modelled window's energy is exact at any
+    length).
     Pooled windows are judged pooled.
 
 Mean active rows
@@ -248,7 +250,7 @@ class WindowRule:
 
 
 def window_validity(window: Window, batch: int, rule: WindowRule = WindowRule(), *,
-                    counter: bool = False) -> tuple[bool, str | None]:
+                    counter: bool = False, measured: bool = False) -> tuple[bool, str | None]:
     """Whether ``window`` is valid under ``rule``, and why not (every failed condition, "; "-joined).
 
     Args:
@@ -257,11 +259,13 @@ def window_validity(window: Window, batch: int, rule: WindowRule = WindowRule(),
         rule: the thresholds.
         counter: the energy came from a counter that cannot see a phase: the window needs two
             counter reads inside it.
+        measured: the energy was read from a counter (the length rule is the counter's: a
+            modelled window's energy is exact at any length, so only the fill rule applies).
     """
     if window.empty:
         return False, f"empty window ({window.note})"
     why = []
-    if window.time_s < rule.min_s:
+    if (counter or measured) and window.time_s < rule.min_s:
         why.append(f"window {window.time_s:.3g} s < {rule.min_s:g} s")
     if window.mean_active_rows < rule.min_fill * batch:
         why.append(f"mean active rows {window.mean_active_rows:.3g} < {rule.min_fill:g} x batch {batch}")

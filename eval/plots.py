@@ -141,6 +141,10 @@ def plot_energy_vs_batch(records: Sequence[Mapping[str, Any]], path: Path) -> Pa
         for name, rows in _series_by_batch(recs, corpus):
             bs = [r["batch"] for r in rows]
             ax.plot(bs, [shown_j(r) for r in rows], "o-", color=colors[name], label=name)
+            bad = [r for r in rows if r.get("window_valid") is False]  # an invalid window: a hollow marker
+            if bad:
+                ax.plot([r["batch"] for r in bad], [shown_j(r) for r in bad], "o", mfc="white", color=colors[name],
+                        label=f"{name}: window invalid")
             pred = [(r["batch"], r["roofline"]["j_per_token"]) for r in rows if r.get("roofline")]
             if pred:
                 ax.plot([b for b, _ in pred], [e for _, e in pred], "x--", color=colors[name], alpha=0.6, lw=1)
@@ -199,12 +203,18 @@ def plot_phase_energy(records: Sequence[Mapping[str, Any]], path: Path) -> Path 
             continue
         ax.bar(range(len(recs)), vals, bottom=bottom, label=phase, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, vals)]
+    # a counter's energy no phase was given (host time; all of it where the split was not resolved)
+    rest = [float(r.get("unattributed_energy_j") or 0.0) / r["emitted"] if r.get("emitted") else 0.0 for r in recs]
+    if any(rest):
+        ax.bar(range(len(recs)), rest, bottom=bottom, label="unattributed", color="0.75")
     ax.set_xticks(range(len(recs)))
     ax.set_xticklabels([f"{config_label(r)}\n{r['corpus']}" for r in recs], rotation=70, fontsize=6)
     ax.set_ylabel(_energy_label(recs) + " by phase")
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    return _save(plt, fig, path, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + ")")
+    methods = sorted({str(r.get("phase_energy_method")) for r in recs if r.get("phase_energy_method")})
+    split = f"; split {', '.join(methods)}" if methods else ""
+    return _save(plt, fig, path, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + split + ")")
 
 
 def plot_latency_energy(records: Sequence[Mapping[str, Any]], path: Path, target_s: float | None,

@@ -22,7 +22,8 @@ from refspec.energy.accounting_text import format_closure
 from refspec.energy.latency import Targets
 from refspec.eval.report_requests import closure_md as request_closure_md, request_plots, requests_md
 from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
-                                         static_note, target_choices, targets_md, window_cell, windows_md)
+                                         static_note, target_choices, targets_md, window_cell, windows_md,
+                                         invalid_notes)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ def format_table(records: Sequence[Mapping[str, Any]]) -> str:
                          f"{_f(r.get('tpot_p99_s'), '.1f', 1e3):>12}{window_cell(r):>13}{_f(j_run(r), '.4g'):>11}  "
                          f"{_phases(r):<30}{greedy_text(r):<26}{_vs_baseline(r)}")
         lines += [f"!! {config_label(r)}: {r['prefill_warning']}" for r in rows if r.get("prefill_warning")]
+        lines += invalid_notes(rows, config_label)
         lines.append("")
     srcs = energy_sources(records)
     lines.append("J/token source: " + "; ".join(srcs))
@@ -239,7 +241,24 @@ def _md_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
                      f"{_f(r.get('tpot_p50_s'), '.1f', 1e3)} | {_f(r.get('tpot_p99_s'), '.1f', 1e3)} | "
                      f"{window_cell(r)} | {_f(j_run(r), '.4g')} | {_f(pred, '.4g')} | {_phases(r)} | {greedy_text(r)} | "
                      f"{_vs_baseline(r)} |")
-    return lines
+    notes = invalid_notes(records, config_label)
+    return lines + ([""] + notes if notes else [])
+
+
+def _split_text(r: Mapping[str, Any]) -> str:
+    """How the phase split was obtained, with the attribution's agreement and residual."""
+    method, a = r.get("phase_energy_method"), r.get("attribution") or {}
+    if not method or not method.startswith(("attributed", "measured-total")):
+        return f"phase split: {method or 'none'}"
+    parts = [f"phase split: {method}"]
+    if a.get("agreement") is not None:
+        parts.append(f"loops vs fit agree within {100 * a['agreement']:.1f} points")
+    if a.get("additivity_residual") is not None:
+        parts.append(f"additivity residual {100 * a['additivity_residual']:+.1f}%")
+    if r.get("phase_share_true"):
+        err = max(abs(r["phase_share"][p] - t) for p, t in r["phase_share_true"].items() if p in r["phase_share"])
+        parts.append(f"largest error against the simulated truth {100 * err:.1f} points")
+    return "; ".join(parts)
 
 
 def _closure_md(records: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -249,8 +268,8 @@ def _closure_md(records: Sequence[Mapping[str, Any]]) -> list[str]:
              "useful and rejected, commit, other, in J); the items must add up to the total energy.", ""]
     for r in records:
         closure = format_closure(r.get("line_items_j"), r.get("line_items_sum_j"), r.get("total_energy_j"),
-                                 r.get("closure_error_j"), r.get("closes"))
-        lines.append(f"- {config_label(r)}, {r.get('corpus')}: `{closure}`")
+                                 r.get("closure_error_j"), r.get("closes"), method=r.get("phase_energy_method"))
+        lines.append(f"- {config_label(r)}, {r.get('corpus')}: `{closure}` ({_split_text(r)})")
     return lines + [""]
 
 

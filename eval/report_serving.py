@@ -71,7 +71,13 @@ def window_cell(r: Record) -> str:
         return "n/a"
     v = r.get("energy_per_token_j")
     empty = r.get("window_note") or (v is not None and math.isnan(float(v)))
-    return "empty" if empty else _f(v, ".4g")
+    return "empty" if empty else _f(v, ".4g") + ("*" if r.get("window_valid") is False else "")
+
+
+def invalid_notes(records: Sequence[Record], label: Any) -> list[str]:
+    """One line per configuration whose window is invalid (marked ``*``): why, and that it is not ranked."""
+    return [f"* {label(r)}: window invalid ({r.get('window_invalid_reason')}); its J/token is shown, never ranked "
+            f"by a latency target" for r in records if r.get("window_valid") is False and not r.get("window_note")]
 
 
 def windows_md(rows: Sequence[Record], label: Any) -> list[str]:
@@ -289,6 +295,6 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "windows_md", "serving_line",
+__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "invalid_notes", "windows_md", "serving_line",
            "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text",
            "unmet", "TIGHTER"]

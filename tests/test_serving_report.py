@@ -56,6 +56,16 @@ def test_each_corpus_gets_its_lowest_window_j_per_token_meeting_every_target():
     assert only_ttft["chat"].chosen["drafter"] == "ngram" and only_ttft["code"].tighter is None
 
 
+def test_an_invalid_window_is_marked_in_the_table_and_never_chosen():
+    bad = dict(window_valid=False, window_invalid_reason="window 4 s < 20 s")
+    sweep = [_rec("code", "none", 0, 64, jw=0.10, tpot=0.030, ttft=2.0, **bad),
+             _rec("code", "none", 0, 16, jw=0.16, tpot=0.018, ttft=0.6, window_valid=True)]
+    assert target_choices(sweep, Targets(0.05, None))["code"].chosen["batch"] == 16, "the cheaper one is not valid"
+    assert window_cell(sweep[0]) == "0.1*" and window_cell(sweep[1]) == "0.16"
+    table = format_table(sweep)
+    assert "* none b64: window invalid (window 4 s < 20 s)" in table and "never ranked" in table
+
+
 def test_the_others_show_by_how_much_they_miss_each_target():
     t = Targets(0.015, 0.5)
     rows = {r["config_id"]: m for r, m in target_choices(SWEEP, t)["code"].rows}

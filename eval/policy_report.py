@@ -126,7 +126,7 @@ def comparison_md(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     out = ["## Speculation policies beside every fixed K", "",
            "J/token of each policy run and of every fixed-K run on the same stream (K = 0 is the baseline; "
            "steady-state window, else whole run). 'policy vs best' < 0: the policy beat every fixed K.", "",
-           head, "|" + "---|" * (7 + len(ks))]
+           head, "|" + "---|" * (8 + len(ks))]
     for r in rows:
         cells = " | ".join(f"{r['fixed'][k]:.4g}" if k in r["fixed"] else "" for k in ks)
         mean_k = "n/a" if r["k_mean"] is None else f"{r['k_mean']:.2f}"
@@ -141,7 +141,7 @@ def frontier_md(stairs: Mapping[tuple[str, int], Sequence[tuple[float, float, st
            "above a row's TPOT on, that row's J/token (until the next row's) is the least any run reached.", "",
            "| corpus | batch | TPOT p50 (ms) from | lowest J/token | run |", "|---|---|---|---|---|"]
     for (corpus, batch), points in stairs.items():
-        out += [f"| {corpus} | {batch} | {1e3 * t:.1f} | {j:.4g} | {label} |" for t, j, label in points]
+        out += [f"| {corpus} | {batch} | {1e3 * t:.3g} | {j:.4g} | {label} |" for t, j, label in points]
     return out + [""]
 
 

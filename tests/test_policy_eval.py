@@ -149,6 +149,9 @@ def test_the_policy_section_draws_k_over_the_run_and_the_frontier(tmp_path, tiny
     assert all(p.stat().st_size > 0 for p in plots)
     text = "\n".join(md)
     assert "| code | 8 | eagle | energy (K<=4) | 0.88 |" in text and "-2.2%" in text
+    for i, line in enumerate(md):  # every Markdown table's delimiter row has its header's cells
+        if line.startswith("|---"):
+            assert line.count("|") == md[i - 1].count("|")
     assert "## Energy-latency frontier" in text
     md, plots = policy_section([r for r in RECORDS if r["spec_policy"] == "fixed"], tmp_path, [ledger])
     assert md == [] and plots == [], "no policy run, no frontier asked: nothing"

@@ -155,9 +155,10 @@ def make_acceptance_fn(model: AcceptanceModel, generator: torch.Generator, *, k:
     Args:
         model: the distribution (recorded at K >= the engine's k).
         generator: explicit random generator on the target's device.
-        k: the engine's K: a draft of another length (a drafter that cut its draft short, as
-            n-gram trimming does when it finds no match) is refused, since injecting acceptance
-            into drafts that were never made would credit them.
+        k: the engine's K under a fixed policy: a draft of another length (a drafter that cut
+            its draft short) is refused, since injecting acceptance into drafts that were never
+            made would credit them; None under a policy that varies K (each step's draft is
+            then restricted to the K the step asked for).
 
     Returns:
         ``fn(draft, logits [B, K+1, V], sampling, engine_generator) -> Acceptance``.
@@ -172,7 +173,7 @@ def make_acceptance_fn(model: AcceptanceModel, generator: torch.Generator, *, k:
         b, kk = tokens.shape
         if k is not None and kk != k:
             raise GenerationError(f"injected acceptance needs full drafts of K={k}; the drafter cut its draft to "
-                                  f"{kk} (turn off the n-gram option trim)")
+                                  f"{kk}; a drafter must draft the K it is asked for")
         assert logits.shape[:2] == (b, kk + 1), f"logits {tuple(logits.shape)} for drafts {tuple(tokens.shape)}"
         key = (kk, str(logits.device))
         cdf = cdfs.get(key)

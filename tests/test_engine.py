@@ -165,6 +165,7 @@ def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter
     plan's tokens (fp32)."""
     from refspec.models import load_model
     from refspec.models.calibration import REFERENCE
+    from refspec.models.cpu_speed import weight_copy_kind
     from tiny import packed_form_runs, packed_plan, save_hf
 
     if not packed_form_runs():
@@ -173,7 +174,7 @@ def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter
     reference = Engine(load_model(tmp_path, gemm_plan=REFERENCE), eos_token_ids=EOS).generate(
         _prompts(10), max_new_tokens=24)
     m = load_model(tmp_path, gemm_plan=packed_plan())
-    assert m.weight_copy_kind == "packed"
+    assert weight_copy_kind(m) == "packed"
     plain = Engine(m, eos_token_ids=EOS).generate(_prompts(10), max_new_tokens=24)
     spec = Engine(m, _drafters(m)[drafter](), config=EngineConfig(k=4), eos_token_ids=EOS).generate(
         _prompts(10), max_new_tokens=24)

@@ -218,6 +218,26 @@ def Transformer_param_names(args: ModelArgs) -> list[str]:  # noqa: N802 - mirro
     return list(model.state_dict())  # split names (wq/wk/wv, gate/up); the tied lm_head listed too
 
 
+def assign_weights(model: Transformer, state: dict[str, torch.Tensor], path: Path, device: torch.device | str) -> None:
+    """Put ``state`` into the meta-device ``model`` (tying the LM head where the config ties it),
+    make its rotary tables on ``device`` and freeze it.
+
+    Raises:
+        CheckpointError: a tensor whose shape does not match the model's.
+    """
+    tied = model.args.tie_word_embeddings
+    try:
+        model.load_state_dict(state, strict=not tied, assign=True)
+    except RuntimeError as exc:  # torch lists every mismatched tensor on its own line
+        detail = [ln.strip() for ln in str(exc).split("\n") if "size mismatch" in ln]
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {len(detail)} tensor(s) of the "
+                              f"wrong shape, first: {detail[0] if detail else str(exc).strip()[:200]}") from None
+    if tied:
+        model.lm_head.weight = model.embed.weight
+    model.init_buffers(device)
+    model.eval().requires_grad_(False)
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                gemm_plan: GemmPlan | None = None) -> Transformer:
     """Build a :class:`Transformer` from a Hugging Face style directory.
@@ -245,16 +265,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     state = load_state_dict(path, args, dtype, device)
     with torch.device("meta"):
         model = Transformer(args)
-    try:
-        model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
-    except RuntimeError as exc:  # torch lists every mismatched tensor on its own line
-        detail = [ln.strip() for ln in str(exc).split("\n") if "size mismatch" in ln]
-        raise CheckpointError(f"checkpoint {path} does not match its config.json: {len(detail)} tensor(s) of the "
-                              f"wrong shape, first: {detail[0] if detail else str(exc).strip()[:200]}") from None
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.init_buffers(device)
-    model.eval().requires_grad_(False)
+    assign_weights(model, state, path, device)
     if model.device.type == "cpu":
         apply_cpu_speed(model, gemm_plan)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)

@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 
 from refspec.config import ModelArgs
 from refspec.distributed import TensorParallel
-from refspec.models.loading import CheckpointError, _IGNORED, _safetensor_files, hf_to_refspec_name
+from refspec.models.cpu_speed import apply_cpu_speed
+from refspec.models.loading import CheckpointError, _IGNORED, _safetensor_files, assign_weights, hf_to_refspec_name
 from refspec.models.tp import shard_model
 from refspec.sharding import ShardPlan, shard_plan
 from refspec.models.transformer import Transformer
@@ -74,18 +75,9 @@ def load_sharded(path: str | Path, tp: TensorParallel, *, dtype: torch.dtype = t
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors of a {args.family} model: "
                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    try:
-        model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
-    except RuntimeError as exc:
-        detail = [ln.strip() for ln in str(exc).split("\n") if "size mismatch" in ln]
-        raise CheckpointError(f"checkpoint {path} does not match its config.json: "
-                              f"{detail[0] if detail else str(exc).strip()[:200]}") from None
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.init_buffers(device)
-    model.eval().requires_grad_(False)
-    if model.device.type == "cpu":
-        _cpu_speed(model)
+    assign_weights(model, state, path, device)
+    if model.device.type == "cpu":  # after sharding: blocks with the all-reduce hooks keep the reference forward
+        apply_cpu_speed(model, None)
     log.info("loaded rank %d of %d of %s (%s): heads %s, K/V heads %s, MLP columns %s", tp.rank, tp.size,
              args.family, dtype, plan.q_heads, plan.kv_heads, plan.mlp)
     return model
@@ -115,16 +107,6 @@ def _read_shards(path: Path, args: ModelArgs, plan: ShardPlan, expected: set[str
         raise CheckpointError(f"checkpoint {path} has {len(unexpected)} keys a {args.family} model does not: "
                               f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     return state
-
-
-def _cpu_speed(model: Transformer) -> None:
-    """The CPU speed-ups load_model applies (after sharding: sped-up blocks keep the reference
-    forward where the all-reduce hooks sit)."""
-    try:
-        from refspec.models.cpu_speed import apply_cpu_speed
-    except ImportError:  # before the speed-ups moved out of the model files
-        from refspec.models.loading import _plan_cpu_products as apply_cpu_speed  # type: ignore[attr-defined]
-    apply_cpu_speed(model, None)
 
 
 __all__ = ["load_sharded", "shard_reader"]

@@ -275,6 +275,24 @@ def _roofline_profile(profile: str | HardwareProfile | None, gpu_index: int, dty
     return gpu if gpu is not None else cpu_profile(dtype_bytes)
 
 
+def _zeus_else_pynvml(zeus: Callable[[], Any], pynvml: Callable[[], Any], what: str, *, try_zeus: bool) -> Any:
+    """``zeus()``, else ``pynvml()``; NoGPUError naming each one's reason when neither builds."""
+    reasons = []
+    if try_zeus:
+        try:
+            return zeus()
+        except NoGPUError as exc:
+            reasons.append(f"zeus: {exc}")
+        except Exception as exc:  # a broken zeus install must not cost the counter pynvml can read
+            logger.warning("zeus failed unexpectedly (%s: %s); trying pynvml", type(exc).__name__, exc)
+            reasons.append(f"zeus: {type(exc).__name__}: {exc}")
+    try:
+        return pynvml()
+    except NoGPUError as exc:
+        reasons.append(f"pynvml: {exc}")
+    raise NoGPUError(f"no measured energy {what}: {'; '.join(reasons)}")
+
+
 def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = None,
                        pynvml_module: Any | None = None) -> Any:
     """A window meter of GPU ``gpu_index`` for explicit long windows (phase loops, idle power):
@@ -283,20 +301,9 @@ def measured_gpu_meter(gpu_index: int = 0, *, sync: Callable[[], None] | None = 
     Raises:
         NoGPUError: none can be built; the message gives each one's reason.
     """
-    reasons = []
-    if pynvml_module is None:
-        try:
-            return ZeusMeter(gpu_index)
-        except NoGPUError as exc:
-            reasons.append(f"zeus: {exc}")
-        except Exception as exc:  # a broken zeus install must not cost the counter pynvml can read
-            logger.warning("zeus failed unexpectedly (%s: %s); trying pynvml", type(exc).__name__, exc)
-            reasons.append(f"zeus: {type(exc).__name__}: {exc}")
-    try:
-        return nvml_meter(gpu_index, sync=sync, pynvml_module=pynvml_module)
-    except NoGPUError as exc:
-        reasons.append(f"pynvml: {exc}")
-    raise NoGPUError("no measured energy meter for GPU %d: %s" % (gpu_index, "; ".join(reasons)))
+    return _zeus_else_pynvml(lambda: ZeusMeter(gpu_index),
+                             lambda: nvml_meter(gpu_index, sync=sync, pynvml_module=pynvml_module),
+                             f"meter for GPU {gpu_index}", try_zeus=pynvml_module is None)
 
 
 def measured_gpu_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None = None) -> Any:
@@ -306,20 +313,9 @@ def measured_gpu_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: An
     Raises:
         NoGPUError: neither can be built; the message gives each one's reason.
     """
-    reasons = []
-    if pynvml_module is None:
-        try:
-            return ZeusCounter(gpu_indices)
-        except NoGPUError as exc:
-            reasons.append(f"zeus: {exc}")
-        except Exception as exc:  # a broken zeus install must not cost the counter pynvml can read
-            logger.warning("zeus failed unexpectedly (%s: %s); trying pynvml", type(exc).__name__, exc)
-            reasons.append(f"zeus: {type(exc).__name__}: {exc}")
-    try:
-        return nvml_counter(gpu_indices, pynvml_module=pynvml_module)
-    except NoGPUError as exc:
-        reasons.append(f"pynvml: {exc}")
-    raise NoGPUError(f"no measured energy counter for GPU {','.join(map(str, gpu_indices))}: {'; '.join(reasons)}")
+    return _zeus_else_pynvml(lambda: ZeusCounter(gpu_indices),
+                             lambda: nvml_counter(gpu_indices, pynvml_module=pynvml_module),
+                             f"counter for GPU {','.join(map(str, gpu_indices))}", try_zeus=pynvml_module is None)
 
 
 def _auto_meter(gpus: Sequence[int], time_source: TimeSource | None, dtype_bytes: int, sub_window_s: float | None,

@@ -256,7 +256,7 @@ class Transformer(nn.Module):
             raise ValueError(f"prefill takes tokens [N={n}] and rows [R={r}], got {tuple(tokens.shape)} "
                              f"and {tuple(rows.shape)}")
         self._check_hidden_layers(hidden_layers)
-        dev, a = tokens.device, self.args
+        dev = tokens.device
         positions = torch.cat([torch.arange(s, device=dev) for s in seq_lens])[None]  # [1, N] place in its prompt
         x = self.embed_tokens(tokens[None])  # [1, N, E]
         ctx = PackedAttention(cache, rows.to(dev), seq_lens, positions, self._rope(positions, x.dtype),

@@ -1,5 +1,4 @@
 """Target models: logits equal transformers' on the same weights; cache and ragged batches."""
-import dataclasses
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 and the report's policy section and frontier (no model runs: hand-built records and ledgers)."""
 from __future__ import annotations
 
-import json
 
 import pytest
 

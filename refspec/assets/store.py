@@ -206,7 +206,7 @@ def verify_model_dir(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     """
     path = Path(path)
     fix = (f"run `python -m refspec.eval assets fetch {path.name} --force`" if path.name in REGISTRY
-           else f"convert it again")
+           else "convert it again")
     mpath = path / MANIFEST
     manifest = read_json(mpath, AssetError, missing=f"{path} has no {MANIFEST}: not a complete refspec asset; {fix}",
                          fix=fix)

@@ -33,7 +33,7 @@ import torch
 
 from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec_figures, _refspec_run,
                                        compile_figures, compiled_step, measure_bandwidth, products_run, weight_bytes)
-from refspec.eval.cli_args import parse_drafter_options
+from refspec.eval.cli_checks import parse_drafter_options
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
 from refspec.models.cpu_speed import gemm_plan, weight_copy_kind

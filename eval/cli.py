@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _build_plan, _normalise_argv, _parser
+from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _normalise_argv, _parser
+from refspec.eval.cli_plan import _build_plan
 from refspec.eval.cli_report import note_corrupt
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,

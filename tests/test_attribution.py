@@ -210,6 +210,15 @@ def test_loops_price_their_phases_at_the_loops_power_and_report_agreement_and_ad
     assert "loops:" in format_accounting(acc) and "closure (attributed-loops split)" in format_accounting(acc)
 
 
+def test_a_loop_that_took_no_time_leaves_its_phase_to_the_fit(tmp_path):
+    # a run without a drafter loops its empty draft phase: no time, no energy, no power to read
+    records, _, _ = built(loops=[("draft", (0.0, 0.0, 10)), ("verify", (3300.0, 13.0, 10))])
+    acc = account(_read(tmp_path, records), min_window_s=5.0)
+    assert acc.phase_energy_method == "attributed-loops"
+    assert acc.attribution["loops_j_per_call"] == {"verify": 330.0}
+    assert acc.phase_energy_j["draft"] == pytest.approx(100.0 * acc.phase_time_s["draft"]), "the fit's power"
+
+
 def test_a_slower_run_keeps_the_loops_power_and_a_varying_k_splits_the_fit(tmp_path):
     # a prefill loop of 4 rows per call, 10 calls, 4,000 J in 10 s: 400 W, whatever a refill's size
     records, _, w = built(loops=[("prefill", (4000.0, 10.0, 10, 4))])

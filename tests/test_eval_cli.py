@@ -157,7 +157,7 @@ def test_report_prints_the_closure_line_of_every_configuration(run_dir):
         assert r["line_items_sum_j"] == pytest.approx(sum(r["line_items_j"].values()), rel=1e-12)
         assert r["line_items_sum_j"] == pytest.approx(r["total_energy_j"], rel=1e-9)
         line = format_closure(r["line_items_j"], r["line_items_sum_j"], r["total_energy_j"], r["closure_error_j"],
-                              r["closes"])
+                              r["closes"], method=r.get("phase_energy_method"))
         assert line.endswith("-> OK") and f"`{line}`" in md, f"{r['config_id']}: closure line missing from report.md"
 
 
@@ -354,12 +354,12 @@ def test_the_evaluations_auto_dtype_is_fp32_on_every_cpu(monkeypatch):
     """``--dtype auto`` of run and sweep: fp32 on a CPU even with native bf16, so greedy requests equal the baseline."""
     import torch
 
-    from refspec.eval import cli_args, machine
+    from refspec.eval import cli_plan, machine
 
     monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda *a: True)
-    assert cli_args._resolve_dtype("auto", torch.device("cpu")) == "fp32"
-    assert cli_args._resolve_dtype("auto", torch.device("cuda")) == "bf16"
-    assert cli_args._resolve_dtype("bfloat16", torch.device("cpu")) == "bf16", "--dtype says otherwise"
+    assert cli_plan._resolve_dtype("auto", torch.device("cpu")) == "fp32"
+    assert cli_plan._resolve_dtype("auto", torch.device("cuda")) == "bf16"
+    assert cli_plan._resolve_dtype("bfloat16", torch.device("cpu")) == "bf16", "--dtype says otherwise"
 
 
 # ---- real tier ----------------------------------------------------------------------------------------

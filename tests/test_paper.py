@@ -177,6 +177,20 @@ def test_block_loss_past_the_ridge_holds_and_below_it_is_not_resolved():
     assert [c["verdict"] for c in claims.claim5(vs, profile)[0] if "ridge" in c["check"]] == [claims.UNRESOLVED]
 
 
+def test_claim6_weighs_the_latency_premium_only_where_a_larger_batch_was_run():
+    # speculation at batch 1 is faster and cheaper than plain batch 1: with no larger batch in the grid,
+    # the loosest target is met by the same configuration and nothing shows a premium either way
+    vs = [_variant("a", 1, "none", grid.NONE_SOURCE, 0.9, tpot_p99_s=3e-3),
+          _variant("a", 1, "block k16", "published", 0.4, tpot_p99_s=1e-3)]
+    assert [c["verdict"] for c in claims.claim6(vs)] == [claims.UNRESOLVED]
+    # with plain batch 64 meeting the loose target at less energy, the tight target's premium shows
+    vs.append(_variant("a", 64, "none", grid.NONE_SOURCE, 0.1, tpot_p99_s=4e-3))
+    assert [c["verdict"] for c in claims.claim6(vs)] == [claims.HOLDS, claims.HOLDS]
+    # and a speculative configuration that is cheapest at every target has no premium: the claim fails
+    vs.append(_variant("a", 64, "block k16", "published", 0.05, tpot_p99_s=1e-3))
+    assert claims.claim6(vs)[0]["verdict"] == claims.FAILS
+
+
 def test_claim7_is_never_given_a_verdict_where_clocks_are_read_only():
     out = claims.evaluate([], profile=gpu_plan_profile(), tau_table=acceptance.tau_table(),
                           published=acceptance.published_corpus_taus(), clocks_read_only=True, sources=lambda n: [])

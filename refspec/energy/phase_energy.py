@@ -208,7 +208,7 @@ def _pool_loops(loops: Sequence[Record]) -> dict[str, Loop]:
         out[str(r["phase"])] = Loop(energy_j=prev.energy_j + float(r["energy_j"]),
                                     time_s=prev.time_s + float(r["time_s"]),
                                     iterations=prev.iterations + int(r["iterations"]) * int(rows or 1), rows=prev.rows)
-    return out
+    return {p: loop for p, loop in out.items() if loop.time_s > 0}  # a loop that took no time gives no power
 
 
 def _direct(runs: Sequence[Sequence[Record]]) -> PhaseEnergy:

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -159,30 +160,45 @@ def _safetensor_files(path: Path) -> list[Path]:
     return found
 
 
-def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Read every tensor of a checkpoint directory under refspec names, strictly."""
-    expected = set(Transformer_param_names(args))
-    state: dict[str, torch.Tensor] = {}
+def read_checkpoint(path: Path, family: str, take: Callable[[Any, str, str | None], bool],
+                    after_file: Callable[[], None] | None = None) -> list[str]:
+    """Call ``take(f, key, refspec_name)`` for every tensor of a checkpoint directory; ``take``
+    returns False for a key the model does not have. Returns those keys (benign ones left out)."""
     unexpected: list[str] = []
     for file in _safetensor_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    fused = _split_fused(args.family, key, f.get_tensor(key)) if key.endswith(_FUSED_ENDS) else None
-                    if fused is not None:  # transformers 5's 3-D expert tensor: one entry per expert
-                        state.update({n: t.to(dtype=dtype, device=device) for n, t in fused.items() if n in expected})
-                        unexpected.extend(n for n in fused if n not in expected)
-                        continue
-                    name = hf_to_refspec_name(args.family, key)
-                    if name is None or name not in expected:
-                        if not _IGNORED.match(key):
-                            unexpected.append(key)
-                        continue
-                    state[name] = f.get_tensor(key).to(dtype=dtype, device=device)
+                    if not take(f, key, hf_to_refspec_name(family, key)) and not _IGNORED.match(key):
+                        unexpected.append(key)
         except (SafetensorError, OSError) as exc:  # truncated, garbage or unreadable: the user's file, not a bug
             raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); it may be truncated or "
                                   f"corrupt: download or convert it again") from None
-        _fuse_experts(state, expected, args)  # after each shard: per-expert copies never pile up
+        if after_file is not None:
+            after_file()
+    return unexpected
+
+
+def load_state_dict(path: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Read every tensor of a checkpoint directory under refspec names, strictly."""
+    expected = set(Transformer_param_names(args))
+    state: dict[str, torch.Tensor] = {}
+    fused_unexpected: list[str] = []
+
+    def take(f: Any, key: str, name: str | None) -> bool:
+        fused = _split_fused(args.family, key, f.get_tensor(key)) if key.endswith(_FUSED_ENDS) else None
+        if fused is not None:  # transformers 5's 3-D expert tensor: one entry per expert
+            state.update({n: t.to(dtype=dtype, device=device) for n, t in fused.items() if n in expected})
+            fused_unexpected.extend(n for n in fused if n not in expected)
+            return True
+        if name is None or name not in expected:
+            return False
+        state[name] = f.get_tensor(key).to(dtype=dtype, device=device)
+        return True
+
+    # fused after each shard: per-expert copies never pile up
+    unexpected = read_checkpoint(path, args.family, take, lambda: _fuse_experts(state, expected, args))
+    unexpected += fused_unexpected
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from refspec.config import ModelArgs
 from refspec.distributed import TensorParallel
 from refspec.models.cpu_speed import apply_cpu_speed
-from refspec.models.loading import CheckpointError, _IGNORED, _safetensor_files, assign_weights, hf_to_refspec_name
+from refspec.models.loading import CheckpointError, assign_weights, read_checkpoint
 from refspec.models.tp import shard_model
 from refspec.sharding import ShardPlan, shard_plan
 from refspec.models.transformer import Transformer
@@ -87,22 +86,16 @@ def _read_shards(path: Path, args: ModelArgs, plan: ShardPlan, expected: set[str
                  device: torch.device | str) -> dict[str, torch.Tensor]:
     """Every tensor the rank keeps, read through ``get_slice`` (strict: unknown keys fail)."""
     state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for file in _safetensor_files(path):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    name = hf_to_refspec_name(args.family, key)
-                    if name is None or name not in expected:
-                        if not _IGNORED.match(key):
-                            unexpected.append(key)
-                        continue
-                    read = shard_reader(name, plan, args.head_dim)
-                    t = f.get_tensor(key) if read is None else read(f.get_slice(key))
-                    state[name] = t.to(dtype=dtype, device=device)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download or convert it "
-                                  f"again") from None
+
+    def take(f: Any, key: str, name: str | None) -> bool:
+        if name is None or name not in expected:
+            return False
+        read = shard_reader(name, plan, args.head_dim)
+        t = f.get_tensor(key) if read is None else read(f.get_slice(key))
+        state[name] = t.to(dtype=dtype, device=device)
+        return True
+
+    unexpected = read_checkpoint(path, args.family, take)
     if unexpected:
         raise CheckpointError(f"checkpoint {path} has {len(unexpected)} keys a {args.family} model does not: "
                               f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")

@@ -1,13 +1,26 @@
 import os
 import sys
+import tempfile
 
-import pytest
-import torch
+# the session's own inductor cache: another process compiling at the same time can leave a
+# half-written kernel in the shared /tmp one ("file too short")
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_DIR = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="refspec-tests-inductor-")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 # tests run the reference GEMM form (F.linear) unless a test picks a plan: no calibration timing
 os.environ.setdefault("REFSPEC_GEMM_PLAN", "reference")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, min(2, os.cpu_count() or 1)))))
+
+
+def pytest_unconfigure(config):
+    if "_INDUCTOR_DIR" in globals():
+        import shutil
+
+        shutil.rmtree(_INDUCTOR_DIR, ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -124,20 +124,18 @@ def _writes_summary(args: argparse.Namespace, *, sweep: bool, keep: bool) -> boo
     return keep and not (sweep and args.task_index is not None) and writes_files()
 
 
-def _run_configs(args: argparse.Namespace, plan: Any, configs: Sequence[Any], paths: Any, *, sweep: bool,
+def _run_configs(args: argparse.Namespace, session: Any, configs: Sequence[Any], paths: Any, *, sweep: bool,
                  keep: bool, command: str) -> tuple[list[dict[str, Any]] | None, list[str], Any]:
     """Run ``configs``, keeping ``summary.json`` current; returns the records (None when
     interrupted), the ids skipped as done, and the records read before the run."""
     from tqdm.auto import tqdm
 
-    from refspec.eval.session import Session
     from refspec.eval.sweep import SUMMARY, attach_baselines, read_records, records_files, run_plan, write_json_atomic
 
     summary = _writes_summary(args, sweep=sweep, keep=keep)
     existing = read_records(records_files(paths.out_dir)) if sweep else None
     known: dict[str, dict[str, Any]] = existing.by_id if existing is not None else {}
     note_corrupt(existing.corrupt if existing is not None else ())
-    session = Session(**plan.session_kwargs)
     exporter = _AcceptanceExporter(args.export_acceptance, command)
     finished: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -221,7 +219,7 @@ def _run_and_report(args: argparse.Namespace, plan: Any, configs: Sequence[Any],
         write_meta(out_dir, meta)
     paths = SweepPaths.for_task(out_dir, task)
     summary = _writes_summary(args, sweep=sweep, keep=keep)
-    records, skipped, existing = _run_configs(args, plan, configs, paths, sweep=sweep, keep=keep, command=command)
+    records, skipped, existing = _run_configs(args, session, configs, paths, sweep=sweep, keep=keep, command=command)
     if records is None:
         return EXIT_INTERRUPTED
     attach_baselines(records)

@@ -30,7 +30,9 @@ TOOLS = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"
-DEFAULT_RUN_CORPORA = "code,conversation"
+# run's default cells: code repeats its prompt (ngram tau about 2) and pays for a five-row verify at
+# batch 1; conversation accepts little (tau about 1.15) and at batch 8 its verify rows cost more
+DEFAULT_RUN_CELLS = (("code", 1), ("conversation", 8))
 """``run``'s default corpora: where prompt lookup saves energy at batch 1 (code) and where it loses (conversation)."""
 DEFAULT_DRAFTER = "ngram"
 """The default drafter: prompt lookup needs no trained head (EAGLE / block heads must be trained first)."""
@@ -151,9 +153,13 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     else:
         g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help(full))
         g.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
-        g.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows decoded together")
-        g.add_argument("--corpus", default=DEFAULT_RUN_CORPORA,
-                       help="corpus name, comma-separated names, a prompt .jsonl file, or all")
+        g.add_argument("--batch", type=int, default=None,
+                       help=f"rows decoded together (default {DEFAULT_BATCH}; with neither --batch nor --corpus: "
+                            + ", ".join(f"{c} at batch {b}" for c, b in DEFAULT_RUN_CELLS)
+                            + ", a case where speculation saves and one where it loses)")
+        g.add_argument("--corpus", default=None,
+                       help=f"corpus name, comma-separated names, a prompt .jsonl file, or all "
+                            f"(default {','.join(c for c, _ in DEFAULT_RUN_CELLS)})")
     g.add_argument("--spec-policy", default=None, metavar="SPEC", action="append" if sweep else "store",
                    help=("repeatable; a policy other than fixed runs once per drafter at the largest --k. "
                          if sweep else "") + "how many tokens to draft each step, up to --k: " + _policy_help())
@@ -194,7 +200,13 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's and epilog's line breaks and shows every default."""
+    """Keeps the description's and epilog's line breaks and shows every default (a help that says
+    its own default in words is left as it is)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None and "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parser(full_help: bool = True) -> argparse.ArgumentParser:

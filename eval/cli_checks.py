@@ -122,10 +122,11 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         batches = int_list("--batch", args.batch, low=1)
         ks = int_list("--k", args.k, low=0) if args.k is not None else None
     else:
-        batches = [integer("--batch", args.batch, low=1)]
+        batches = [] if args.batch is None else [integer("--batch", args.batch, low=1)]  # []: the default cells
         ks = None if args.k is None else [integer("--k", args.k, low=0)]
     drafters = csv("--drafter", args.drafter)
-    csv("--corpus", args.corpus)
+    if args.corpus is not None:
+        csv("--corpus", args.corpus)
     if args.dtype.lower() not in ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"):
         raise UsageError(f"--dtype {args.dtype!r} is unknown; use auto, fp32, bf16 or fp16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from refspec.eval.cli_args import CORE_CORPORA, SCHEDULES
+from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_BATCH, DEFAULT_RUN_CELLS, SCHEDULES
 from refspec.eval.cli_checks import check_drafter_options, check_run_flags, csv, parse_drafter_options
 from refspec.eval.flags import UsageError, finite, integer
 
@@ -169,12 +169,22 @@ def _check_policies(flag: str | list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(checked_spec(s).name for s in specs))
 
 
+def _cells(args: argparse.Namespace, batches: list[int]) -> list[tuple[list[str], tuple[int, ...]]]:
+    """The (corpora, batches) grids of the invocation: ``run`` without --batch and --corpus runs its
+    default cells, each corpus at its own batch; otherwise one grid."""
+    if args.corpus is None and not batches:
+        return [([corpus], (batch,)) for corpus, batch in DEFAULT_RUN_CELLS]
+    names = csv("--corpus", args.corpus) if args.corpus is not None else [c for c, _ in DEFAULT_RUN_CELLS]
+    return [(names, tuple(batches or [DEFAULT_BATCH]))]
+
+
 def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
     schedules = check_serving_flags(args, sweep=sweep)
     batches, ks = check_run_flags(args, sweep=sweep)
     policies = _check_policies(args.spec_policy)
-    corpora = _check_corpora(csv("--corpus", args.corpus))  # before torch: the corpus catalogue is light
+    cells = _cells(args, batches)
+    corpora = _check_corpora([c for names, _ in cells for c in names])  # before torch: the catalogue is light
     from refspec.drafters import registry
     from refspec.eval.run import RunConfig
     from refspec.eval.runtime import pick_device
@@ -189,16 +199,17 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     _check_accept_model(args.accept_model)
     graphs = _cuda_graphs(args.cuda_graphs, device)
     default_k = {d: (16 if args.tree else registry.default_k(d)) for d in drafters if d != "none"}
-    base = RunConfig(model=args.model, drafter="none", k=0, batch=batches[0], corpus=corpora[0],
+    base = RunConfig(model=args.model, drafter="none", k=0, batch=cells[0][1][0], corpus=corpora[0],
                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                      device=str(device), meter=args.meter, temperature=args.temperature, top_k=args.top_k,
                      top_p=args.top_p, seed=args.seed, cuda_graphs=graphs, chat=not args.no_chat,
                      schedule=schedules[0], requests=args.requests, request_rate=args.request_rate,
                      output_len_dist=args.output_len_dist, tp=args.tp)
-    grid = SweepGrid(corpora=tuple(corpora), batches=tuple(batches), drafters=tuple(drafters),
-                     ks=None if ks is None else tuple(ks), base=base, baseline=not args.no_baseline,
-                     default_k=default_k, schedules=tuple(schedules), policies=policies)
-    configs = plan(grid)
+    configs = [c for names, cell_batches in cells
+               for c in plan(SweepGrid(corpora=tuple(_check_corpora(names)), batches=cell_batches,
+                                       drafters=tuple(drafters), ks=None if ks is None else tuple(ks), base=base,
+                                       baseline=not args.no_baseline, default_k=default_k,
+                                       schedules=tuple(schedules), policies=policies))]
     extra = dict(tree=args.tree, accept_model=args.accept_model, drafter_options=options)
     configs = [c if c.is_baseline else dataclasses.replace(c, **extra) for c in configs]
     if not configs:

@@ -438,3 +438,17 @@ def test_a_table_of_records_with_different_budgets_says_mixed_instead_of_quoting
     table = format_table(records)
     assert "MIXED budgets up to 6 new tokens" in table and " / budgets up to 3 new tokens" in table
     assert "MIXED" not in format_table(records[:1])
+
+
+def test_run_without_batch_and_corpus_runs_the_default_cells_and_either_flag_one_grid():
+    from refspec.eval.cli_args import _normalise_argv, _parser
+    from refspec.eval.cli_plan import _build_plan
+
+    def cells(*argv):
+        configs = _build_plan(_parser().parse_args(_normalise_argv(list(argv))), sweep=False).configs
+        return sorted({(c.corpus, c.batch) for c in configs}), sorted({c.drafter for c in configs})
+
+    assert cells() == ([("code", 1), ("conversation", 8)], ["ngram", "none"])
+    assert cells("--batch", "8")[0] == [("code", 8), ("conversation", 8)]
+    assert cells("--corpus", "conversation")[0] == [("conversation", 1)]
+    assert cells("--corpus", "math", "--batch", "2", "--drafter", "eagle") == ([("math", 2)], ["eagle", "none"])

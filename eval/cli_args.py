@@ -109,8 +109,8 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
     h.add_argument("--meter", default="auto", metavar="SPEC",
                    help="auto (a GPU's NVML counter, else this CPU's RAPL counter, else the roofline model, labelled "
                         "modelled), zeus or nvml (NVML's counter; :gpus=0,1 sums several GPUs), rapl (CPU package "
-                        "and DRAM; :domains=package,dram), roofline, roofline:PROFILE (cpu, h100, h200: time modelled "
-                        "too), time (no energy), or simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]: "
+                        "and DRAM; :domains=package,dram), roofline, roofline:PROFILE (h100, h200: time modelled "
+                        "too; cpu: this CPU's benchmarked profile on measured wall time), time (no energy), or simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]: "
                         "a counter updating every P ms (default 100) from the first S ms of each period (default "
                         "P/4), its truth the profile's modelled energy of each phase and idle power between phases, "
                         "for tests and teaching. A counter is never read per phase: phases are timed, the counter "

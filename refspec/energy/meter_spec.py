@@ -8,7 +8,8 @@ Grammar: ``KIND[:PROFILE][:key=value]...``. Kinds and their options:
 ``zeus``        NVML's total-energy counter through Zeus; ``gpus=0,1`` sums several GPUs
 ``nvml``        NVML through pynvml (the counter, else the instantaneous-power integral); ``gpus=``
 ``rapl``        CPU package and DRAM counters (powercap); ``domains=package,dram``, ``root=PATH``
-``roofline``    modelled energy; ``roofline:PROFILE`` (cpu, h100, h200) models the time too
+``roofline``    modelled energy; ``roofline:PROFILE`` (h100, h200) models the time too, while
+                ``cpu`` (this CPU's benchmarked profile) prices the measured wall time
 ``time``        time only, no energy
 ``simulated``   ``simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]``: the roofline
                 profile's per-phase energy as truth, read through a simulated counter

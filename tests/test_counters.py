@@ -22,23 +22,7 @@ from refspec.energy.rapl import rapl_available, rapl_counter, rapl_zones
 from refspec.energy.windowed import ClockTimer, CounterMark, PhaseMeasurement, WindowedMeter
 from refspec.energy.windows import NoCounterError, NoGPUError
 from refspec.energy.zeus_meter import ZeusCounter
-
-
-class World:
-    """A fake clock (s) and cumulative energy (J) advanced by hand."""
-
-    def __init__(self) -> None:
-        self.t, self.e = 100.0, 5000.0
-
-    def clock(self) -> float:
-        return self.t
-
-    def energy(self) -> float:
-        return self.e
-
-    def advance(self, dt: float, de: float) -> None:
-        self.t += dt
-        self.e += de
+from fakes import World
 
 
 # ---- RAPL through a fake powercap tree --------------------------------------------------------

@@ -15,24 +15,7 @@ from refspec.energy.meters import (CounterMeter, FakeMeter, MeterError, NoGPUErr
                                    make_meter)
 from refspec.energy.phases import ForwardShape
 from refspec.energy.roofline import HardwareProfile, forward_cost
-
-
-class World:
-    """A fake clock (s) and cumulative energy counter (J) that tests advance by hand."""
-
-    def __init__(self) -> None:
-        self.t = 100.0
-        self.e = 5000.0
-
-    def clock(self) -> float:
-        return self.t
-
-    def energy(self) -> float:
-        return self.e
-
-    def advance(self, dt: float, de: float) -> None:
-        self.t += dt
-        self.e += de
+from fakes import World
 
 
 def test_fake_meter_reports_exact_deltas():

@@ -15,7 +15,7 @@ from refspec.eval.flags import UsageError, finite, integer
 if TYPE_CHECKING:
     import torch
 
-# ---- validation that needs torch or the registry (after cli_checks) ------------------------------
+
 def _check_corpora(names: Sequence[str]) -> list[str]:
     from refspec.eval.corpora import CORPORA
 

@@ -46,6 +46,13 @@ def unwrapped_interrupts() -> Iterator[None]:
         raise
 
 
+def reraise_interrupt(exc: BaseException) -> None:
+    """For a handler that keeps going after an error: an error that carries an interrupt (see
+    :func:`unwrapped_interrupts`) is the user's Ctrl-C, raised again as one."""
+    if _holds_interrupt(exc):
+        raise KeyboardInterrupt from exc
+
+
 def _holds_interrupt(exc: BaseException) -> bool:
     seen: set[int] = set()
     link: BaseException | None = exc

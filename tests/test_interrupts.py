@@ -109,3 +109,18 @@ def test_the_cli_exits_130_for_an_interrupt_wrapped_in_an_error(monkeypatch, tmp
     monkeypatch.setattr(cli, "_execute", wrapped)
     assert cli.main(["--out", str(tmp_path / "out")]) == cli.EXIT_INTERRUPTED
     assert "error:" not in capsys.readouterr().err
+
+
+def test_the_paper_command_does_not_log_a_wrapped_interrupt_as_a_failed_block(tmp_path, monkeypatch, capsys):
+    """Its blocks keep going after an error; a Ctrl-C that an import wrapped is not one."""
+    from refspec.eval.paper import cli, run
+
+    def interrupted_build(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("an import wrapped it") from exc
+
+    monkeypatch.setattr(run, "load_target", interrupted_build)
+    assert cli.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "out")]) == 130
+    assert "building" not in capsys.readouterr().err

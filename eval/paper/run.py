@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from refspec.eval.interrupts import reraise_interrupt
 from refspec.eval.paper import acceptance
 from refspec.eval.paper.grid import NONE_SOURCE, Block, DrafterSpec, plan_stream, step_seconds
 from refspec.eval.paper.point import (Pace, ShapeRun, _injection, phase_loops, requests_of, run_figures, serve_once,
@@ -92,6 +93,7 @@ class Grid:
             target = load_target(block.arch, device=self.bench.device, dtype=self.bench.dtype, seed=self.args.seed,
                                  max_batch=max(block.batches), max_k=max(ks), max_len=max_len)
         except Exception as exc:  # one block failing must not lose the others
+            reraise_interrupt(exc)  # a Ctrl-C wrapped by an import on its way up
             log.exception("building %s failed", block.arch)
             self.outputs.skip(block.name, None, None, f"target build failed: {type(exc).__name__}: {exc}")
             return
@@ -119,6 +121,7 @@ class Grid:
             warm_s = warm_up(sr, drafter, _injection(variants[0][2], self.bench.device, spec.k, 1))
             log.info("%s: warm-up %.1f s", label, warm_s)
         except Exception as exc:
+            reraise_interrupt(exc)  # a Ctrl-C wrapped by an import on its way up
             log.exception("%s failed", label)
             self.outputs.skip(block.name, batch, spec.label, f"{type(exc).__name__}: {exc}")
             return
@@ -145,6 +148,7 @@ class Grid:
         try:
             figures, others = self._repeats(sr, drafter, source, corpus, model, state, label)
         except Exception as exc:
+            reraise_interrupt(exc)  # a Ctrl-C wrapped by an import on its way up
             log.exception("%s, %s %s failed", label, source, corpus)
             rec.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:],
                        seconds=time.perf_counter() - t0)

@@ -81,7 +81,8 @@ def test_ctrl_c_exits_130_and_keeps_the_tables_written_so_far(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "refspec.eval", "paper", "--device", "cpu", "--quick", "--out",
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even under nohup &
     deadline = time.time() + 240
     while time.time() < deadline and not (out / "results.json").exists():
         time.sleep(0.5)

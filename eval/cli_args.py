@@ -30,10 +30,9 @@ TOOLS = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"
-# run's default cells: code repeats its prompt (ngram tau about 2) and pays for a five-row verify at
-# batch 1; conversation accepts little (tau about 1.15) and at batch 8 its verify rows cost more
 DEFAULT_RUN_CELLS = (("code", 1), ("conversation", 8))
-"""``run``'s default corpora: where prompt lookup saves energy at batch 1 (code) and where it loses (conversation)."""
+"""``run``'s default (corpus, batch) cells: code repeats its prompt, so prompt lookup pays for a
+five-row verify at batch 1; conversation accepts little, and at batch 8 its verify rows cost more."""
 DEFAULT_DRAFTER = "ngram"
 """The default drafter: prompt lookup needs no trained head (EAGLE / block heads must be trained first)."""
 DEFAULT_BATCH = 1
@@ -110,7 +109,8 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
                    help="auto (a GPU's NVML counter, else this CPU's RAPL counter, else the roofline model, labelled "
                         "modelled), zeus or nvml (NVML's counter; :gpus=0,1 sums several GPUs), rapl (CPU package "
                         "and DRAM; :domains=package,dram), roofline, roofline:PROFILE (h100, h200: time modelled "
-                        "too; cpu: this CPU's benchmarked profile on measured wall time), time (no energy), or simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]: "
+                        "too; cpu: this CPU's benchmarked profile on measured wall time), time (no energy), or "
+                        "simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]: "
                         "a counter updating every P ms (default 100) from the first S ms of each period (default "
                         "P/4), its truth the profile's modelled energy of each phase and idle power between phases, "
                         "for tests and teaching. A counter is never read per phase: phases are timed, the counter "

@@ -295,6 +295,6 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "invalid_notes", "windows_md", "serving_line",
-           "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text",
+__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "invalid_notes", "windows_md",
+           "serving_line", "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text",
            "unmet", "TIGHTER"]

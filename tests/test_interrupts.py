@@ -97,16 +97,20 @@ def test_an_interrupt_wrapped_on_its_way_up_leaves_as_an_interrupt():
             raise RuntimeError("plain")
 
 
-def test_the_cli_exits_130_for_an_interrupt_wrapped_in_an_error(monkeypatch, tmp_path, capsys):
-    from refspec.eval import cli
-
-    def wrapped(*args, **kwargs):
+def _wrapped_interrupt(message: str):
+    """A callable that raises a RuntimeError wrapping a KeyboardInterrupt, as an import can."""
+    def raise_it(*args, **kwargs):
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt as exc:
-            raise RuntimeError("Error calling __set_name__") from exc
+            raise RuntimeError(message) from exc
+    return raise_it
 
-    monkeypatch.setattr(cli, "_execute", wrapped)
+
+def test_the_cli_exits_130_for_an_interrupt_wrapped_in_an_error(monkeypatch, tmp_path, capsys):
+    from refspec.eval import cli
+
+    monkeypatch.setattr(cli, "_execute", _wrapped_interrupt("Error calling __set_name__"))
     assert cli.main(["--out", str(tmp_path / "out")]) == cli.EXIT_INTERRUPTED
     assert "error:" not in capsys.readouterr().err
 
@@ -115,12 +119,6 @@ def test_the_paper_command_does_not_log_a_wrapped_interrupt_as_a_failed_block(tm
     """Its blocks keep going after an error; a Ctrl-C that an import wrapped is not one."""
     from refspec.eval.paper import cli, run
 
-    def interrupted_build(*args, **kwargs):
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt as exc:
-            raise RuntimeError("an import wrapped it") from exc
-
-    monkeypatch.setattr(run, "load_target", interrupted_build)
+    monkeypatch.setattr(run, "load_target", _wrapped_interrupt("an import wrapped it"))
     assert cli.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "out")]) == 130
     assert "building" not in capsys.readouterr().err

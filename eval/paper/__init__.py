@@ -1,4 +1,4 @@
-"""``python -m refspec.eval paper``: the seven claims of "Only Accepted Tokens Count" (DESIGN.md)
+"""``python -m refspec.eval paper``: the seven claims of "Only Accepted Tokens Count" (arXiv 2610.40287)
 answered on the hardware at hand, each with a verdict and the source of every number.
 
 Reading order: :mod:`~refspec.eval.paper.cli` (flags, checks, the plan), :mod:`.grid` (blocks,

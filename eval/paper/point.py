@@ -131,11 +131,9 @@ def serve_once(sr: ShapeRun, ledger: Any, drafter: Any, accept: Any, requests: l
     return res, time.perf_counter() - t0, clocks
 
 
-def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: list[Any], wall_per_clock: float
-                ) -> dict[str, Any]:
+def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: list[Any]) -> dict[str, Any]:
     """Each phase alone at the run's shapes, for at least ten counter periods of the counter's clock
-    (the loops time themselves on the meter's clock, modelled or not; ``wall_per_clock`` is kept
-    for the caller's budget)."""
+    (the loops time themselves on the meter's clock, modelled or not)."""
     from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
     from refspec.sampling import SamplingConfig
 

@@ -207,8 +207,7 @@ class Grid:
             cpu = bench.device.type == "cpu"  # a modelled clock there; a counter's window is wall time on a GPU
             self.pace.learn(sr.target.arch, spec.name, planned, (clock if cpu else wall) / max(res.steps, 1))
             if state["loops"] is None and hasattr(bench.meter, "counter") and a.loops:
-                wall_per_clock = wall / clock if bench.device.type == "cpu" and clock > 0 else 1.0
-                state["loops"] = phase_loops(sr, drafter, accept, res, requests, wall_per_clock)
+                state["loops"] = phase_loops(sr, drafter, accept, res, requests)
             for phase, loop in (state["loops"] or {}).items():
                 ledger.write_loop(phase, loop, bench.source)
             run_ids.append(run_id)

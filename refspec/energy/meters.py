@@ -15,8 +15,8 @@ periods, the reads written as ``counter`` records (:mod:`refspec.energy.counter_
                           read by Zeus or pynvml; a power integral where NVML refuses it,
                           :mod:`refspec.energy.nvml_meter`), RAPL's package and DRAM counters
                           (``measured:rapl(package-0,dram-0)``, :mod:`refspec.energy.rapl`)
-``SimulatedMeter``        ``modelled:simulated-counter(...)``: a counter sampling the roofline's
-                          per-phase energy like NVML (:mod:`refspec.energy.simulated`)
+``SimulatedMeter``        ``modelled:simulated-counter(...)``: a counter sampling a simulated
+                          device's power law like NVML (:mod:`refspec.energy.simulated`)
 ========================  ===================================================================
 
 Meters that give every window its energy directly:
@@ -52,6 +52,7 @@ from refspec.energy.windows import (DEFAULT_COUNTER_PERIOD_S, MeterError, NoCoun
 from refspec.energy.meter_spec import MeterSpecError, parse_meter_spec  # noqa: F401  (re-exported)
 from refspec.energy.nvml_meter import CounterMeter, nvml_counter, nvml_meter
 from refspec.energy.rapl import POWERCAP_ROOT, rapl_counter
+from refspec.energy.device_law import default_law, law_with
 from refspec.energy.simulated import DEFAULT_PERIOD_MS, SimulatedMeter
 from refspec.energy.windowed import WindowedMeter
 from refspec.energy.zeus_meter import ZeusCounter, ZeusMeter, nvml_energy_counter_available  # noqa: F401  (re-exported)
@@ -208,7 +209,7 @@ def make_meter(kind: str = "auto", *, gpu_index: int = 0, profile: str | Hardwar
     Args:
         kind: the spec, ``KIND[:PROFILE][:key=value]...``: ``zeus`` / ``nvml`` (NVML's counter of
             the GPU, or of ``gpus=0,1`` summed), ``rapl`` (CPU package and DRAM), ``simulated:PROFILE``
-            (a simulated counter over the roofline's truth), ``roofline[:PROFILE]`` (modelled),
+            (a simulated counter over a device law's truth), ``roofline[:PROFILE]`` (modelled),
             ``time`` (time only), ``auto`` (a GPU's NVML counter, else this CPU's RAPL, else the
             roofline: a GPU's data-sheet profile, or this CPU's benchmarked one in wall-time
             mode), or ``fake`` (API only: needs ``clock`` and ``energy``). Counter meters are
@@ -261,7 +262,9 @@ def make_meter(kind: str = "auto", *, gpu_index: int = 0, profile: str | Hardwar
         sample_s = opts["sample_ms"] / 1e3 if "sample_ms" in opts else None
         return SimulatedMeter(prof, time_source=time_source, period_s=period_s, sample_s=sample_s,
                               noise=opts.get("noise", 0.0), seed=opts.get("seed", 0), sub_window_s=sub,
-                              clock=clock or time.perf_counter)
+                              clock=clock or time.perf_counter, law=law_with(default_law(prof), opts),
+                              drift_ppm=opts.get("drift_ppm", 0.0),
+                              offset_s=opts["offset_ms"] / 1e3 if "offset_ms" in opts else None)
     raise AssertionError(f"meter kind {spec.kind!r} parsed but not built")
 
 

@@ -34,12 +34,20 @@ class Loop:
         iterations: steps the loop ran.
         rows: rows each call ran, when the run's calls of this phase differ in rows (a prefill of
             the R rows refilled): a call of R rows is then priced R / ``rows`` loop calls.
+        phase_time_s: a loop of the whole step only: the time of each of its phases over the
+            loop, s (the rest of ``time_s`` is host time between them).
     """
 
     energy_j: float
     time_s: float
     iterations: int
     rows: int | None = None
+    phase_time_s: Mapping[str, float] | None = None
+
+    @property
+    def power_w(self) -> float:
+        """Mean power over the loop, W."""
+        return self.energy_j / self.time_s
 
     @property
     def j_per_step(self) -> float:

@@ -71,7 +71,11 @@ def _attribution_lines(acc: Accounting) -> list[str]:
                          "proportions in every sub-window, or too few sub-windows); run phase-isolated loops")
         if a["loops_share"] is not None:
             lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
-                         f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}")
+                         f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}; "
+                         f"interaction residual {_fmt(a['interaction_residual'], '+.1%')}")
+        gate = a["split_gate"] or {}
+        lines.append("  split gate: passed" if gate.get("passed") else
+                     f"  split gate: FAILED, total only: {'; '.join(gate.get('reasons') or ['no split'])}")
     if acc.phase_share_true is not None:
         err = (a or {}).get("total_error_vs_true")
         lines.append(f"  true (simulated): {_shares(acc.phase_share_true)}; total error {_fmt(err, '+.2%')}")

@@ -165,7 +165,7 @@ def describe_source(source: str) -> str:
         return f"modelled (not measured) by roofline profile {profile}, {how}"
     if source.startswith("modelled:simulated-counter("):
         inner = source[len("modelled:simulated-counter("):].rstrip(")")
-        return f"simulated (not measured): a counter ({inner}) sampling the roofline's modelled energy"
+        return f"simulated (not measured): a counter ({inner}) sampling a simulated device's power law"
     if source.startswith("none"):
         return "not recorded (time-only meter)"
     return f"unknown source {source!r}"

@@ -39,12 +39,14 @@ FIELD_TEXT: dict[str, str] = {
     "request_j_per_token_p50": "p50 over requests of their J / their output tokens",
     "request_j_per_token_p99": "p99 of the same",
     "request_energy_sum_j": "J charged to requests, summed",
-    "request_unattributed_j": "J no request was charged, by name: idle_slots (per-row work of empty or finished "
-                              "slots), no_request (a phase without a participant), outside_phases (counter "
-                              "energy no phase record was given)",
+    "request_unattributed_j": "J no request was charged, by name, each priced from the recorded work: idle_slots "
+                              "(per-row work of empty or finished slots), no_request (a phase without a "
+                              "participant), host (a counter's time outside every phase, at the idle power)",
     "request_unattributed_share": "unattributed J / total energy",
-    "request_closure_error_j": "requests + unattributed - total energy (J)",
-    "request_energy_closes": "requests + unattributed = total energy within 1e-9 relative",
+    "request_closure_error_j": "the residual: requests + named items - total energy (J)",
+    "request_energy_closes": "the residual is within tolerance: 1e-9 relative for energy read per phase, the split "
+                             "gate's additivity tolerance for an attributed split (false when the split failed "
+                             "its gate)",
     "request_split_profile": "the roofline profile whose modelled parts set the split's proportions",
     "acceptance_hist": "verify steps (over every request) that accepted 0, 1, ..., K drafts",
     "acceptance_per_position": "per draft position 1..K: steps accepting at least that many / steps offering it",

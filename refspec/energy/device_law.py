@@ -130,9 +130,9 @@ class DeviceLaw:
 
 
 def gpu_law(profile: HardwareProfile) -> DeviceLaw:
-    """A law resembling an H100/H200 SXM board: idle about 75 W, 700 W cap, memory power
-    saturating near the board's bandwidth, clocks rising in 0.05 ms and falling over 0.25 ms."""
-    return DeviceLaw(idle_w=75.0, host_w=120.0, active_w=160.0, tdp_w=700.0, flop_w=420.0, flop_knee=5e14,
+    """A law resembling an H100/H200 SXM board: idle at the profile's idle power, 700 W cap, memory
+    power saturating near the board's bandwidth, clocks rising in 0.05 ms and falling over 0.25 ms."""
+    return DeviceLaw(idle_w=profile.idle_w, host_w=120.0, active_w=160.0, tdp_w=700.0, flop_w=420.0, flop_knee=5e14,
                      byte_w=330.0, byte_knee=0.45 * profile.bandwidth_Bps, rows_knee=4.0, keys_gain=0.3,
                      rise_s=0.05e-3, lag_s=0.25e-3, hold_s=0.5, warm_w=25.0, warm_s=60.0, gap_s=20e-6, bare_s=0.2e-3)
 

@@ -378,8 +378,9 @@ def _fit_reason(fitted: _Fit, windows: Sequence[SubWindow], floor_s: float) -> s
         return f"{len(windows)} sub-windows of at least {floor_s:.3g} s cannot fit a power per phase; run the loops"
     if not fitted.determined:
         se = max((fitted.share_se or {}).values(), default=float("nan"))
-        return (f"the fit is undetermined (largest share s.e. {se:.3g}, condition {fitted.condition:.3g}): the phases "
-                f"ran in nearly the same proportions in every sub-window; run the loops")
+        return (f"the fit is undetermined (largest share s.e. {100 * se:.3g} percentage points, condition "
+                f"{fitted.condition:.3g}): the phases ran in nearly the same proportions in every sub-window; run "
+                f"the loops")
     return f"a sub-window lasts under {floor_s:.3g} s"
 
 

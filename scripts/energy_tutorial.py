@@ -147,7 +147,8 @@ def serve(meter: SimulatedMeter, ledger: Callable[[PhaseEvent], None], seconds: 
         if done:
             new = [-1] * BATCH
             for row in done:
-                slots[row], new[row], left[row], context[row], next_id = next_id, next_id, BUDGET - 1, PROMPT, next_id + 1
+                slots[row], new[row], left[row], context[row] = next_id, next_id, BUDGET - 1, PROMPT
+                next_id += 1
             refills.append(len(done))
             phase("prefill", step, [_prefill(len(done))], rows_active=len(done), emitted=len(done),
                   emitted_per_row=tuple(int(n >= 0) for n in new), slot_requests=tuple(new),

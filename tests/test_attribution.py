@@ -44,9 +44,9 @@ def every_loop(**power):
     return [loop(p, power=power.get(p), rows=1 if p == "prefill" else None) for p in POWER] + [step_loop()]
 
 
-def built(*, loops=(), truth=False, reads_after=None, idle_w=None, steady=False, period_s=PERIOD_S):
+def built(*, loops=(), truth=False, reads_after=None, idle_w=None, steady=False, period_s=PERIOD_S, stretch=None):
     """The hand-built run's records (header, phases, counter reads, loops, end) and its known figures;
-    ``loops``: (phase, fields of its loop record) pairs."""
+    ``loops``: (phase, fields of its loop record) pairs; ``stretch``: per phase, a factor on its times."""
     recs = [{"kind": "run", "version": LEDGER_VERSION, "run_id": "r", "labels": {}, "idle_w": idle_w}]
     w = {"clock": 0.0, "wall": 0.0, "e": 0.0, "gap": 0.0}
     reads = []
@@ -58,6 +58,7 @@ def built(*, loops=(), truth=False, reads_after=None, idle_w=None, steady=False,
         recs.append(reads[-1])
 
     def phase(step, name, t, req, **kw):
+        t *= (stretch or {}).get(name, 1.0)
         extra = {"energy_true_j": POWER[name] * t, "energy_naive_j": 0.0} if truth else {}
         emitted = kw.pop("emitted", 0)
         recs.append({"kind": "phase", "version": LEDGER_VERSION, "run_id": "r", "step": step, "phase": name,
@@ -409,3 +410,29 @@ def test_an_engine_run_under_the_simulated_counter_closes_on_the_counter_and_ref
     pe = phase_energy(runs, host_w=meter.idle_w, rule=GateRule(min_s=0.0))
     assert len(pe.sub_windows) >= 10 and pe.fit_condition > 1e3
     assert pe.method == "measured-total-only" and "the fit is undetermined" in pe.split_gate.reasons[0]
+
+
+def test_more_mixes_determine_the_fit_and_catch_what_one_mix_cannot(tmp_path):
+    from refspec.energy.mix_check import mix_check
+
+    def runs(loops, **kw):
+        records = _read(tmp_path, built(steady=True, idle_w=HOST_W, loops=loops, **kw)[0])
+        return [tuple([r for r in records if r["kind"] == kind] for kind in ("phase", "counter", "loop"))]
+
+    def check(loops, mixes=3):
+        # a step drafts, verifies and commits once in every mix: each mix is one direction of the three
+        # decode phases' times, so it takes three mixes (and the refills) to fit their powers
+        stretches = [{}, {"draft": 2.0, "verify": 0.7}, {"commit": 3.0, "verify": 1.3}][:mixes]
+        return mix_check({"abc"[i]: runs(loops, stretch=st) for i, st in enumerate(stretches)}, host_w=HOST_W)
+
+    good = check(every_loop())
+    assert good.passed and good.fit_determined and good.fit_power_w["verify"] == pytest.approx(250.0)
+    assert good.share_fit["a"] == pytest.approx(good.share_loops["a"]) and good.worst["b"][1] < 1e-9
+    # the zero-sum shift of the loops that passes every check of a steady run alone
+    shifted = every_loop(verify=270.0, draft=100.0 - 20.0 * 8.0 / 4.0)[:-1] + [step_loop()]
+    bad = check(shifted)
+    assert not bad.passed and bad.reasons[0].startswith("a: loops and the mixes' fit disagree on draft by 0.049")
+    # one or two mixes: undetermined, and said so
+    for n in (1, 2):
+        few = check(every_loop(), mixes=n)
+        assert not few.passed and few.reasons[0].startswith("the fit over the mixes is undetermined")

@@ -155,7 +155,8 @@ def default_law(profile: HardwareProfile) -> DeviceLaw:
 SPEC_KEYS: dict[str, tuple[str, float]] = {
     "idle_w": ("idle_w", 1.0), "host_w": ("host_w", 1.0), "active_w": ("active_w", 1.0), "tdp_w": ("tdp_w", 1.0),
     "flop_w": ("flop_w", 1.0), "flop_knee_tflops": ("flop_knee", 1e12), "byte_w": ("byte_w", 1.0),
-    "byte_knee_gbps": ("byte_knee", 1e9), "busy": ("busy", 1.0), "rows_knee": ("rows_knee", 1.0), "keys_gain": ("keys_gain", 1.0),
+    "byte_knee_gbps": ("byte_knee", 1e9), "busy": ("busy", 1.0), "rows_knee": ("rows_knee", 1.0),
+    "keys_gain": ("keys_gain", 1.0),
     "rise_ms": ("rise_s", 1e-3), "lag_ms": ("lag_s", 1e-3), "hold_ms": ("hold_s", 1e-3), "warm_w": ("warm_w", 1.0),
     "warm_s": ("warm_s", 1.0), "gap_us": ("gap_s", 1e-6), "bare_us": ("bare_s", 1e-6),
 }

@@ -348,20 +348,17 @@ def _attributed(phases: list[list[Record]], runs: Sequence[tuple[Sequence[Record
     interaction = interaction_residual(step, loops) if step is not None else None
     if loops:
         reasons = loop_reasons(loops, set(names), fit_prices=fit is not None, period_s=period, idle_w=host_w,
-                               rule=rule)
-        reasons += check_reasons(additivity=additivity, agreement=worst, interaction=interaction,
-                                 has_step=step is not None, rule=rule)
-        method = "attributed-loops"
+                               rule=rule) + check_reasons(additivity=additivity, agreement=worst,
+                                                          interaction=interaction, has_step=step is not None, rule=rule)
     else:
         reasons = [] if fit is not None else [_fit_reason(fitted, windows, floor)]
-        method = "attributed-fit"
-    method = method if not reasons else "measured-total-only"
+    method = "measured-total-only" if reasons else "attributed-loops" if loops else "attributed-fit"
     energy = {"attributed-loops": by_loops, "attributed-fit": by_fit}.get(method, lambda r: 0.0)
     records = tuple(tuple({**r, "energy_j": energy(r)} for r in run) for run in phases)
     attributed = sum(r["energy_j"] for run in records for r in run)
     truths = [w.true_j for run in raw for w in run]
     true_by_phase, naive_by_phase = _by_phase(flat, "energy_true_j"), _by_phase(flat, "energy_naive_j")
-    return PhaseEnergy(
+    return PhaseEnergy(  # the measured total, what the split gave each record, and every figure it rests on
         method=method, records=records, total_j=measured, unattributed_j=measured - attributed, span_s=span,
         host_s=host_s, host_j=host_j, period_s=period, split_gate=SplitGate(not reasons, tuple(reasons)),
         sub_windows=tuple(windows), fit=fitted.power, fit_condition=fitted.condition, fit_share_se=fitted.share_se,

@@ -252,9 +252,10 @@ class SimulatedMeter(WindowedMeter):
         timer = ModelledTimer(profile, law.bare_s) if modelled is not None else ClockTimer(clock)
         options = f"P={period_s * 1e3:g}ms,S={sample_s * 1e3:g}ms" + (f",noise={noise:g},seed={seed}" if noise else "")
         wall = "" if modelled is not None else ",wall-time"
+        source = f"modelled:simulated-counter({profile.name}{wall},{options})"
         counter = SimulatedCounter(PowerTrace(law, run_clock()), period_s=period_s, sample_s=sample_s, noise=noise,
                                    seed=seed, clock=run_clock, device=profile.name, drift_ppm=drift_ppm,
-                                   offset_s=offset_s, source=f"modelled:simulated-counter({profile.name}{wall},{options})")
+                                   offset_s=offset_s, source=source)
         super().__init__(counter, timer=timer, sub_window_s=sub_window_s, clock=run_clock)
         self.profile = profile
         self.law = law

@@ -59,7 +59,8 @@ MIX_DIR=${MIX_DIR:-/tmp/refspec-mix}
 if "$VPY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   MIX=(--device cuda --meter nvml)
 else
-  MIX=(--device cpu --toy --meter simulated:cpu:period_ms=10:sample_ms=10 --requests-per-slot 2 --max-new-tokens 16)
+  MIX=(--device cpu --toy --meter simulated:cpu:period_ms=10:sample_ms=10 --mixes 4x8,2x4,6x6 --requests-per-slot 2
+       --max-new-tokens 16)
 fi
 echo "[gpu_check.sh] $(date -u +%FT%TZ) mix check: ${MIX[*]}"
 exec "$VPY" scripts/mix_check.py --out "$MIX_DIR" "${MIX[@]}"

@@ -78,6 +78,10 @@ def serve_mix(model: Any, drafter: Any, meter: Any, *, k: int, batch: int, args:
     return [tuple([r for r in records if r.get("kind") == kind] for kind in ("phase", "counter", "loop"))]
 
 
+def _pct(shares: dict[str, float] | None) -> str:
+    return "n/a" if shares is None else ", ".join(f"{p} {100 * x:.1f}%" for p, x in sorted(shares.items()))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,15 +108,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                        path=out / f"mix-k{k}-b{batch}.jsonl")
             pe = phase_energy(runs, host_w=meter.idle_w)
             gate = "passed" if pe.split_gate.passed else "FAILED: " + "; ".join(pe.split_gate.reasons)
-            print(f"k{k}-b{batch}: {pe.method}; interaction residual {pe.interaction_residual}; gate {gate}",
-                  flush=True)
+            residual = "n/a" if pe.interaction_residual is None else f"{pe.interaction_residual:+.2%}"
+            print(f"k{k}-b{batch}: {pe.method}; interaction residual {residual}; gate {gate}", flush=True)
         check = mix_check(mixes, host_w=meter.idle_w)
         (out / "mix_check.json").write_text(json.dumps({"meter": meter.source, **dataclasses.asdict(check)},
                                                        indent=1) + "\n")
         print(f"fit over {', '.join(mixes)} ({meter.source}): "
               f"{'determined' if check.fit_determined else 'undetermined'}; powers {check.fit_power_w}")
         for name in mixes:
-            print(f"  {name}: fit {check.share_fit.get(name)}; loops {check.share_loops[name]}")
+            print(f"  {name}: fit {_pct(check.share_fit.get(name))}; loops {_pct(check.share_loops[name])}")
         print("mix check passed" if check.passed else "mix check FAILED: " + "; ".join(check.reasons))
 
 

@@ -66,7 +66,7 @@ class LoopShapes:
 
     Attributes:
         batch: B slots (every one active).
-        k: drafts per step (0: plain decoding; the draft loop is skipped).
+        k: drafts per step (0: plain decoding, whose draft phase only makes the empty draft).
         prompts: at least B prompts from the run's stream (slot i gets prompt i).
         keys: attended keys of a typical verify of the run (the set-up decodes until reached).
         refill: R, the run's typical refill group (prompts 0..R-1 are prefilled into slots 0..R-1).
@@ -206,10 +206,14 @@ class _Loops:
         commit(self.run, acc, chain, kept, base, self.no_eos)
 
     def propose(self) -> Draft:
-        return self.t.drafter.propose(self.run.state, self.shapes.k)
+        """The run's draft: the drafter's proposal, or (plain decoding) the empty draft the engine makes."""
+        if self.shapes.k and self.t.drafter is not None:
+            return self.t.drafter.propose(self.run.state, self.shapes.k)
+        return Draft(tokens=self.run.state.pending.new_zeros(self.shapes.batch, 0))
 
     def draft_call(self) -> list[MeteredPhase]:
-        self.t.drafter.commit(self.run.state)  # the last step's features, again: this call catches them up
+        if self.shapes.k and self.t.drafter is not None:
+            self.t.drafter.commit(self.run.state)  # the last step's features, again: this call catches them up
         return [_phase(self.meter, "loop:draft", self.propose)]
 
     def verify_call(self) -> list[MeteredPhase]:
@@ -222,10 +226,8 @@ class _Loops:
     def step_call(self) -> list[MeteredPhase]:
         """One step as the engine runs it (its draft takes the features the previous call committed)."""
         self.rows_back()
-        k, drafter, out = self.shapes.k, self.t.drafter, {}
-        no_draft = Draft(tokens=self.run.state.pending.new_zeros(self.shapes.batch, 0))
-        phases = [_phase(self.meter, "loop:step:draft",
-                         lambda: out.update(draft=self.propose() if k and drafter is not None else no_draft))]
+        drafter, out = self.t.drafter, {}
+        phases = [_phase(self.meter, "loop:step:draft", lambda: out.update(draft=self.propose()))]
 
         def verify() -> None:
             out["base"] = self.run.cache.lengths.clone()
@@ -257,8 +259,8 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
             leave it with no run open.
         min_s: seconds per loop on the counter's clock; default the split gate's floor (ten
             counter periods, at least one second). A shorter loop runs, and fails the gate.
-        phases: which loops to run, in order (the draft loop needs K >= 1; the prefill loop
-            overwrites the set-up's rows, so it comes last).
+        phases: which loops to run, in order (the prefill loop overwrites the set-up's rows, so
+            it comes last).
         seed: the sampling generator's seed.
 
     Returns:
@@ -278,8 +280,6 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
                   "step": loops.step_call, "prefill": loops.prefill_call}
         try:
             for name in phases:
-                if name == "draft" and (t.drafter is None or not shapes.k):
-                    continue
                 if name == "step" and t.drafter is not None:
                     t.drafter.commit(loops.run.state)  # as after a step: the first call catches it up
                 rows = shapes.refill if name == "prefill" else None  # refills differ in rows: priced per row

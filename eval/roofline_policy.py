@@ -17,7 +17,8 @@ import math
 from typing import Any, Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.roofline import DrafterModel, HardwareProfile
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import DrafterModel
 from refspec.policy import StepView
 from refspec.policy_energy import EnergyPolicy, RooflineStepCost, cheapest
 

@@ -38,7 +38,8 @@ from refspec.drafting import Draft, Drafter
 from refspec.energy.ledger.events import MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.energy.meters.direct import TimeMeter
 from refspec.energy.meters.measurement import EnergyMeter
-from refspec.policy import FixedK, SpeculationPolicy, StepView
+from refspec.policy import FixedK
+from refspec.policy_protocol import SpeculationPolicy, StepView
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
 from refspec.serving import DecodeFigures, Request, ServeResult

@@ -49,7 +49,7 @@ from refspec.config import ModelArgs, round_up
 from refspec.energy.model.hardware import HardwareProfile
 from refspec.energy.model.roofline import DrafterModel, forward_cost
 from refspec.energy.model.work import ForwardShape
-from refspec.policy import StepView
+from refspec.policy_protocol import StepView
 
 PRIOR_WEIGHT = 8.0
 """Observations the drafter's prior counts as, per draft position, in the running estimate."""

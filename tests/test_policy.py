@@ -10,9 +10,10 @@ from refspec.drafting import DecodeState, DrafterError
 from refspec.energy.model.architectures import arch
 from refspec.energy.model.hardware import H200_SXM
 from refspec.energy.model.roofline import EAGLE_HEAD, predict_step
-from refspec.policy import FixedK, KByBatch, OffAbove, PolicySpecError, StepView, parse_policy
+from refspec.policy import FixedK, KByBatch, OffAbove, PolicySpecError, parse_policy
 from refspec.policy_energy import (AcceptanceTracker, EnergyPolicy, KOption, RooflineStepCost, cheapest,
                                    default_ks)
+from refspec.policy_protocol import StepView
 from refspec.sampling import SamplingConfig
 
 LLAMA8B = arch("llama-3.1-8b")

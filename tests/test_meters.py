@@ -2,6 +2,7 @@
 counters' fallbacks and errors."""
 from __future__ import annotations
 
+import pickle
 import sys
 import types
 
@@ -13,6 +14,7 @@ from refspec.energy.meters import make
 from refspec.energy.meters.direct import FakeMeter, RooflineMeter, TimeMeter
 from refspec.energy.meters.errors import MeterError, NoCounterError, NoGPUError
 from refspec.energy.meters.make import make_meter, measured_gpu_counter
+from refspec.energy.meters.measurement import Measurement
 from refspec.energy.meters.nvml import PowerIntegral, nvml_counter, sm_clock_reader
 from refspec.energy.meters.zeus import ZeusCounter
 from refspec.energy.model.hardware import HardwareProfile
@@ -60,6 +62,16 @@ def test_end_without_begin_is_an_error():
     m = FakeMeter(World().clock, World().energy)
     with pytest.raises(MeterError, match="without a matching begin"):
         m.end("verify")
+
+
+def test_a_measurement_is_immutable_and_copies_carry_its_resolved_time():
+    calls = []
+    m = Measurement(lambda: calls.append(1) or 0.25, None, "measured:x", extra=(("energy_true_j", 2.0),))
+    assert m.measured and not calls  # the time is resolved only when read
+    clone = pickle.loads(pickle.dumps(m))
+    assert calls == [1] and clone == m and clone.time_s == m.time_s == 0.25 and calls == [1]
+    with pytest.raises(AttributeError, match="immutable"):
+        m.energy_j = 1.0  # type: ignore[misc]
 
 
 def test_time_meter_syncs_and_has_no_energy():

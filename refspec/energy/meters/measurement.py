@@ -68,6 +68,9 @@ class Measurement:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles carry the resolved time
+        return Measurement, self._key()
+
     def __repr__(self) -> str:
         return (f"Measurement(time_s={self.time_s!r}, energy_j={self.energy_j!r}, source={self.source!r}, "
                 f"extra={self.extra!r}, marks={self.marks!r})")

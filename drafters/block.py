@@ -33,7 +33,7 @@ from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION,
 from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
                                              sample_blocks, text_labels)
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)

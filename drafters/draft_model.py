@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 

@@ -49,7 +49,7 @@ from refspec.drafters.feature_backlog import FeatureBacklog
 from refspec.drafters.training.eagle import EagleTrainer, EagleTrainingModule
 from refspec.drafters.head_files import find_head, head_dir_name, shipped_heads_dir
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from refspec.energy.meter_spec import KINDS, MeterSpecError, parse_meter_spec
+from refspec.energy.meters.spec import KINDS, MeterSpecError, parse_meter_spec
 from refspec.eval.flags import UsageError, check_sampling, finite, int_list, integer
 
 METERS = KINDS

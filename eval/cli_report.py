@@ -72,7 +72,7 @@ def report(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace, meta: Path) -> Any:
     """The p99 targets: the flags, else the sweep's (``sweep.json``)."""
-    from refspec.energy.latency import Targets
+    from refspec.energy.accounting.latency import Targets
 
     tpot, ttft = args.latency_target, getattr(args, "ttft_target", None)
     if (tpot is None or ttft is None) and meta.is_file():

@@ -280,7 +280,7 @@ def plot_window_vs_run(records: Sequence[Mapping[str, Any]], path: Path) -> Path
 
 def active_rows_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
     """``rows_active`` of each decode step as the ledger recorded it, per run id (prefill phases left out)."""
-    from refspec.energy.ledger import read_ledger
+    from refspec.energy.ledger.read import read_ledger
 
     rows: dict[str, dict[int, int]] = defaultdict(dict)
     for path in ledgers:

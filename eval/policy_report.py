@@ -43,7 +43,7 @@ def k_fields(ledger_records: Iterable[Mapping[str, Any]], run_ids: Sequence[str]
 
 def k_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
     """``(step, K)`` of every decode step per run id, as the ledger recorded them."""
-    from refspec.energy.ledger import read_ledger
+    from refspec.energy.ledger.read import read_ledger
 
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for path in ledgers:

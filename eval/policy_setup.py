@@ -99,7 +99,7 @@ def build_policy(session: Any, cfg: Any, drafter: Any) -> Any:
         return None
     if spec.kind != "energy":
         return spec.build(cfg.k)
-    from refspec.energy.hardware import cpu_profile
+    from refspec.energy.model.hardware import cpu_profile
     from refspec.engine import EngineConfig
     from refspec.policy_energy import RooflineStepCost
 

@@ -16,9 +16,9 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from refspec.energy.accounting import Accounting, energy_saving, speedup
-from refspec.energy.ledger import ensure_line_end
-from refspec.energy.ledger_format import experts_touched
+from refspec.energy.accounting.headline import Accounting, energy_saving, speedup
+from refspec.energy.ledger.format import experts_touched
+from refspec.energy.ledger.writer import ensure_line_end
 from refspec.eval.audit import FIELD_TEXT as _AUDIT_FIELD_TEXT, audit_fields
 from refspec.eval.policy_report import FIELD_TEXT as _POLICY_FIELD_TEXT
 from refspec.eval.prefill_work import FIELD_TEXT as _PREFILL_FIELD_TEXT, prefill_comparison
@@ -216,7 +216,7 @@ def accounting_fields(acc: Accounting) -> dict[str, Any]:
 # ---- the roofline prediction ----------------------------------------------------------------
 def acceptance_from_tau(tau: float, k: int) -> float:
     """Per-draft acceptance a whose expected tokens per step (1 - a^(k+1)) / (1 - a) equal tau."""
-    from refspec.energy.roofline import expected_tokens_per_step
+    from refspec.energy.model.roofline import expected_tokens_per_step
 
     if k <= 0 or tau <= 1.0:
         return 0.0
@@ -245,7 +245,7 @@ def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts:
     acceptance that reproduces the measured tau. Prefill is not part of the prediction. The
     drafter's cost is its own ``roofline_model`` (a plug-in drafter provides one the same way).
     """
-    from refspec.energy.roofline import predict_step
+    from refspec.energy.model.roofline import predict_step
 
     profile = session.roofline_profile
     if profile is None or cfg.tree:

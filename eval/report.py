@@ -18,8 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from refspec.energy.accounting_text import format_closure
-from refspec.energy.latency import Targets
+from refspec.energy.accounting.latency import Targets
+from refspec.energy.accounting.text import format_closure
 from refspec.eval.report_requests import closure_md as request_closure_md, request_plots, requests_md
 from refspec.eval.report_serving import (audit_md, greedy_text, has_window, j_run, old_records_note, serving_line,
                                          static_note, target_choices, targets_md, window_cell, windows_md,
@@ -323,7 +323,7 @@ def _results_md(recs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _unfinished_md(ledgers: Sequence[Path]) -> str:
     """How many ledger runs did not finish (interrupted or killed): marked there, counted nowhere."""
-    from refspec.energy.ledger import unfinished_in
+    from refspec.energy.ledger.read import unfinished_in
 
     gone = {rid: why for p in ledgers if p.exists() for rid, why in unfinished_in(p).items()}
     if not gone:

@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from refspec.energy.accounting.serving_window import percentile, request_times
+from refspec.energy.ledger.step_groups import group_steps
 from refspec.energy.per_request import (PARTS, pooled_acceptance, request_acceptance, split_energy,
                                         split_profile)
-from refspec.energy.serving_window import percentile, request_times
-from refspec.energy.steps import group_steps
 
 log = logging.getLogger(__name__)
 Record = Mapping[str, Any]

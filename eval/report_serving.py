@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from refspec.energy.latency import Targets, choose, cost_of_tighter_target, format_targets, misses, premium
+from refspec.energy.accounting.latency import Targets, choose, cost_of_tighter_target, format_targets, misses, premium
 
 Record = Mapping[str, Any]
 TIGHTER = (1.0, 0.75, 0.5, 0.25)

@@ -90,7 +90,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     Returns:
         ``{"profile": {...}, "cells": [...], "raw": {...}, "fitted": {...}}``.
     """
-    from refspec.energy.roofline import cpu_profile
+    from refspec.energy.model.hardware import cpu_profile
 
     if new_tokens <= skip + 1:
         raise ValueError(f"new_tokens ({new_tokens}) must exceed skip + 1 ({skip + 1})")
@@ -129,7 +129,7 @@ def _measure_cell(model, prompts: list[list[int]], k: int, prof, *, new_tokens: 
     """Median measured verify and step time of one (batch, k) cell against the roofline's verify time."""
     from refspec.drafters.ngram import NgramDrafter
     from refspec.engine import Engine, EngineConfig
-    from refspec.energy.roofline import work_time_s
+    from refspec.energy.model.roofline import work_time_s
 
     b = len(prompts)
     # untrimmed: every step verifies K + 1 positions per row whatever the drafter found

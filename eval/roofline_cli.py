@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.energy.architectures import ARCHS, arch, dense_equivalent
+from refspec.energy.model.architectures import ARCHS, arch, dense_equivalent
 from refspec.config import ModelArgs
-from refspec.energy.roofline import (EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, expected_experts,
-                                     get_profile, predict_step)
+from refspec.energy.model.experts import expected_experts
+from refspec.energy.model.hardware import HardwareProfile, get_profile
+from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel, compute_bound_batch, predict_step
 from refspec.eval.cli_checks import check_path_for_dir
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 

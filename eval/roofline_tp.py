@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.hardware import HardwareProfile
 from refspec.energy.interconnect import crossovers, predict_tp_step, share_args
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import DrafterModel
 
 
 def tp_rows(target: ModelArgs, profile: HardwareProfile, *, tps: Sequence[int], batches: Sequence[int],

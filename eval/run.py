@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from refspec.energy.accounting import Accounting, pool_runs
+from refspec.energy.accounting.headline import Accounting, pool_runs
 from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16, gemm_plan_text, library_versions  # noqa: F401
 from refspec.eval.records import experts_fields  # MoE targets: experts touched per step
 from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
@@ -208,7 +208,7 @@ def _phase_loops(session: Session, cfg: RunConfig, engine: Any, ledger: Any, res
                  prompts: Sequence[Sequence[int]]) -> None:
     """Under a counter meter: end the last run (its end read), then each phase alone in a loop the
     counter resolves, at the run's shapes (:mod:`refspec.phase_loops`), written as loop records."""
-    from refspec.energy.counter_log import CounterLedger
+    from refspec.energy.ledger.counter_records import CounterLedger
     from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
 
     if not isinstance(ledger, CounterLedger) or session.phase_loops_s == 0:
@@ -247,8 +247,9 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     Returns:
         The record (see :data:`RECORD_FIELDS`) and the generations.
     """
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
+    from refspec.energy.ledger.counter_records import counter_ledger
+    from refspec.energy.ledger.read import read_ledger
+    from refspec.energy.ledger.writer import Ledger, mark_aborted
 
     t_start = time.perf_counter()
     prompts = _prompts(session, cfg)

@@ -92,7 +92,7 @@ class Session:
     def meter(self) -> Any:
         """The energy meter every configuration is metered with."""
         if self._meter is None:
-            from refspec.energy.meters import make_meter
+            from refspec.energy.meters.make import make_meter
 
             try:  # the whole --meter spec (refspec.energy.meter_spec) goes through
                 if self.tp > 1:  # each rank its own device, every rank's figures in the ledger
@@ -120,7 +120,7 @@ class Session:
         if prof is not None:
             return prof
         if self.device.type == "cuda":
-            from refspec.energy.roofline import GPU_PROFILES
+            from refspec.energy.model.hardware import GPU_PROFILES
 
             name = torch.cuda.get_device_name(self.device).lower()
             return next((p for key, p in GPU_PROFILES.items() if key in name), None)

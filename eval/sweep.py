@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from refspec.energy.ledger import mark_aborted
+from refspec.energy.ledger.writer import mark_aborted
 from refspec.eval.records import compare_with_baseline, ensure_line_end
 from refspec.eval.run import ConfigResult, RunConfig, prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.session import Session

@@ -151,7 +151,7 @@ def load_tp_model(path: Path, dtype: Any) -> Any:
 def tp_meter(spec: str, dtype_bytes: int) -> Any:
     """This rank's meter (:func:`refspec.energy.rank_meter.rank_meter`)."""
     from refspec.distributed import TPError, active
-    from refspec.energy.meters import make_meter
+    from refspec.energy.meters.make import make_meter
     from refspec.energy.rank_meter import rank_meter
 
     tp = active()

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from refspec.config import round_up
-from refspec.energy.phases import record_forward, recording
+from refspec.energy.model.work import record_forward, recording
 from refspec.models.gemm_forms import without_onednn
 from refspec.models.cpu_speed import copied_linears, gemm_plan
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
-from refspec.energy.phases import ForwardShape, record_forward, recording
+from refspec.energy.model.work import ForwardShape, record_forward, recording
 from refspec.models.attention import CacheAttention, PackedAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.moe import DISPATCH, MoE

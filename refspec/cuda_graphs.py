@@ -61,7 +61,7 @@ import torch
 
 from refspec.cache import StaticKVCache
 from refspec.config import round_up
-from refspec.energy.phases import WorkRecorder, record_forward, recording
+from refspec.energy.model.work import WorkRecorder, record_forward, recording
 from refspec.graph_buffers import CacheView, StaticBuffers, StepKey, allocate, batch_bucket, load
 
 log = logging.getLogger(__name__)

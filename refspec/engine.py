@@ -35,9 +35,11 @@ import torch
 
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
-from refspec.energy.meters import TimeMeter
-from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
-from refspec.policy import FixedK, SpeculationPolicy, StepView
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent, PhaseObserver
+from refspec.energy.meters.direct import TimeMeter
+from refspec.energy.meters.measurement import EnergyMeter
+from refspec.policy import FixedK
+from refspec.policy_protocol import SpeculationPolicy, StepView
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
 from refspec.serving import DecodeFigures, Request, ServeResult

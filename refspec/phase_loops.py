@@ -34,7 +34,7 @@ import torch
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
 from refspec.energy.attribution import Loop
-from refspec.energy.phases import MeteredPhase, PhaseEvent
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
 from refspec.sampling import SamplingConfig
 from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batch, prefill, verify_forward
 

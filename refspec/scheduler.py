@@ -18,7 +18,7 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from refspec.energy.phases import PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
 from refspec.serving import Request, RequestResult, ServeResult
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
-from refspec.energy.phases import PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
 
 
 class DecodeFigures:
@@ -30,7 +30,7 @@ class DecodeFigures:
     def tau(self) -> float:
         """Mean accepted + 1 over the slot-steps that carried a live request (NaN without one), as the
         accounting defines it."""
-        from refspec.energy.accounting import tau_of_steps
+        from refspec.energy.accounting.headline import tau_of_steps
 
         return tau_of_steps(self.accepted_per_step)  # type: ignore[attr-defined]
 

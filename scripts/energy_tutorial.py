@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Callable
 
 from refspec.config import ModelArgs
-from refspec.energy.accounting import Accounting, account
-from refspec.energy.accounting_text import format_closure
-from refspec.energy.architectures import arch
+from refspec.energy.accounting.headline import Accounting, account
+from refspec.energy.accounting.text import format_closure
 from refspec.energy.attribution import Loop
-from refspec.energy.counter_log import counter_ledger
-from refspec.energy.hardware import H200_SXM
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.phases import ForwardShape, MeteredPhase, PhaseEvent, record_forward
+from refspec.energy.ledger.counter_records import counter_ledger
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.model.architectures import arch
+from refspec.energy.model.hardware import H200_SXM
+from refspec.energy.model.work import ForwardShape, record_forward
 from refspec.energy.simulated import SimulatedMeter
 
 TARGET: ModelArgs = arch("llama-3.1-8b")

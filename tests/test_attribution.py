@@ -12,11 +12,13 @@ import math
 
 import pytest
 
-from refspec.energy.accounting import AccountingError, account
-from refspec.energy.accounting_text import format_accounting
-from refspec.energy.ledger import LEDGER_VERSION, read_ledger
+from refspec.energy.accounting.headline import account
+from refspec.energy.accounting.serving_window import Window, WindowRule, window_validity
+from refspec.energy.accounting.text import format_accounting
+from refspec.energy.ledger.format import LEDGER_VERSION
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.step_groups import AccountingError
 from refspec.energy.phase_energy import phase_energy, sub_windows
-from refspec.energy.serving_window import Window, WindowRule, window_validity
 
 POWER = {"prefill": 300.0, "draft": 100.0, "verify": 250.0, "commit": 50.0}
 HOST_W = 40.0
@@ -302,9 +304,9 @@ def test_an_engine_run_under_the_simulated_counter_is_attributed_and_closes_on_t
     from tiny import TINY_HF
 
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.ledger import Ledger
-    from refspec.energy.meters import make_meter
+    from refspec.energy.ledger.counter_records import counter_ledger
+    from refspec.energy.ledger.writer import Ledger
+    from refspec.energy.meters.make import make_meter
     from refspec.engine import Engine, EngineConfig
     from refspec.models.random_models import random_model
     from refspec.serving import Request

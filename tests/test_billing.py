@@ -16,8 +16,8 @@ from refspec.drafters.draft_model import DraftModelDrafter
 from refspec.drafters.eagle import EagleDrafter, TreeConfig
 from refspec.drafters.eagle_head import HeadConfig, new_head
 from refspec.drafters.ngram import NgramDrafter
-from refspec.energy.phases import Measurement
-from refspec.energy.roofline import total_cost
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.model.roofline import total_cost
 from refspec.engine import Engine, EngineConfig
 
 

@@ -136,7 +136,7 @@ def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
 
 
 def test_work_is_recorded_as_eagerly():
-    from refspec.energy.phases import WorkRecorder
+    from refspec.energy.model.work import WorkRecorder
 
     m = _model()
     step = CompiledStep(m, backend="eager")

@@ -178,7 +178,7 @@ def test_half_precision_rows_through_fp32_copies(tmp_path, monkeypatch, dtype):
     # the cost model is told what the kernels stream: fp32 copies for several rows, else dtype
     from refspec.engine import Engine
 
-    from refspec.energy.roofline import forward_cost
+    from refspec.energy.model.roofline import forward_cost
 
     assert (model.multirow_matrix_bytes(), plain.multirow_matrix_bytes()) == (4, None)
     work = {e.phase: e.work[0] for e in Engine(model).generate([[5, 6, 7]], max_new_tokens=3).events if e.work}

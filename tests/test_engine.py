@@ -149,7 +149,7 @@ def test_a_tight_cache_holds_a_prefill_whose_bucket_exceeds_it(tiny_models):
 
 
 def test_the_default_meter_is_the_time_meter(tiny_models):
-    from refspec.energy.meters import TimeMeter
+    from refspec.energy.meters.direct import TimeMeter
 
     seen = []
     eng = Engine(tiny_models["llama"], observers=[seen.append])

@@ -15,9 +15,9 @@ import pytest
 from refspec.eval import cli
 from refspec.eval.run import RECORD_FIELDS, auto_dtype, cpu_has_fast_bf16
 from refspec.eval.sweep import read_records
-from refspec.energy.accounting import pool_runs
-from refspec.energy.accounting_text import format_closure
-from refspec.energy.ledger import read_ledger
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.accounting.text import format_closure
+from refspec.energy.ledger.read import read_ledger
 
 REQUIRED = ("model", "drafter", "k", "batch", "corpus", "dtype", "device", "tau", "tokens_per_s", "tpot_p50_s",
             "tpot_p99_s", "energy_per_token_j", "energy_source", "phase_energy_j", "baseline",

@@ -10,14 +10,17 @@ import pytest
 import torch
 from tiny import save_hf, tiny_args
 
-from refspec.energy.accounting import account
-from refspec.energy.hardware import H200_SXM
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meters import RooflineMeter
+from refspec.energy.accounting.headline import account
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.meters.direct import RooflineMeter
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.model.hardware import H200_SXM
+from refspec.energy.model.roofline import forward_cost
+from refspec.energy.model.work import ForwardShape
 from refspec.energy.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates,
                                         request_acceptance, split_energy)
-from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
-from refspec.energy.roofline import forward_cost
 
 ARGS = tiny_args("llama")
 K = 2
@@ -281,8 +284,8 @@ def test_under_a_counter_the_attributed_phases_and_the_rest_close_on_the_counter
     from tiny import TINY_HF
 
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.meters import make_meter
+    from refspec.energy.ledger.counter_records import counter_ledger
+    from refspec.energy.meters.make import make_meter
     from refspec.engine import Engine, EngineConfig
     from refspec.models.random_models import random_model
     from refspec.serving import Request

@@ -94,7 +94,7 @@ def test_acceptance_from_tau_inverts_the_expected_tokens():
 def _ledger(path, run_id, pattern, model):
     """A real ledger run of a tiny target under a policy cycling K through ``pattern``."""
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.ledger import Ledger
+    from refspec.energy.ledger.writer import Ledger
     from refspec.engine import Engine, EngineConfig
     from test_policy_engine import CyclingK
 

@@ -4,7 +4,7 @@ cache rows and slots, and record only the work of real tokens."""
 import pytest
 import torch
 
-from refspec.energy.phases import WorkRecorder
+from refspec.energy.model.work import WorkRecorder
 from refspec.models.random_models import random_model
 
 LENGTHS = [5, 13, 1, 20]  # gemma3's tiny window is 8: two prompts cross it

@@ -13,8 +13,10 @@ import torch
 from refspec.cuda_graphs import GraphRunner
 from refspec.drafters.eagle import TreeConfig
 from refspec.drafters.example import BigramDrafter
-from refspec.energy.ledger import LEDGER_VERSION, Ledger, LedgerError, read_ledger
-from refspec.energy.phases import Measurement
+from refspec.energy.ledger.format import LEDGER_VERSION, LedgerError
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.meters.measurement import Measurement
 from refspec.engine import Engine, EngineConfig, GenerationError
 from refspec.sampling import SamplingConfig
 from refspec.serving import Request

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import pool_runs
-from refspec.energy.ledger import read_ledger
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.ledger.read import read_ledger
 from refspec.eval import cli
 from refspec.eval.cli_args import SUMMARY_FIELDS
 from refspec.eval.corpora import build_prompts, continuation_windows

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from refspec.energy.accounting import energy_saving
-from refspec.energy.latency import Targets, choose, misses, premium
+from refspec.energy.accounting.headline import energy_saving
+from refspec.energy.accounting.latency import Targets, choose, misses, premium
 from refspec.eval import audit
 from refspec.eval.audit import Divergence, audit_fields, compare, first_divergence, margin_of, ulp
 from refspec.eval.records import compare_with_baseline
@@ -336,7 +336,7 @@ def test_active_rows_come_from_the_ledger_steps_and_the_plot_is_drawn(tmp_path):
         lines += [{"kind": "phase", "run_id": "r", "step": step, "phase": "verify", "rows_active": n},
                   {"kind": "phase", "run_id": "r", "step": step, "phase": "prefill", "rows_active": 1},
                   {"kind": "phase", "run_id": "other", "step": step, "phase": "verify", "rows_active": 2}]
-    from refspec.energy.ledger import LEDGER_VERSION
+    from refspec.energy.ledger.format import LEDGER_VERSION
 
     common = {"version": LEDGER_VERSION, "batch": 4, "time_s": 0.1, "energy_j": 0.1, "source": "modelled:roofline(cpu)",
               "work": [], "slot_requests": [], "clock_s": 0.0}

@@ -12,12 +12,13 @@ import torch
 
 from refspec.config import ModelArgs
 from refspec.energy.attribution import nnls_phase_power
-from refspec.energy.counter_log import counter_ledger
-from refspec.energy.hardware import HardwareProfile
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meters import make_meter
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import forward_cost, total_cost, work_time_s
+from refspec.energy.ledger.counter_records import counter_ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.meters.make import make_meter
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import forward_cost, total_cost, work_time_s
+from refspec.energy.model.work import ForwardShape
 from refspec.energy.simulated import PowerTrace, SimulatedCounter, SimulatedMeter
 
 TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,

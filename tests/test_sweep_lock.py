@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from refspec.energy.accounting import AccountingError, pool_runs
-from refspec.energy.ledger import Ledger, finished, read_ledger, unfinished_runs
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.ledger.read import finished, read_ledger, unfinished_runs
+from refspec.energy.ledger.step_groups import AccountingError
+from refspec.energy.ledger.writer import Ledger
 from refspec.eval import cli
 from refspec.eval.outdir import LOCK, claimed
 import test_eval_cli

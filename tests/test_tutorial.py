@@ -5,7 +5,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from refspec.energy.serving_window import WindowRule
+from refspec.energy.accounting.serving_window import WindowRule
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "tutorial.md"

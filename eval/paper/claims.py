@@ -197,7 +197,7 @@ def claim5(vs: Sequence[Variant], profile: Any) -> tuple[list[dict[str, Any]], l
 
 
 def claim6(vs: Sequence[Variant]) -> list[dict[str, Any]]:
-    from refspec.energy.latency import cost_of_tighter_target
+    from refspec.energy.accounting.latency import cost_of_tighter_target
 
     out = []
     for arch in sorted({v["arch"] for v in vs}):

@@ -148,7 +148,7 @@ BUILD_S = 8.0  # assumed: a random-weight 8B target built in place on the GPU
 
 def per_token_acceptance(tau: float, k: int) -> float:
     """The per-draft acceptance a whose (1 - a^(k+1)) / (1 - a) equals ``tau`` (bisection)."""
-    from refspec.energy.roofline import expected_tokens_per_step
+    from refspec.energy.model.roofline import expected_tokens_per_step
 
     tau = min(max(tau, 1.0), k + 1.0)
     lo, hi = 0.0, 1.0
@@ -160,7 +160,7 @@ def per_token_acceptance(tau: float, k: int) -> float:
 
 def drafter_model(spec: DrafterSpec) -> Any:
     """The roofline's cost model of a drafter configuration (None for ``none``)."""
-    from refspec.energy.roofline import EAGLE_HEAD, DrafterModel
+    from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel
 
     if spec.name == "none":
         return None
@@ -170,7 +170,7 @@ def drafter_model(spec: DrafterSpec) -> Any:
 def step_seconds(arch: str, profile: Any, spec: DrafterSpec, batch: int, tau: float, context: int,
                  host: bool) -> float:
     """Planned seconds of one decode step: the roofline's, plus the host's on a GPU."""
-    from refspec.energy.roofline import predict_step
+    from refspec.energy.model.roofline import predict_step
     from refspec.models.random_models import arch_args
 
     pred = predict_step(arch_args(arch), profile, batch=batch, k=spec.k, context=context,
@@ -216,7 +216,8 @@ def plan_block(block: Block, profile: Any, taus: dict[tuple[str, str, str], floa
         taus: (source, drafter kind, corpus) -> mean tau at the grid's K.
         host: add the assumed host costs (a GPU run); a modelled clock has none.
     """
-    from refspec.energy.roofline import ForwardShape, forward_cost
+    from refspec.energy.model.roofline import forward_cost
+    from refspec.energy.model.work import ForwardShape
     from refspec.models.random_models import arch_args
 
     args = arch_args(block.arch)

@@ -146,8 +146,8 @@ def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: lis
 
 def _modelled_intensity(records: list[dict[str, Any]], run_id: str) -> float | None:
     """Mean FLOP/byte of the run's verify forwards (the roofline of their reported shapes)."""
-    from refspec.energy.ledger_format import phase_work, run_models
-    from refspec.energy.roofline import forward_cost
+    from refspec.energy.ledger.format import phase_work, run_models
+    from refspec.energy.model.roofline import forward_cost
 
     models = run_models(records, run_id)
     shapes = [w for r in records if r.get("run_id") == run_id and r.get("kind") == "phase" and r["phase"] == "verify"
@@ -157,7 +157,7 @@ def _modelled_intensity(records: list[dict[str, Any]], run_id: str) -> float | N
 
 def run_figures(records: list[dict[str, Any]], run_id: str, window_s: float) -> dict[str, Any]:
     """The figures of one run, all from the accounting of its ledger records."""
-    from refspec.energy.accounting import pool_runs
+    from refspec.energy.accounting.headline import pool_runs
 
     acc = pool_runs(records, [run_id], min_window_s=window_s)
     w = acc.window

@@ -158,7 +158,7 @@ class Grid:
 
     def _tee_ledgers(self, sr: ShapeRun, state: dict[str, Any], run_id: str, labels: dict[str, Any]) -> list[Any]:
         """The other profiles' observers of this run, each into its own ledger run."""
-        from refspec.energy.ledger import Ledger
+        from refspec.energy.ledger.writer import Ledger
         from refspec.eval.paper.targets import ProfileTee
 
         out = []
@@ -175,9 +175,9 @@ class Grid:
 
     def _repeats(self, sr: ShapeRun, drafter: Any, source: str, corpus: str, model: Any, state: dict[str, Any],
                  label: str) -> dict[str, Any]:
-        from refspec.energy.counter_log import counter_ledger
-        from refspec.energy.ledger import Ledger
-        from refspec.energy.ledger_read import read_ledger
+        from refspec.energy.ledger.counter_records import counter_ledger
+        from refspec.energy.ledger.read import read_ledger
+        from refspec.energy.ledger.writer import Ledger
 
         a, spec, bench = self.args, sr.spec, self.bench
         tau = model.mean_tau if model is not None else 1.0

@@ -30,10 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 from refspec.config import ModelArgs
-from refspec.energy.cost import Cost
-from refspec.energy.hardware import PICO, HardwareProfile
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import EAGLE_HEAD, DrafterModel, expected_tokens_per_step, forward_cost
+from refspec.energy.model.cost import Cost
+from refspec.energy.model.hardware import PICO, HardwareProfile
+from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel, expected_tokens_per_step, forward_cost
+from refspec.energy.model.work import ForwardShape
 from refspec.sharding import rank_args, shard_plan
 
 

@@ -42,14 +42,14 @@ import re
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from refspec.energy.accounting import CLOSURE_RTOL
-from refspec.energy.cost import Cost
-from refspec.energy.hardware import PICO, HardwareProfile, get_profile
-from refspec.energy.ledger_format import phase_work, run_models
+from refspec.energy.accounting.headline import CLOSURE_RTOL
+from refspec.energy.ledger.format import phase_work, run_models
+from refspec.energy.ledger.step_groups import AccountingError, Record, decode_steps, group_steps
+from refspec.energy.model.cost import Cost
+from refspec.energy.model.hardware import PICO, HardwareProfile, get_profile
+from refspec.energy.model.roofline import forward_cost
+from refspec.energy.model.work import ForwardShape
 from refspec.energy.phase_energy import phase_energy
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import forward_cost
-from refspec.energy.steps import AccountingError, Record, decode_steps, group_steps
 
 PARTS = ("shared", "tokens", "head", "pairs", "keys")
 UNATTRIBUTED = ("idle_slots", "no_request", "outside_phases")

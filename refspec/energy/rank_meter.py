@@ -23,9 +23,9 @@ import logging
 from typing import Any, Callable
 
 from refspec.distributed import TensorParallel, TPError, broadcast_object, gather_objects
-from refspec.energy.phases import ForwardShape, Measurement
-from refspec.energy.windowed import PhaseMeasurement, default_timer
-from refspec.energy.windows import Windows
+from refspec.energy.meters.measurement import Measurement, Windows
+from refspec.energy.meters.timers import default_timer
+from refspec.energy.model.work import ForwardShape
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class TimerMeter:
         self._windows.push(name, self._timer.start())
 
     def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
-        return PhaseMeasurement(self._timer.stop(self._windows.pop(name), work), source=self.source)
+        return Measurement(self._timer.stop(self._windows.pop(name), work), None, self.source)
 
 
 class RankMeter:

@@ -34,11 +34,12 @@ import random
 import time
 from typing import Any, Callable
 
-from refspec.energy.counters import CounterRead
-from refspec.energy.hardware import HardwareProfile
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import total_cost, work_time_s
-from refspec.energy.windowed import ClockTimer, WindowedMeter
+from refspec.energy.meters.counters import CounterRead
+from refspec.energy.meters.timers import ClockTimer
+from refspec.energy.meters.windowed import WindowedMeter
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import total_cost, work_time_s
+from refspec.energy.model.work import ForwardShape
 
 DEFAULT_PERIOD_MS = 100.0
 """NVML's total-energy counter updates every 20-100 ms."""

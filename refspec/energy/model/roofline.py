@@ -40,11 +40,12 @@ element (shape glossary in :mod:`refspec.config`):
 Time of one forward = max(FLOPs / peak, bytes / bandwidth) + a fixed per-forward overhead
 (kernel launches). Energy = static power x time + pJ/FLOP x FLOPs + pJ/byte x bytes.
 
-Hardware profiles (peak, bandwidth, energy coefficients) live in :mod:`refspec.energy.hardware`
-and are re-exported here.
-
-Run ``python -m refspec.eval roofline --help`` for the batch x k prediction CLI
-(:mod:`refspec.eval.roofline_cli`); named target architectures are in :mod:`refspec.energy.architectures`.
+Hardware profiles (peak, bandwidth, energy coefficients) live in
+:mod:`refspec.energy.model.hardware`, the FLOPs and bytes of a forward in
+:mod:`refspec.energy.model.cost`, the expert reads of a mixture of experts in
+:mod:`refspec.energy.model.experts`, named target architectures in
+:mod:`refspec.energy.model.architectures`. Run ``python -m refspec.eval roofline --help`` for the
+batch x k prediction CLI (:mod:`refspec.eval.roofline_cli`).
 """
 from __future__ import annotations
 
@@ -52,12 +53,11 @@ import dataclasses
 from typing import Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.architectures import ARCHS, arch, dense_equivalent  # noqa: F401  (re-exported)
-from refspec.energy.cost import Cost  # noqa: F401  (re-exported)
-from refspec.energy.hardware import (GPU_PROFILES, H100_SXM, H200_SXM, HardwareProfile,  # noqa: F401  (re-exported)
-                                     cpu_profile, get_profile)
-from refspec.energy.experts import expected_experts, expert_parameters, expert_work  # noqa: F401  (re-exported)
-from refspec.energy.phases import ForwardShape
+from refspec.energy.model.architectures import dense_equivalent
+from refspec.energy.model.cost import Cost
+from refspec.energy.model.experts import expert_work
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.work import ForwardShape
 
 
 # ---- cost of one forward ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ The GPU profiles' peak and bandwidth are data-sheet numbers; their energy coeffi
 priors from the paper's range, to be calibrated on a real GPU. The CPU profile times this
 machine's bandwidth and peak at first use; its energy coefficients are uncalibrated priors (no
 RAPL counter is readable here), so every CPU energy figure is modelled. The cost of a forward
-is :mod:`refspec.energy.roofline`'s.
+is :mod:`refspec.energy.model.roofline`'s.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any
 
-from refspec.energy.cost import Cost
+from refspec.energy.model.cost import Cost
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Counter reads into the ledger: the ``counter`` records of a run metered by a counter.
 
-A :class:`~refspec.energy.windowed.WindowedMeter` reads its counter at a run's start, at
+A :class:`~refspec.energy.meters.windowed.WindowedMeter` reads its counter at a run's start, at
 sub-window bounds and at its end; the reads taken at a phase's bounds ride on that phase's
-measurement. :class:`CounterLedger` wraps the run's :class:`~refspec.energy.ledger.Ledger`: the
+measurement. :class:`CounterLedger` wraps the run's :class:`~refspec.energy.ledger.writer.Ledger`: the
 engine calls it as its observer, it writes the phase record through the ledger and, beside it,
 one ``counter`` record per read, placed on the engine clock (the start of the phase it precedes,
 the end of the phase it follows); when the ledger run ends it takes the end read. Wrap the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from refspec.energy.counters import CounterRead
-from refspec.energy.phases import PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.meters.counters import CounterRead
 
 COUNTER_SCHEMA: dict[str, str] = {
     "kind": '"counter": one read of the run\'s energy counter',
@@ -59,9 +59,9 @@ class CounterLedger:
     (``run_id``, ``run_ids``, ``start_offset``, ``path`` ...).
 
     Args:
-        ledger: the :class:`~refspec.energy.ledger.Ledger` (anything with ``__call__``,
+        ledger: the :class:`~refspec.energy.ledger.writer.Ledger` (anything with ``__call__``,
             ``write_counter``, ``begin_run``, ``end_run`` and ``close``).
-        meter: the :class:`~refspec.energy.windowed.WindowedMeter` the engine meters with.
+        meter: the :class:`~refspec.energy.meters.windowed.WindowedMeter` the engine meters with.
     """
 
     def __init__(self, ledger: Any, meter: Any) -> None:

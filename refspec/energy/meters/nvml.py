@@ -1,6 +1,6 @@
-"""Measured meters without Zeus: NVML read directly through ``pynvml`` (the nvidia-ml-py package).
+"""NVML's counters read directly through ``pynvml`` (the nvidia-ml-py package), without Zeus.
 
-Two counters, tried in this order by :func:`nvml_meter`:
+Two counters per GPU, tried in this order by :func:`nvml_counter`:
 
 * ``measured:nvml-total-energy(gpu<i>)``: NVML's cumulative total-energy counter (mJ since the
   driver loaded; Volta and newer), the counter Zeus reads. It updates every 20-100 ms.
@@ -11,9 +11,8 @@ Two counters, tried in this order by :func:`nvml_meter`:
   one-second average on Ampere and later, with the reason logged and the source saying so
   (``nvml-power-integral-of-average``): trust it for windows of many seconds only.
 
-All are plain cumulative counters in J: :class:`CounterMeter` brackets explicit windows over
-one GPU's (:func:`nvml_meter`), and :func:`nvml_counter` gives a run's
-:class:`~refspec.energy.windowed.WindowedMeter` one or several GPUs' (each recorded, then
+Both are plain cumulative counters in J: :func:`nvml_counter` gives a run's
+:class:`~refspec.energy.meters.windowed.WindowedMeter` one or several GPUs' (each recorded, then
 summed). Tests inject a fake ``pynvml`` module and clock and assert exact numbers.
 """
 from __future__ import annotations
@@ -23,73 +22,15 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from refspec.energy.counters import Device, DeviceCounter
-from refspec.energy.phases import ForwardShape, Measurement
-from refspec.energy.windows import DEFAULT_COUNTER_PERIOD_S, NoGPUError, ShortWindowWarner, Windows
+from refspec.energy.meters.counters import Device, DeviceCounter
+from refspec.energy.meters.errors import NoGPUError
 
-logger = logging.getLogger("refspec.energy.meters")
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-Counter = Callable[[], float]
 
-
-class CounterMeter:
-    """Windows over a cumulative energy counter: time = clock delta, energy = counter delta.
-
-    Args:
-        counter: returns the cumulative energy in J.
-        source: the measurement source, e.g. ``"measured:nvml-total-energy(gpu0)"``.
-        sync: called before every read (``torch.cuda.synchronize``: queued GPU work is inside).
-        clock: seconds clock.
-        counter_period_s: the counter period assumed for the short-window warning.
-        close: called by :meth:`close` (stops a sampling thread, shuts NVML down).
-        reader: what read the counter (``"pynvml"``), for reports.
-    """
-
-    def __init__(self, counter: Counter, *, source: str, sync: Callable[[], None] | None = None,
-                 clock: Clock = time.perf_counter, counter_period_s: float = DEFAULT_COUNTER_PERIOD_S,
-                 close: Callable[[], None] | None = None, reader: str = "pynvml") -> None:
-        self._counter = counter
-        self.source = source
-        self.reader = reader
-        self.idle_w: float | None = None
-        self._sync = sync
-        self._clock = clock
-        self._close = close
-        self._windows = Windows()
-        self.short_windows = ShortWindowWarner(source, counter_period_s)
-
-    def _read(self) -> tuple[float, float]:
-        if self._sync is not None:
-            self._sync()
-        return self._clock(), self._counter()
-
-    def begin(self, name: str) -> None:
-        """Open a window: record clock and counter."""
-        self._windows.push(name, self._read())
-
-    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
-        """Close the latest ``name`` window; returns its time in s and the counter's delta in J."""
-        t, e = self._read()
-        t0, e0 = self._windows.pop(name)
-        m = Measurement(time_s=t - t0, energy_j=e - e0, source=self.source)
-        self.short_windows.check(name, m.time_s, m.energy_j)
-        return m
-
-    def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
-        """Idle power over ``seconds`` of sleep, in W; stored in ``idle_w``."""
-        self.begin("idle")
-        sleep(seconds)
-        m = self.end("idle")
-        self.idle_w = (m.energy_j or 0.0) / m.time_s
-        logger.info("idle power: %.1f W over %.2f s (%s)", self.idle_w, m.time_s, self.source)
-        return self.idle_w
-
-    def close(self) -> None:
-        """Release the counter (idempotent)."""
-        if self._close is not None:
-            close, self._close = self._close, None
-            close()
+NVML_PERIOD_S = 0.1
+"""NVML's total-energy counter updates every 20-100 ms; the slower bound is assumed."""
 
 
 class PowerIntegral:
@@ -243,45 +184,6 @@ def _open_nvml(nv: Any, gpu_indices: Sequence[int]) -> list[Any]:
     return handles
 
 
-def nvml_meter(gpu_index: int = 0, *, pynvml_module: Any | None = None, sync: Callable[[], None] | None = None,
-               clock: Clock = time.perf_counter, power_period_s: float = 0.02,
-               start_thread: bool = True) -> CounterMeter:
-    """A window meter of GPU ``gpu_index`` read through ``pynvml``: the total-energy counter,
-    else the integral of power samples (for explicit long windows; a run's phases go through
-    :func:`nvml_counter` and :class:`~refspec.energy.windowed.WindowedMeter`).
-
-    Args:
-        gpu_index: NVML index of the GPU (equal to the CUDA index when all GPUs are visible).
-        pynvml_module: the ``pynvml`` module; imported when None (tests inject a fake).
-        sync: called before every read (``torch.cuda.synchronize`` on a GPU).
-        clock: seconds clock.
-        power_period_s: sampling period of the power integral.
-        start_thread: start the power-sampling thread (tests sample by hand).
-
-    Raises:
-        NoGPUError: no ``pynvml``, NVML does not start, no GPU ``gpu_index``, or neither the
-            energy counter nor the power reading is supported; the message gives each reason.
-    """
-    nv = pynvml_module if pynvml_module is not None else import_pynvml()
-    (handle,) = _open_nvml(nv, [gpu_index])
-    shutdown = getattr(nv, "nvmlShutdown", lambda: None)
-    try:
-        kind, energy, stop = _gpu_energy(nv, handle, gpu_index, clock=clock, power_period_s=power_period_s,
-                                         start_thread=start_thread)
-    except NoGPUError:
-        shutdown()
-        raise
-
-    def close() -> None:
-        if stop is not None:
-            stop()
-        shutdown()
-
-    period = DEFAULT_COUNTER_PERIOD_S if stop is None else max(DEFAULT_COUNTER_PERIOD_S, 10 * power_period_s)
-    return CounterMeter(energy, source=f"measured:{kind}(gpu{gpu_index})", sync=sync, clock=clock,
-                        counter_period_s=period, close=close)
-
-
 def nvml_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None = None,
                  clock: Clock = time.perf_counter, power_period_s: float = 0.02,
                  start_thread: bool = True) -> DeviceCounter:
@@ -289,7 +191,9 @@ def nvml_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None
     total-energy counter (else its power integral), recorded apart and summed.
 
     Raises:
-        NoGPUError: as :func:`nvml_meter`, for any of the GPUs.
+        NoGPUError: no ``pynvml``, NVML does not start, no GPU of ``gpu_indices``, or one of them
+            supports neither the energy counter nor the power reading; the message gives each
+            reason.
     """
     nv = pynvml_module if pynvml_module is not None else import_pynvml()
     handles = _open_nvml(nv, list(gpu_indices))
@@ -311,13 +215,13 @@ def nvml_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None
             stop()
         getattr(nv, "nvmlShutdown", lambda: None)()
 
-    return DeviceCounter(devices, period_s=DEFAULT_COUNTER_PERIOD_S, clock=clock, close=close)
+    return DeviceCounter(devices, period_s=NVML_PERIOD_S, clock=clock, close=close)
 
 
 def sm_clock_reader(gpu_index: int = 0, *, pynvml_module: Any | None = None) -> Callable[[], float] | None:
     """A passive reader of GPU ``gpu_index``'s current SM clock in MHz, or None where NVML cannot
-    read it. It only reads: clocks are never locked or reset here (see :mod:`refspec.energy.dvfs`
-    for sweeps on one's own GPU)."""
+    read it. It only reads: clocks are never locked or reset here (see
+    :mod:`refspec.energy.model.dvfs` for sweeps on one's own GPU)."""
     try:
         nv = pynvml_module if pynvml_module is not None else import_pynvml()
     except NoGPUError as exc:
@@ -332,3 +236,6 @@ def sm_clock_reader(gpu_index: int = 0, *, pynvml_module: Any | None = None) -> 
         logger.info("no SM clock reading on gpu%d: %s", gpu_index, exc)
         return None
     return lambda: float(nv.nvmlDeviceGetClockInfo(handle, sm))
+
+
+__all__ = ["NVML_PERIOD_S", "PowerIntegral", "import_pynvml", "power_reader", "nvml_counter", "sm_clock_reader"]

@@ -4,7 +4,7 @@ A step groups the records of one decode step (draft, verify, commit, other). Eac
 a group of its own: the first fill (step -1) and, in a continuous-batching run, each refill (its
 ``step`` is the decode step after which it ran), so a refill's first tokens never merge with the
 counts of the decode step that carries the same index. The key of a group is the ledger's own
-(:func:`refspec.energy.ledger_format.group_key`), so writer and readers share one rule.
+(:func:`refspec.energy.ledger.format.group_key`), so writer and readers share one rule.
 
 Counts are the maximum over a group's records (a count may be written on one record or
 repeated on several); times add (phases do not overlap).
@@ -15,7 +15,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from refspec.energy.ledger_format import group_key
+from refspec.energy.ledger.format import group_key
 
 COUNTS = ("drafted", "accepted", "emitted", "verified")
 

@@ -1,6 +1,6 @@
 """FLOPs and main-memory bytes of forwards: the quantity the roofline model computes
-(:func:`refspec.energy.roofline.forward_cost`) and a hardware profile prices
-(:class:`refspec.energy.hardware.HardwareProfile`). Its own module, so neither of those two
+(:func:`refspec.energy.model.roofline.forward_cost`) and a hardware profile prices
+(:class:`refspec.energy.model.hardware.HardwareProfile`). Its own module, so neither of those two
 imports the other.
 """
 from __future__ import annotations

@@ -10,11 +10,11 @@ daemon. An idle GPU runs below any lock, so :func:`dvfs_sweep` verifies each loc
 the SM clock while the workload runs.
 
 Only a user's own GPU is swept: nothing in the paper command (``refspec.eval.paper``) imports
-this module, and lent machines' clocks are only read (``refspec.energy.nvml_meter.sm_clock_reader``).
+this module, and lent machines' clocks are only read (``refspec.energy.meters.nvml.sm_clock_reader``).
 
 The GPU is reached through a small :class:`GPUBackend` protocol; :class:`ZeusGPUBackend` wraps
 ``zeus.device.get_gpus()`` (and NVML for the observed clock), and tests inject a fake GPU.
-Without a GPU every entry point raises :class:`~refspec.energy.meters.NoGPUError`; the CLI
+Without a GPU every entry point raises :class:`~refspec.energy.meters.errors.NoGPUError`; the CLI
 (``python -m refspec.eval dvfs``) says so and exits 0.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import statistics
 import threading
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-from refspec.energy.meters import NoGPUError
+from refspec.energy.meters.errors import NoGPUError
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def dvfs_sweep(run_fn: Callable[[], RunResult], clocks: Sequence[int], *, gpu: i
 
     Args:
         run_fn: runs one measured workload and returns ``{"energy_per_token_j": J,
-            "tpot_p99_s": s}`` (e.g. from :func:`refspec.energy.accounting.account`).
+            "tpot_p99_s": s}`` (e.g. from :func:`refspec.energy.accounting.headline.account`).
         clocks: SM clocks to lock, MHz.
         gpu: GPU index.
         backend: GPU backend (:class:`ZeusGPUBackend` when None).

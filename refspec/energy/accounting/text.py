@@ -1,12 +1,12 @@
-"""An :class:`~refspec.energy.accounting.Accounting` in words: the run's text statement and its closure line.
+"""An :class:`~refspec.energy.accounting.headline.Accounting` in words: the run's text statement and its closure line.
 
-Formatting only: every number printed here was computed by :mod:`refspec.energy.accounting`.
+Formatting only: every number printed here was computed by :mod:`refspec.energy.accounting.headline`.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
-from refspec.energy.accounting import Accounting
+from refspec.energy.accounting.headline import Accounting
 
 
 def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:

@@ -1,23 +1,25 @@
 """The energy ledger: one JSON line per phase of every step, the only input of the accounting.
 
-A :class:`Ledger` is a :data:`~refspec.energy.phases.PhaseObserver`: the engine calls it with
-every :class:`~refspec.energy.phases.PhaseEvent` and it appends one ``phase`` record per event
-to a JSONL file; the record kinds and their fields are :mod:`refspec.energy.ledger_format`'s.
+A :class:`Ledger` is a :data:`~refspec.energy.ledger.events.PhaseObserver`: the engine calls it with
+every :class:`~refspec.energy.ledger.events.PhaseEvent` and it appends one ``phase`` record per event
+to a JSONL file; the record kinds and their fields are :mod:`refspec.energy.ledger.format`'s.
 Several runs may share a file; every record carries its ``run_id``.
 
-A run holds each (step, phase) at most once (prefills: :func:`~refspec.energy.ledger_format.group_key`):
+A run holds each (step, phase) at most once (prefills: :func:`~refspec.energy.ledger.format.group_key`):
 a second generation written under the same run would be merged into the first by the
 accounting, so the ledger refuses it (:class:`RepeatedPhaseError`); :meth:`Ledger.begin_run`
 starts the next run in the same file.
 
 Records are flushed after every write, so a crashed run keeps every finished phase; a ledger
 opened for appending first ends a line a crash cut short. Reading back is
-:mod:`refspec.energy.ledger_read`'s (:func:`read_ledger`, re-exported here): it reports and
-skips corrupt or truncated lines by line number and refuses a file of another format version.
+:mod:`refspec.energy.ledger.read`'s (:func:`~refspec.energy.ledger.read.read_ledger`): it reports
+and skips corrupt or truncated lines by line number and refuses a file of another format version.
 
 A run ends with one ``end`` record saying whether it completed or was aborted (an exception or
-Ctrl-C inside the ledger's ``with``); a run without one was killed. :attr:`LedgerRecords.unfinished`
-names both kinds and :func:`finished` drops them, so totals over a file count only completed runs.
+Ctrl-C inside the ledger's ``with``); a run without one was killed.
+:attr:`~refspec.energy.ledger.read.LedgerRecords.unfinished` names both kinds and
+:func:`~refspec.energy.ledger.read.finished` drops them, so totals over a file count only completed
+runs.
 """
 from __future__ import annotations
 
@@ -31,11 +33,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from refspec.config import ModelArgs
-from refspec.energy.ledger_format import (END_SCHEMA, LEDGER_VERSION, RUN_SCHEMA, SCHEMA,  # noqa: F401  (re-exported)
-                                          LedgerError, group_key, model_record, phase_record)
-from refspec.energy.ledger_read import (LedgerRecords, finished, old_version, read_ledger,  # noqa: F401  (re-exported)
-                                        unfinished_in, unfinished_runs)
-from refspec.energy.phases import PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.ledger.format import LEDGER_VERSION, LedgerError, group_key, model_record, phase_record
+from refspec.energy.ledger.read import old_version
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _first_version(path: Path) -> Any:
 
 
 class Ledger:
-    """Writes one JSONL record per :class:`~refspec.energy.phases.PhaseEvent` (a PhaseObserver).
+    """Writes one JSONL record per :class:`~refspec.energy.ledger.events.PhaseEvent` (a PhaseObserver).
 
     Args:
         path: JSONL file to write; parent directories are created.
@@ -175,11 +175,11 @@ class Ledger:
 
     def write_counter(self, fields: Mapping[str, Any]) -> None:
         """Append one ``counter`` record, a read of the run's energy counter, to the current run
-        (fields: :data:`refspec.energy.counter_log.COUNTER_SCHEMA`)."""
+        (fields: :data:`refspec.energy.ledger.counter_records.COUNTER_SCHEMA`)."""
         self._write({"kind": "counter", "version": LEDGER_VERSION, "run_id": self.run_id, **fields})
 
     def write_loop(self, phase: str, loop: Any, source: str) -> None:
-        """Append one ``loop`` record (:data:`~refspec.energy.ledger_format.LOOP_SCHEMA`): ``phase``
+        """Append one ``loop`` record (:data:`~refspec.energy.ledger.format.LOOP_SCHEMA`): ``phase``
         run alone, ``loop`` its :class:`~refspec.energy.attribution.Loop` (energy, time, iterations)."""
         self._write({"kind": "loop", "version": LEDGER_VERSION, "run_id": self.run_id, "phase": phase,
                      "energy_j": loop.energy_j, "time_s": loop.time_s, "iterations": loop.iterations,
@@ -215,6 +215,4 @@ def mark_aborted(path: str | os.PathLike[str], run_ids: Iterable[str], reason: s
                                  "reason": reason, "created_unix_s": time.time()}) + "\n")
 
 
-__all__ = ["Ledger", "LedgerRecords", "LedgerError", "RepeatedPhaseError", "ensure_line_end", "LEDGER_VERSION",
-           "SCHEMA", "RUN_SCHEMA", "END_SCHEMA", "read_ledger", "unfinished_runs", "unfinished_in", "finished",
-           "mark_aborted"]
+__all__ = ["Ledger", "RepeatedPhaseError", "ensure_line_end", "mark_aborted"]

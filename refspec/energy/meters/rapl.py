@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from refspec.energy.counters import Device, DeviceCounter, Unwrap
-from refspec.energy.windows import NoCounterError
+from refspec.energy.meters.counters import Device, DeviceCounter, Unwrap
+from refspec.energy.meters.errors import NoCounterError
 
-logger = logging.getLogger("refspec.energy.meters")
+logger = logging.getLogger(__name__)
 
 POWERCAP_ROOT = Path("/sys/class/powercap")
 RAPL_PERIOD_S = 0.001

@@ -3,15 +3,15 @@
 Input: sweep records, one per configuration, each a mapping with at least ``batch``,
 ``drafter``, ``k``, ``tpot_p99_s`` (p99 time per output token per user, s) and
 ``energy_per_token_j`` (J per output token; in a serving record the steady-state window's,
-:mod:`refspec.energy.serving_window`), plus ``ttft_p99_s`` (p99 time to first token, s) when a
+:mod:`refspec.energy.accounting.serving_window`), plus ``ttft_p99_s`` (p99 time to first token, s) when a
 TTFT target is given. Extra keys ride along. A configuration meets the targets when each given
 p99 is <= its target; among those the lowest J per token wins (ties: the larger batch, then the
 smaller k, so the simpler configuration is kept). Callers that rank by another J/token figure of
 a record pass it as ``energy`` (a function of the record). Every ratio comes from
-:func:`refspec.energy.accounting.energy_saving`; nothing here divides energies itself.
+:func:`refspec.energy.accounting.headline.energy_saving`; nothing here divides energies itself.
 
 A record whose steady-state window is invalid (``window_valid`` false: too short or too empty
-to trust, :func:`refspec.energy.serving_window.window_validity`; its ``window_invalid_reason``
+to trust, :func:`refspec.energy.accounting.serving_window.window_validity`; its ``window_invalid_reason``
 says why) is never ranked: it cannot be chosen, and :func:`excluded_invalid` names those that
 would have met the targets so a report can say so. A record without ``window_valid`` is ranked.
 """
@@ -21,7 +21,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from refspec.energy.accounting import energy_saving
+from refspec.energy.accounting.headline import energy_saving
 
 REQUIRED = ("batch", "drafter", "k", "tpot_p99_s", "energy_per_token_j")
 

@@ -1,7 +1,7 @@
 """Serving figures of ledger runs: the steady-state window, active rows, and each request's latencies.
 
-Read from ledger records alone (grouped by :func:`refspec.energy.steps.group_steps`);
-:mod:`refspec.energy.accounting` puts them in its :class:`~refspec.energy.accounting.Accounting`.
+Read from ledger records alone (grouped by :func:`refspec.energy.ledger.step_groups.group_steps`);
+:mod:`refspec.energy.accounting.headline` puts them in its :class:`~refspec.energy.accounting.headline.Accounting`.
 A run written to no ledger (the GPU check's) reads its phase events as those records
 (:func:`event_steps`), so every figure below has this one definition.
 
@@ -52,9 +52,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from refspec.energy.ledger_format import phase_record
-from refspec.energy.phases import PhaseEvent
-from refspec.energy.steps import AccountingError, Step, decode_steps, group_steps
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.ledger.format import phase_record
+from refspec.energy.ledger.step_groups import AccountingError, Step, decode_steps, group_steps
 
 NAN = math.nan
 

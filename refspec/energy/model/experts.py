@@ -1,12 +1,12 @@
 """Routed-expert work of a mixture-of-experts forward, for the roofline model
-(:mod:`refspec.energy.roofline`): k_e experts per token in FLOPs, the distinct experts touched
+(:mod:`refspec.energy.model.roofline`): k_e experts per token in FLOPs, the distinct experts touched
 in bytes, as the forward recorded them or, for a prediction, their expectation under uniform
 routing.
 """
 from __future__ import annotations
 
 from refspec.config import ModelArgs
-from refspec.energy.phases import ForwardShape
+from refspec.energy.model.work import ForwardShape
 
 
 def expert_parameters(args: ModelArgs) -> int:

@@ -1,6 +1,6 @@
 """Architectures of well-known targets as Hugging Face ``config.json`` dicts (no weights), by name.
 
-The roofline model (:mod:`refspec.energy.roofline`) and its CLI predict their costs; the GPU timing
+The roofline model (:mod:`refspec.energy.model.roofline`) and its CLI predict their costs; the GPU timing
 runs build random-weight targets of them (:mod:`refspec.models.random_models`).
 """
 from __future__ import annotations

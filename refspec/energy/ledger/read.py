@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from refspec.energy.ledger_format import LEDGER_VERSION, LedgerError, problem
+from refspec.energy.ledger.format import LEDGER_VERSION, LedgerError, problem
 
-logger = logging.getLogger("refspec.energy.ledger")
+logger = logging.getLogger(__name__)
 
 
 def old_version(versions: Iterable[Any], path: Path) -> LedgerError:
@@ -47,7 +47,7 @@ class LedgerRecords(list):
 
 def unfinished_runs(records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """Run id -> ``aborted`` or ``killed`` for every run of ``records`` that did not complete
-    (the last end record of a run decides, see :func:`refspec.energy.ledger.mark_aborted`)."""
+    (the last end record of a run decides, see :func:`refspec.energy.ledger.writer.mark_aborted`)."""
     started: list[str] = []
     ends: dict[str, str] = {}
     for r in records:

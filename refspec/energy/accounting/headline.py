@@ -2,7 +2,7 @@
 
 This module is the one home of the arithmetic: reports, sweeps, the CLI table and the engine's
 :attr:`Generation.tau` read what it returns and compute none of these figures themselves.
-:func:`account` accounts one run of a ledger (:func:`refspec.energy.ledger.read_ledger`);
+:func:`account` accounts one run of a ledger (:func:`refspec.energy.ledger.read.read_ledger`);
 :func:`pool_runs` accounts several runs of one configuration (its batches) as one, with the
 same definitions. Definitions:
 
@@ -40,7 +40,7 @@ Gross and net of idle
 
 Throughput, TPOT and tau
     tokens/s = emitted / total time. TPOT, TTFT, ITL and end-to-end latency are per request,
-    from its emissions on the engine clock (:mod:`refspec.energy.serving_window`): the first
+    from its emissions on the engine clock (:mod:`refspec.energy.accounting.serving_window`): the first
     token comes from prefill and its latency is TTFT, not TPOT; requests with fewer than two
     tokens have no TPOT. p50 / p99 are linear-interpolated percentiles across requests.
     tau (acceptance length) =
@@ -48,7 +48,7 @@ Throughput, TPOT and tau
     steps with a verify, i.e. the mean of accepted + 1 per active row per step.
 
 Steady state and active rows
-    :mod:`refspec.energy.serving_window` defines the steady-state window (its bounds, time,
+    :mod:`refspec.energy.accounting.serving_window` defines the steady-state window (its bounds, time,
     energy, tokens, J/token, mean active rows) and the run's mean active rows (time-weighted
     over decode steps). ``j_per_token`` is the whole run's; ``window_j_per_token`` the window's.
     Refill prefills (step >= 0) are prefill groups of their own, never merged with the counts
@@ -70,11 +70,12 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from refspec.energy.ledger_read import unfinished_runs
+from refspec.energy.accounting.serving_window import (RequestTimes, Window, WindowRule, latency_percentiles,
+                                                      mean_active_rows, percentile, pool_windows, request_times,
+                                                      run_window, window_validity)
+from refspec.energy.ledger.read import unfinished_runs
+from refspec.energy.ledger.step_groups import COUNTS, AccountingError, Record, Step, group_steps
 from refspec.energy.phase_energy import PhaseEnergy, phase_energy, shares
-from refspec.energy.serving_window import (RequestTimes, Window, WindowRule, latency_percentiles, mean_active_rows,
-                                           percentile, pool_windows, request_times, run_window, window_validity)
-from refspec.energy.steps import COUNTS, AccountingError, Record, Step, group_steps
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other",
               "unattributed")
@@ -390,5 +391,5 @@ def pool_runs(records: Iterable[Record], run_ids: Sequence[str | None], *, idle_
     return _accounting(runs, _idle_w(runs) if idle_w is None else idle_w, WindowRule(min_window_s, min_window_fill))
 
 
-__all__ = ["Accounting", "AccountingError", "account", "pool_runs", "acceptance_length", "tau_of_steps",
+__all__ = ["Accounting", "account", "pool_runs", "acceptance_length", "tau_of_steps",
            "energy_saving", "speedup", "LINE_ITEMS", "CLOSURE_RTOL"]

@@ -4,8 +4,9 @@ A counter is what the hardware offers: NVML's total-energy counter of a GPU (mJ 
 driver loaded), RAPL's package and DRAM counters of a CPU (uJ, wrapping), or a simulation of
 one (:mod:`refspec.energy.simulated`). It cannot see a phase of a few milliseconds: it updates
 every ``period_s`` (20-100 ms on NVML) and may sample only part of each period. So
-:class:`~refspec.energy.windowed.WindowedMeter` reads it at a run's start and end and at the
-bounds of sub-windows of at least ten periods, and never per phase.
+:class:`~refspec.energy.meters.windowed.WindowedMeter` reads it at a run's start and end and at
+the bounds of sub-windows of at least ten periods, and never per phase; a read taken at a
+phase's bound rides on that phase's measurement as a :class:`CounterMark`.
 
 Every counter here returns a :class:`CounterRead`: the sum over its devices and each device's
 own figure, so several GPUs (a tensor-parallel target) or a CPU's package and DRAM are recorded
@@ -36,6 +37,21 @@ class CounterRead:
     devices: Mapping[str, float]
     wall_s: float
     true_j: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterMark:
+    """A counter read taken at a bound of one phase.
+
+    Attributes:
+        read: what the counter said.
+        reason: ``start`` (before the run's first phase) or ``sub`` (a sub-window bound).
+        at_end: taken when the phase ended (True) or before it began (False).
+    """
+
+    read: CounterRead
+    reason: str
+    at_end: bool
 
 
 class EnergyCounter(Protocol):
@@ -160,5 +176,5 @@ def callable_counter(energy: Callable[[], float], *, source: str, period_s: floa
     return DeviceCounter([Device(device, "fake", energy)], period_s=period_s, source=source, clock=clock)
 
 
-__all__ = ["CounterRead", "EnergyCounter", "Unwrap", "Device", "DeviceCounter", "source_of", "combine",
+__all__ = ["CounterRead", "CounterMark", "EnergyCounter", "Unwrap", "Device", "DeviceCounter", "source_of", "combine",
            "callable_counter"]

@@ -12,25 +12,27 @@ reads the time after the step's own host sync) and reads the counter
   lands in the next window) once at least ``sub_window_s`` (at least ten counter periods) have
   passed since the previous read,
 * at the **end** of a run (:meth:`WindowedMeter.finish_run`, called by
-  :class:`~refspec.energy.counter_log.CounterLedger` when the ledger run ends).
+  :class:`~refspec.energy.ledger.counter_records.CounterLedger` when the ledger run ends).
 
-A phase's :class:`PhaseMeasurement` carries its time, ``energy_j`` None (the counter cannot
-see it) and the reads taken at its bounds (:class:`CounterMark`); the ledger wrapper turns
-those into ``counter`` records on the engine's clock. The split of the window energy among
-phases is the accounting's (:mod:`refspec.energy.attribution`).
+A phase's :class:`~refspec.energy.meters.measurement.Measurement` carries its time, ``energy_j``
+None (the counter cannot see it) and the reads taken at its bounds
+(:class:`~refspec.energy.meters.counters.CounterMark`); the ledger wrapper
+(:mod:`refspec.energy.ledger.counter_records`) turns those into ``counter`` records on the
+engine's clock. The split of the window energy among phases is the accounting's
+(:mod:`refspec.energy.attribution`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
 
-from refspec.energy.counters import CounterRead, EnergyCounter
-from refspec.energy.phases import ForwardShape, Measurement
-from refspec.energy.windows import Windows
+from refspec.energy.meters.counters import CounterMark, CounterRead, EnergyCounter
+from refspec.energy.meters.measurement import Measurement, Windows
+from refspec.energy.meters.timers import Timer, default_timer
+from refspec.energy.model.work import ForwardShape
 
-logger = logging.getLogger("refspec.energy.meters")
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
@@ -42,107 +44,13 @@ SYNC_PHASES = ("commit", "prefill")
 """Phases that end in the step's host sync: the only places a sub-window read is taken."""
 
 
-@dataclasses.dataclass(frozen=True)
-class CounterMark:
-    """A counter read taken at a bound of one phase.
-
-    Attributes:
-        read: what the counter said.
-        reason: ``start`` (before the run's first phase) or ``sub`` (a sub-window bound).
-        at_end: taken when the phase ended (True) or before it began (False).
-    """
-
-    read: CounterRead
-    reason: str
-    at_end: bool
-
-
-class PhaseMeasurement(Measurement):
-    """A :class:`~refspec.energy.phases.Measurement` whose time may resolve on first read (a
-    CUDA event pair completes after the step's host sync) and that carries the counter reads
-    taken at the phase's bounds.
-
-    Args:
-        time_s: seconds, or a callable returning them (called once, when first read).
-        source: the meter's source.
-        energy_j: None for a counter meter (the phase is below the counter's resolution).
-        extra: ``(field, value)`` pairs for the phase record.
-        marks: the counter reads at this phase's bounds.
-    """
-
-    def __init__(self, time_s: float | Callable[[], float], *, source: str, energy_j: float | None = None,
-                 extra: tuple[tuple[str, Any], ...] = (), marks: Sequence[CounterMark] = ()) -> None:
-        object.__setattr__(self, "_time", time_s)
-        object.__setattr__(self, "energy_j", energy_j)
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "extra", tuple(extra))
-        object.__setattr__(self, "marks", tuple(marks))
-
-    @property
-    def time_s(self) -> float:  # type: ignore[override]
-        t = self._time
-        if callable(t):
-            t = float(t())
-            object.__setattr__(self, "_time", t)
-        return t
-
-
-class ClockTimer:
-    """Phase time from a host clock without synchronising: right on a CPU, where a phase's work
-    is done when its Python returns."""
-
-    def __init__(self, clock: Clock = time.perf_counter) -> None:
-        self._clock = clock
-
-    def start(self) -> float:
-        return self._clock()
-
-    def stop(self, token: float, work: tuple[ForwardShape, ...] = ()) -> float:
-        return self._clock() - token
-
-
-class CudaEventTimer:
-    """Phase time from a pair of CUDA events on the current stream: recording them does not
-    synchronise; the elapsed time is read lazily, after the step's own host sync has completed
-    them (reading earlier waits for the end event)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self._event = lambda: torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> Any:
-        ev = self._event()
-        ev.record()
-        return ev
-
-    def stop(self, token: Any, work: tuple[ForwardShape, ...] = ()) -> Callable[[], float]:
-        end = self._event()
-        end.record()
-
-        def resolve() -> float:
-            end.synchronize()  # returns at once after the step's sync
-            return token.elapsed_time(end) / 1e3  # ms -> s
-
-        return resolve
-
-
-def default_timer() -> ClockTimer | CudaEventTimer:
-    """CUDA events where CUDA runs, else the host clock."""
-    try:
-        import torch
-    except ImportError:
-        return ClockTimer()
-    return CudaEventTimer() if torch.cuda.is_available() else ClockTimer()
-
-
 def default_sub_window_s(period_s: float) -> float:
     """Ten counter periods, at least :data:`MIN_SUB_WINDOW_S`."""
     return max(MIN_PERIODS * period_s, MIN_SUB_WINDOW_S)
 
 
 class WindowedMeter:
-    """An :class:`~refspec.energy.phases.EnergyMeter` over a counter that cannot see a phase.
+    """An :class:`~refspec.energy.meters.measurement.EnergyMeter` over a counter that cannot see a phase.
 
     Args:
         counter: the energy counter (its ``source`` becomes the meter's).
@@ -156,7 +64,7 @@ class WindowedMeter:
         ValueError: ``sub_window_s`` shorter than ten counter periods.
     """
 
-    def __init__(self, counter: EnergyCounter, *, timer: Any | None = None, sub_window_s: float | None = None,
+    def __init__(self, counter: EnergyCounter, *, timer: Timer | None = None, sub_window_s: float | None = None,
                  clock: Clock = time.perf_counter, sync_phases: Sequence[str] = SYNC_PHASES) -> None:
         floor = MIN_PERIODS * counter.period_s
         sub = default_sub_window_s(counter.period_s) if sub_window_s is None else float(sub_window_s)
@@ -195,13 +103,13 @@ class WindowedMeter:
             marks = (CounterMark(self._start, "start", at_end=False),)
         self._windows.push(name, (self._clock(), self._timer.start(), marks))
 
-    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> PhaseMeasurement:
+    def end(self, name: str, work: tuple[ForwardShape, ...] = ()) -> Measurement:
         """Close the latest ``name`` phase: its time (perhaps unresolved yet), energy None, and a
         sub-window read when this phase ends in a host sync and the sub-window has passed."""
         t0, token, marks = self._windows.pop(name)
         elapsed = self._timer.stop(token, work)
         extra = self._observe(name, t0, elapsed, work)
-        return PhaseMeasurement(elapsed, source=self.source, extra=extra, marks=marks + self._sub_read(name))
+        return Measurement(elapsed, None, self.source, extra=extra, marks=marks + self._sub_read(name))
 
     def _observe(self, name: str, t0: float, elapsed: float | Callable[[], float],
                  work: tuple[ForwardShape, ...]) -> tuple[tuple[str, Any], ...]:
@@ -246,5 +154,4 @@ class WindowedMeter:
         self.counter.close()
 
 
-__all__ = ["WindowedMeter", "PhaseMeasurement", "CounterMark", "ClockTimer", "CudaEventTimer", "default_timer",
-           "default_sub_window_s", "MIN_PERIODS", "SYNC_PHASES"]
+__all__ = ["WindowedMeter", "default_sub_window_s", "MIN_PERIODS", "SYNC_PHASES"]

@@ -7,9 +7,9 @@ per phase of every step; ``counter`` records where a counter meter read its coun
 records of phase-isolated loops, where a loop runner ran them; and one ``end`` record.
 
 A phase record holds the work its forwards did as they reported it (the
-:class:`~refspec.energy.phases.ForwardShape` fields, compactly, naming their model record), never
+:class:`~refspec.energy.model.work.ForwardShape` fields, compactly, naming their model record), never
 a cost: FLOPs, bytes, time and energy of that work are modelled where a modelled figure is
-computed (:func:`phase_work`, then :func:`refspec.energy.roofline.total_cost`).
+computed (:func:`phase_work`, then :func:`refspec.energy.model.roofline.total_cost`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.phases import ForwardShape, PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.model.work import ForwardShape
 
 LEDGER_VERSION = 3
 """The format this refspec writes and reads; a file of another version is refused, not converted."""
@@ -95,7 +96,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "counter": ("run_id", "clock_s", "wall_s", "energy_j", "source", "reason"),
     "loop": ("run_id", "phase", "energy_j", "time_s", "iterations", "source"),
 }
-"""Fields each record kind must carry (counter records: :data:`refspec.energy.counter_log.COUNTER_SCHEMA`)."""
+"""Fields each record kind must carry (counter records:
+:data:`refspec.energy.ledger.counter_records.COUNTER_SCHEMA`)."""
 
 class LedgerError(ValueError):
     """A ledger file that cannot be read or written as asked."""

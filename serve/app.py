@@ -132,14 +132,13 @@ class ServeApp:
             raise ApiError(400, f"prompt: token ids must lie in 0..{self.config.vocab_size - 1}", param="prompt")
         return list(params.prompt)
 
-    def _budget(self, params: GenerationParams, prompt: Sequence[int]) -> int:
+    def _budget(self, params: GenerationParams, prompt: Sequence[int], endpoint: str) -> int:
         """The request's budget; a prompt and budget beyond the context are refused as OpenAI does."""
         cfg, n = self.config, len(prompt)
         room = cfg.max_len - cfg.required_slots(n, 0)
         budget = params.max_tokens if params.max_tokens is not None else min(cfg.default_max_tokens, room)
         if budget < 1 or cfg.required_slots(n, budget) > cfg.max_len:
-            field = "messages" if not isinstance(params.prompt, (str, tuple)) or params.max_tokens is None \
-                else "max_tokens"
+            field = "max_tokens" if params.max_tokens is not None else "messages" if endpoint == "chat" else "prompt"
             raise ApiError(400, f"This model's maximum context length is {cfg.max_len} tokens. However, you "
                                 f"requested {n + max(budget, 0)} tokens ({n} in the prompt, {max(budget, 0)} for the "
                                 f"completion, and the engine keeps {cfg.required_slots(0, 0)} slots of look-ahead); "
@@ -158,7 +157,7 @@ class ServeApp:
                                     f"`{self.config.model_name}`", param="model", kind="not_found_error",
                                code="model_not_found")
             prompt = self._encode(params, endpoint)
-            budget = self._budget(params, prompt)
+            budget = self._budget(params, prompt, endpoint)
             queue: asyncio.Queue = asyncio.Queue()
             aio = asyncio.get_running_loop()
 
@@ -203,7 +202,8 @@ class ServeApp:
                       ) -> AsyncIterator[str]:
         """The request's stream; the ASGI server cancels it when the client disconnects."""
         try:
-            yield reply.chunk("", 0 if params.continuous_usage else None) if reply.endpoint == "chat" else ""
+            if reply.endpoint == "chat":  # the first chunk names the role, as OpenAI's streams do
+                yield reply.chunk("", 0 if params.continuous_usage else None)
             while True:
                 kind, item = await queue.get()
                 if kind == "delta":

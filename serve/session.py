@@ -52,7 +52,8 @@ def live_energy(ledger: Any, *, counter: bool) -> dict[str, Any]:
     w = acc.window
     return {**out, "source": list(acc.sources), "split_method": acc.phase_energy_method,
             "run": {"energy_j": acc.total_energy_j, "tokens": acc.emitted, "j_per_token": _finite(acc.j_per_token),
-                    "time_s": acc.total_time_s, "tau": _finite(acc.tau), "mean_active_rows": _finite(acc.mean_active_rows),
+                    "time_s": acc.total_time_s, "tau": _finite(acc.tau),
+                    "mean_active_rows": _finite(acc.mean_active_rows),
                     "phase_energy_j": acc.phase_energy_j},
             "window": None if w is None else {
                 "j_per_token": _finite(acc.window_j_per_token), "valid": acc.window_valid,

@@ -134,7 +134,8 @@ def test_a_completion_carries_usage_energy_and_acceptance(client, server):
     spec = r.model_extra["metrics"]["speculative_decoding"]
     assert spec["num_spec_tokens"] == 3 and len(spec["acceptance_histogram"]) == 4
     assert spec["num_spec_steps"] == sum(spec["acceptance_histogram"]) == len(spec["per_step_accepted"])
-    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+    steps_n = spec["num_spec_steps"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / steps_n)
     steps = spec["per_step_accepted"]
     assert 1 + sum(a + 1 for a in steps[:-1]) < 7 <= 1 + sum(a + 1 for a in steps), \
         "the verify steps' accepted drafts (+ bonus) and the prefill's token account for the 7 tokens"

@@ -125,12 +125,17 @@ class ServeApp:
             if not (self.config.chat and self.tokenizer.has_chat_template):
                 raise ApiError(400, "this server renders no chat template (--no-chat, or the tokenizer has none); "
                                     "use /v1/completions", param="messages")
-            return self.tokenizer.encode_chat(params.prompt)
-        if isinstance(params.prompt, str):
-            return self.tokenizer.encode(params.prompt)
-        if max(params.prompt) >= self.config.vocab_size:
+            ids = self.tokenizer.encode_chat(params.prompt)
+            if not ids or max(ids) >= self.config.vocab_size:
+                raise ApiError(400, "messages: the rendered conversation holds no token, or one beyond the model's "
+                                    "vocabulary", param="messages")
+            return ids
+        ids = self.tokenizer.encode(params.prompt) if isinstance(params.prompt, str) else list(params.prompt)
+        if not ids:
+            raise ApiError(400, "prompt: it encodes to no token; give some text", param="prompt")
+        if max(ids) >= self.config.vocab_size:
             raise ApiError(400, f"prompt: token ids must lie in 0..{self.config.vocab_size - 1}", param="prompt")
-        return list(params.prompt)
+        return ids
 
     def _budget(self, params: GenerationParams, prompt: Sequence[int], endpoint: str) -> int:
         """The request's budget; a prompt and budget beyond the context are refused as OpenAI does."""

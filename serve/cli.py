@@ -85,6 +85,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--served-model-name is empty; give the name clients pass as model")
     if args.out is None:
         args.out = Path(f"refspec-serve-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    if (args.out / "records.jsonl").exists():
+        raise UsageError(f"--out {args.out} holds an earlier session's records; give each session its own --out")
 
 
 def _config(args: argparse.Namespace):  # -> (session kwargs, RunConfig)

@@ -89,6 +89,7 @@ class Server:
         from refspec.eval.sweep import LEDGER
 
         self.started_s = time.perf_counter()
+        self.sock = socket.create_server((settings.host, settings.port))  # a busy port fails before the model loads
         self.settings, self.session, self.out_dir = settings, session, out_dir
         self.cfg = cfg = resolve_defaults(session, dataclasses.replace(cfg, corpus=SERVED_CORPUS))
         target, meter, drafter = session.target, session.meter, session.drafter(cfg)
@@ -115,7 +116,6 @@ class Server:
                                vocab_size=target.model.args.vocab_size, required_slots=engine.required_slots,
                                counter_meter=self.counter, source=meter.source)
         self.app = ServeApp(app_config, self.loop, tok, self.ledger)
-        self.sock = socket.create_server((settings.host, settings.port))
         self.uvicorn = _uvicorn_server(self.app.app, settings.shutdown_timeout_s, self.loop.stop_admitting)
         self._thread: threading.Thread | None = None
         self.record: dict[str, Any] | None = None

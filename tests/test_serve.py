@@ -24,6 +24,7 @@ BAD = [  # (what, body, status, param): every one answered with an OpenAI error 
     ("prompt a number", {"prompt": 5}, 400, "prompt"),
     ("two prompts", {"prompt": ["w3", "w4"]}, 400, "prompt"),
     ("token id beyond the vocabulary", {"prompt": [3, 4, 999]}, 400, "prompt"),
+    ("a prompt of no token", {"prompt": "   "}, 400, "prompt"),
     ("prompt beyond the context", {"prompt": " ".join(["w5"] * 300)}, 400, "prompt"),
     ("temperature a string", {"prompt": "w3", "temperature": "hot"}, 400, "temperature"),
     ("another temperature", {"prompt": "w3", "temperature": 0.7}, 400, "temperature"),

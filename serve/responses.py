@@ -50,6 +50,7 @@ class Reply:
         rid: the request's ledger id (part of the response id).
         model: the served model name.
         prompt_tokens: tokens in its prompt.
+        prefix: the session's random part of every response id.
     """
 
     def __init__(self, endpoint: str, rid: int, model: str, prompt_tokens: int, prefix: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from refspec.energy.accounting import account
 from refspec.energy.ledger import read_ledger
@@ -115,12 +115,4 @@ def write_session_record(session: Any, cfg: Any, *, out_dir: Path, ledger: Any, 
     return record
 
 
-def finish_reasons(outputs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """How many requests of a record ended each way."""
-    out: dict[str, int] = {}
-    for o in outputs:
-        out[o["finish_reason"]] = out.get(o["finish_reason"], 0) + 1
-    return out
-
-
-__all__ = ["SERVED_CORPUS", "finish_reasons", "live_energy", "served_stream", "write_session_record"]
+__all__ = ["SERVED_CORPUS", "live_energy", "served_stream", "write_session_record"]

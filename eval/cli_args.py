@@ -99,7 +99,8 @@ def _add_serving(g: Any, *, sweep: bool) -> None:
                         "reference answers, else uniform:0.25); EOS still ends a request early")
 
 
-def _add_hardware(p: argparse.ArgumentParser) -> None:
+def add_hardware_flags(p: argparse.ArgumentParser) -> None:
+    """The hardware and measurement flags (dtype, device, meter, graphs, compile, threads, warm-up, TP, loops)."""
     h = p.add_argument_group("hardware and measurement")
     h.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA, fp32 on a CPU, so every greedy request equals plain decoding's: bf16 "
@@ -139,8 +140,9 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
                         "periods, at least 1 s; 0: no loops)")
 
 
-def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
-    g = p.add_argument_group("what to run")
+def add_engine_flags(g: Any, *, sweep: bool, full: bool) -> None:
+    """The decoder's flags (``--model``, ``--drafter``, ``--k``, ``--spec-policy``, ``--tree``,
+    ``--drafter-option``, ``--draft-model``), shared by ``run``, ``sweep`` and the server."""
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model id (python -m refspec.eval assets list) or a Hugging Face directory with tokenizer.json")
     if sweep:
@@ -148,18 +150,9 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
         g.add_argument("--k", default=None,
                        help="comma-separated draft lengths; 0 is the baseline (run once per corpus and batch); "
                             "default: each drafter's own K")
-        g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-        g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
     else:
         g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help(full))
         g.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
-        g.add_argument("--batch", type=int, default=None,
-                       help=f"rows decoded together (default {DEFAULT_BATCH}; with neither --batch nor --corpus: "
-                            + ", ".join(f"{c} at batch {b}" for c, b in DEFAULT_RUN_CELLS)
-                            + ", a case where speculation saves and one where it loses)")
-        g.add_argument("--corpus", default=None,
-                       help=f"corpus name, comma-separated names, a prompt .jsonl file, or all "
-                            f"(default {','.join(c for c, _ in DEFAULT_RUN_CELLS)})")
     g.add_argument("--spec-policy", default=None, metavar="SPEC", action="append" if sweep else "store",
                    help=("repeatable; a policy other than fixed runs once per drafter at the largest --k. "
                          if sweep else "") + "how many tokens to draft each step, up to --k: " + _policy_help())
@@ -168,6 +161,22 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a drafter option, e.g. head=/path/to/head or max_n=4 (repeatable)")
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
+
+
+def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
+    g = p.add_argument_group("what to run")
+    add_engine_flags(g, sweep=sweep, full=full)
+    if sweep:
+        g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+        g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
+    else:
+        g.add_argument("--batch", type=int, default=None,
+                       help=f"rows decoded together (default {DEFAULT_BATCH}; with neither --batch nor --corpus: "
+                            + ", ".join(f"{c} at batch {b}" for c, b in DEFAULT_RUN_CELLS)
+                            + ", a case where speculation saves and one where it loses)")
+        g.add_argument("--corpus", default=None,
+                       help=f"corpus name, comma-separated names, a prompt .jsonl file, or all "
+                            f"(default {','.join(c for c, _ in DEFAULT_RUN_CELLS)})")
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                    help="at most this many distinct prompts from each corpus (default: as many as --requests; "
                         "requests beyond them repeat prompts cyclically)")
@@ -177,7 +186,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
-    _add_hardware(p)
+    add_hardware_flags(p)
     a = p.add_argument_group("acceptance injection")
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
                    help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "

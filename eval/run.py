@@ -126,8 +126,8 @@ def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, drafter_options=tuple(sorted(options.items())))
 
 
-def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
-    """The engine of ``cfg``, every phase event going to ``ledger``."""
+def build_engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
+    """The engine of ``cfg``, every phase event going to ``ledger`` (the eval's and the server's)."""
     from refspec.engine import Engine, EngineConfig
     from refspec.eval.policy_setup import build_policy
     from refspec.sampling import SamplingConfig
@@ -234,6 +234,39 @@ def _margin_fn(session: Session) -> Any:
     return None if make is None else make(session.target.model)
 
 
+def configuration_record(session: Session, cfg: RunConfig, *, ledger_path: Path, start_offset: int,
+                         run_ids: Sequence[str], stream: Any, results: Sequence[Any], injection: dict[str, Any] | None,
+                         baseline: Mapping[str, Any] | None, started_s: float) -> tuple[dict[str, Any], Accounting]:
+    """The record of a configuration whose runs are in ``ledger_path`` (from ``start_offset``), and
+    their pooled accounting; the figures come from the ledger as written to disk, never from the
+    engine's own counts.
+
+    Args:
+        run_ids: the configuration's ledger runs.
+        stream: the requests served (a :class:`~refspec.eval.requests.RequestStream`).
+        results: the engine's ``ServeResult`` of each run.
+        injection: the injected acceptance model's record, or None.
+        baseline: the baseline's record at the same batch, for the comparison fields.
+        started_s: ``time.perf_counter()`` when the configuration started (the record's ``wall_s``).
+    """
+    from refspec.energy.ledger.read import read_ledger
+
+    ledger_records = read_ledger(ledger_path, offset=start_offset)
+    acc = pool_runs(ledger_records, run_ids)
+    record = _record(session, cfg, acc, stream=stream, results=results, ledger_path=ledger_path, injection=injection)
+    record.update(experts_fields(ledger_records, run_ids))
+    record.update(prefill_fields(ledger_records, run_ids, [len(q.prompt) for q in stream.requests]))
+    record.update(k_fields(ledger_records, run_ids))
+    record.update(request_fields(ledger_records, run_ids, results, record["request_outputs"],
+                                 profile=session.roofline_profile))  # energy and acceptance per request
+    record["roofline"] = roofline_prediction(session, cfg, session.drafter(cfg), [q.prompt for q in stream.requests],
+                                             acc.tau, budgets=[q.max_new_tokens for q in stream.requests])
+    compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
+    record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
+                  wall_s=time.perf_counter() - started_s, created_unix_s=time.time())
+    return record, acc
+
+
 def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
                       baseline: Mapping[str, Any] | None = None) -> ConfigResult:
     """Run one configuration, append its ledger runs, and return its record.
@@ -264,26 +297,14 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     with counter_ledger(session.meter, Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a",
                                               meter_source=session.meter.source,
                                               idle_w=getattr(session.meter, "idle_w", None))) as ledger:
-        engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
+        engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
         results = _decode_batches(session, cfg, engine, ledger, chunks, run_ids, labels)
         _phase_loops(session, cfg, engine, ledger, results, [q.prompt for q in stream.requests])
     try:
-        # the figures come from the ledger as written to disk, never from the engine's own counts
-        ledger_records = read_ledger(ledger_path, offset=ledger.start_offset)
-        acc = pool_runs(ledger_records, ledger.run_ids)
-        record = _record(session, cfg, acc, stream=stream, results=results, ledger_path=ledger_path,
-                         injection=injection)
-        record.update(experts_fields(ledger_records, ledger.run_ids))
-        record.update(prefill_fields(ledger_records, ledger.run_ids, [len(q.prompt) for q in stream.requests]))
-        record.update(k_fields(ledger_records, ledger.run_ids))
-        record.update(request_fields(ledger_records, ledger.run_ids, results, record["request_outputs"],
-                                     profile=session.roofline_profile))  # energy and acceptance per request
-        record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,
-                                                 budgets=[q.max_new_tokens for q in stream.requests])
-        compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
-        record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
-                      wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
+        record, acc = configuration_record(session, cfg, ledger_path=ledger_path, start_offset=ledger.start_offset,
+                                           run_ids=ledger.run_ids, stream=stream, results=results,
+                                           injection=injection, baseline=baseline, started_s=t_start)
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise
@@ -293,6 +314,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     return ConfigResult(record=record, generations=results)
 
 
-__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration", "resolve_defaults",
+__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "configuration_record", "build_engine",
+           "prepare_configuration", "resolve_defaults",
            "compare_with_baseline", "auto_dtype", "cpu_has_fast_bf16", "describe_source", "library_versions",
            "acceptance_from_tau", "ensure_line_end", "RECORD_FIELDS"]

@@ -16,7 +16,7 @@ from refspec.energy.architectures import ARCHS, arch, dense_equivalent
 from refspec.config import ModelArgs
 from refspec.energy.roofline import (EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, expected_experts,
                                      get_profile, predict_step)
-from refspec.eval.cli_checks import check_path_for_dir
+from refspec.eval.outputs import atomic_target, check_output_dir, write_atomic
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 
 
@@ -100,7 +100,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[int], list[float
     integer("--context", args.context, low=1, high=10_000_000)
     integer("--dtype-bytes", args.dtype_bytes, low=1, high=8, fix="2 is bf16, 4 fp32")
     if args.out is not None:
-        check_path_for_dir("--out", args.out)
+        check_output_dir("--out", args.out)
     return batches, ks, accs
 
 
@@ -210,7 +210,8 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
     ax_e.legend(title=f"dotted: B(k+1) = ridge{dense}", fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -367,10 +368,7 @@ def _write_outputs(out: Path, rows: list[dict[str, Any]], accs: Sequence[float],
     """The table as CSV and one plot per acceptance rate in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
-    with open(out / f"{stem}.csv", "w") as fh:
-        fh.write(",".join(rows[0]) + "\n")
-        for r in rows:
-            fh.write(",".join(str(v) for v in r.values()) + "\n")
+    write_atomic(out / f"{stem}.csv", "".join(",".join(map(str, r)) + "\n" for r in [list(rows[0]), *(r.values() for r in rows)]))
     for a in accs:
         path = out / f"{stem}_a{a:g}.png"
         _plot([r for r in rows if r["acceptance"] == a], profile,

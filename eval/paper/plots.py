@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from refspec.eval.outputs import atomic_target
 from refspec.eval.paper.claims import fig, saving, series
 from refspec.eval.paper.grid import NONE_SOURCE
 
@@ -95,7 +96,8 @@ def make_plots(variants: Variants, out: Path, title: str) -> list[str]:
         draw(ax, ok)
         f.suptitle(title, fontsize=7)
         f.tight_layout()
-        f.savefig(out / name, dpi=110)
+        with atomic_target(out / name) as tmp:
+            f.savefig(tmp, dpi=110, format="png")
         plt.close(f)
         names.append(name)
     return names

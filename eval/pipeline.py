@@ -7,8 +7,8 @@
    of its own (``ledger.begin_run``).
 3. :func:`phase_loops` and :func:`write_loops`: under a counter meter, each phase alone in a loop
    at the run's shapes, the per-phase split's second source (:mod:`refspec.phase_loops`).
-4. :func:`account`: the ledger read back from disk, never the engine's own counts, pooled by
-   :func:`refspec.energy.accounting.pool_runs`.
+4. :func:`read_back` and :func:`account`: the ledger read back from disk, never the engine's own
+   counts, and its runs pooled by :func:`refspec.energy.accounting.pool_runs`.
 
 What a command does around these steps (a configuration's record, a paper variant's figures)
 reads the accounting alone. A run whose figures no record will name is marked aborted in the
@@ -93,16 +93,19 @@ def write_loops(ledger: Any, loops: Mapping[str, Any], source: str) -> None:
         ledger.write_loop(phase, loop, source)
 
 
-def account(path: Path, run_ids: Sequence[str], *, offset: int = 0,
-            min_window_s: float | None = None) -> tuple[Any, Accounting]:
-    """The ledger records from ``offset`` on, as written to disk, and the pooled accounting of ``run_ids``.
+def read_back(path: Path, *, offset: int = 0) -> Any:
+    """The ledger records from byte ``offset`` on (a ledger's ``start_offset``), as written to disk."""
+    return read_ledger(path, offset=offset)
+
+
+def account(records: Any, run_ids: Sequence[str], *, min_window_s: float | None = None) -> Accounting:
+    """The accounting of ``run_ids`` pooled (their steady-state windows at least ``min_window_s`` long to be valid).
 
     Raises:
         AccountingError: the runs cannot be accounted (:func:`refspec.energy.accounting.pool_runs`).
     """
-    records = read_ledger(path, offset=offset)
     extra = {} if min_window_s is None else {"min_window_s": min_window_s}
-    return records, pool_runs(records, list(run_ids), **extra)
+    return pool_runs(records, list(run_ids), **extra)
 
 
-__all__ = ["open_ledger", "reads_counter", "serve", "phase_loops", "write_loops", "account"]
+__all__ = ["open_ledger", "reads_counter", "serve", "phase_loops", "write_loops", "read_back", "account"]

@@ -252,7 +252,7 @@ _EMPTY = {name: cls() for name, cls in SECTIONS.items() if name != "window"}
 class RunRecord:
     """One configuration's record (module docstring; fields: ``docs/fields.md``).
 
-    ``window`` is None for a record from before steady-state windows (version 2).
+    ``window`` is None for a record without window fields (version 2, before steady-state windows).
     """
 
     config_id: str
@@ -338,7 +338,7 @@ class RunRecord:
                if f.name not in SECTIONS and f.name in d and d[f.name] is not None}
         top["request_outputs"] = tuple(_read(RequestOutput, o) for o in d.get("request_outputs") or ())
         sections = {name: _read(sc, d) for name, sc in SECTIONS.items()}
-        if version == 2:
+        if not any(k.startswith(WindowFigures.PREFIX) for k in d):  # version 2: before steady-state windows
             sections["window"] = None
         return cls(**{**top, **sections, "record_version": RECORD_VERSION})
 

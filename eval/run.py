@@ -242,7 +242,8 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
             log.info("phase loops (%s): %s", session.meter.source,
                      ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
     try:
-        records, acc = pipeline.account(ledger_path, ledger.run_ids, offset=ledger.start_offset)
+        records = pipeline.read_back(ledger_path, offset=ledger.start_offset)
+        acc = pipeline.account(records, ledger.run_ids)
         record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
                          drafter=drafter)
         record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))

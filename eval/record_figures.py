@@ -6,7 +6,7 @@ groups, prefill work, experts touched and the K a policy chose from the ledger r
 configuration; :func:`request_figures` splits the energy among the requests
 (:func:`refspec.energy.per_request.split_energy`), checks each request's acceptance against the
 ledger and takes its latencies from the accounting (``Accounting.requests``, computed once by
-:mod:`refspec.energy.serving_window`). :func:`roofline_prediction` adds the analytic
+:mod:`refspec.energy.serving_window`). :func:`roofline_figures` gives the analytic
 (modelled, never measured) J/token and TPOT of a steady-state step of the same configuration.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence
 
 
 # ---- the roofline prediction ----------------------------------------------------------------
-def roofline_prediction(args: Any, profile: Any, *, batch: int, k: int, drafter_model: Any, prompts: Sequence[Sequence[int]],
+def roofline_figures(args: Any, profile: Any, *, batch: int, k: int, drafter_model: Any, prompts: Sequence[Sequence[int]],
                         tau: float | None, budgets: Sequence[int], dtype_bytes: int) -> dict[str, Any]:
     """The analytic (modelled) J/token and TPOT of a steady-state step of a configuration.
 
@@ -187,4 +187,4 @@ def roofline_prediction(args: Any, profile: Any, *, batch: int, k: int, drafter_
             "source": f"modelled:roofline({profile.name})", "includes_prefill": False}
 
 
-__all__ = ["accounting_sections", "work_section", "k_steps", "request_figures", "roofline_prediction"]
+__all__ = ["accounting_sections", "work_section", "k_steps", "request_figures", "roofline_figures"]

@@ -32,7 +32,7 @@ from refspec.eval.baseline import with_baseline
 from refspec.eval.flags import UsageError
 from refspec.eval.machine import gemm_plan_text, library_versions
 from refspec.eval.record import RequestOutput, RunRecord, Stream
-from refspec.eval.record_figures import accounting_sections, request_figures, roofline_prediction, work_section
+from refspec.eval.record_figures import accounting_sections, request_figures, roofline_figures, work_section
 from refspec.eval.run_config import RunConfig
 from refspec.eval.session import Session
 
@@ -186,20 +186,24 @@ def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any
                       stream_digest=stream.digest, batches=len(acc.run_ids), run_ids=tuple(acc.run_ids),
                       ledger=ledger_path.name),
         work=work_section(ledger_records, acc.run_ids, [len(p) for p in prompts]), per_request=per_request,
-        roofline=_prediction(session, cfg, drafter, prompts, acc.tau, [q.max_new_tokens for q in stream.requests]),
+        roofline=roofline_prediction(session, cfg, drafter, prompts, acc.tau,
+                                     [q.max_new_tokens for q in stream.requests]),
         versions=library_versions(), cpu_gemm_plan=gemm_plan_text(), **accounting_sections(acc))
 
 
-def _prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]], tau: float | None,
-                budgets: Sequence[int]) -> dict[str, Any] | None:
-    """The roofline's prediction, or None (no profile, a tree, a drafter without a cost model)."""
+def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]],
+                        tau: float | None, budgets: Sequence[int] | None = None) -> dict[str, Any] | None:
+    """The roofline's (modelled) prediction of a steady-state step of ``cfg``, or None: no hardware profile,
+    a tree, or a drafter without a ``roofline_model`` (a plug-in provides one the same way; None: a free
+    drafter). ``budgets``: the requests' budgets (default: the cap each)."""
     profile = session.roofline_profile
     provide = None if cfg.is_baseline else getattr(drafter, "roofline_model", None)
     if profile is None or cfg.tree or (not cfg.is_baseline and provide is None):
         return None
     args = session.target.model.args
-    return roofline_prediction(args, profile, batch=cfg.batch, k=cfg.k, drafter_model=provide and provide(args),
-                               prompts=prompts, tau=tau, budgets=budgets, dtype_bytes=session.dtype_bytes)
+    return roofline_figures(args, profile, batch=cfg.batch, k=cfg.k, drafter_model=provide and provide(args),
+                            prompts=prompts, tau=tau, budgets=budgets or [cfg.max_new_tokens],
+                            dtype_bytes=session.dtype_bytes)
 
 
 def _g(x: float | None, spec: str) -> str:
@@ -257,4 +261,5 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     return ConfigResult(record=record, generations=results)
 
 
-__all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "run_configuration", "serve_chunks"]
+__all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "run_configuration", "serve_chunks",
+           "roofline_prediction"]

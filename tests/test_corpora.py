@@ -178,6 +178,14 @@ def test_licence_text_names_every_corpus_and_memorisation():
     assert "memorised" in text and "HumanEval" in text
 
 
+def test_the_docs_list_every_corpus_with_its_licence_and_source():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "corpora.md").read_text()
+    for spec in C.CORPORA.values():
+        row = next((line for line in docs.splitlines() if line.startswith(f"| `{spec.name}` |")), "")
+        assert spec.licence in row and spec.source in row, f"docs/corpora.md: {spec.name}"
+    assert "memorised" in docs
+
+
 # --------------------------------------------------------------------------------------------
 # Prompt building
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _check_corpora(names: Sequence[str]) -> list[str]:
-    from refspec.eval.corpora import CORPORA
+    from refspec.eval.corpora.catalog import CORPORA
 
     out: list[str] = []
     for name in names:

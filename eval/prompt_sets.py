@@ -58,7 +58,7 @@ class PromptSet:
 
 def _rows(corpus: str, wanted: int) -> list[dict[str, Any]]:
     """Eval rows of ``corpus``: the default eval subset, then (when short) the rest of the eval split."""
-    from refspec.eval.corpora import CORPORA, load_corpus
+    from refspec.eval.corpora.catalog import CORPORA, load_corpus
 
     rows = list(load_corpus(corpus, split="eval"))
     spec = CORPORA.get(corpus)
@@ -96,7 +96,7 @@ def _reference_lengths(texts: Sequence[str], tokenizer: Any) -> list[int | None]
 def corpus_reference_scale(corpus: str, tokenizer: Any) -> int | None:
     """:data:`REFERENCE_QUANTILE` of the reference lengths (tokens) over the corpus's whole eval split
     (``conversation``: every source's eval prompts, not only the Vicuna subset); None without references."""
-    from refspec.eval.corpora import CORPORA, load_corpus
+    from refspec.eval.corpora.catalog import CORPORA, load_corpus
 
     spec = CORPORA.get(corpus)
     wide = spec is not None and spec.default_subset is not None
@@ -114,7 +114,7 @@ def corpus_prompt_set(corpus: str, tokenizer: Any, *, chat: bool, wanted: int, c
         CorpusError, ValueError: what loading or building the prompts raises; ValueError when
             the corpus has no eval prompts.
     """
-    from refspec.eval.corpora import build_prompts, prose_windows
+    from refspec.eval.corpora.prompts import build_prompts, prose_windows
 
     if mixed_parts(corpus):  # mixed:A+B interleaves the parts' requests
         return mixed_prompt_set(corpus, tokenizer, chat=chat, wanted=wanted, cap=cap)

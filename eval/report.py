@@ -201,7 +201,7 @@ def _unfinished_md(ledgers: Sequence[Path]) -> str:
 
 def _audit_md(recs: Sequence[RunRecord], corrupt: Sequence[tuple[str, int, str]], ledgers: Sequence[Path]) -> list[str]:
     """Skipped records lines, the ledgers behind the figures, versions and licences."""
-    from refspec.eval.corpora import licence_text
+    from refspec.eval.corpora.catalog import licence_text
 
     md = []
     if corrupt:

@@ -12,7 +12,7 @@ import pytest
 from refspec.energy.accounting import pool_runs
 from refspec.energy.ledger import read_ledger
 from refspec.eval import cli
-from refspec.eval.corpora import build_prompts, continuation_windows
+from refspec.eval.corpora.prompts import build_prompts, continuation_windows
 from refspec.eval.prompt_sets import corpus_prompts
 from refspec.eval.record import fields_of_json
 from refspec.eval.requests import default_requests, make_stream, poisson_arrivals

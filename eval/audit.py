@@ -42,6 +42,7 @@ MAX_LISTED = 20
 _MANTISSA_BITS = {"fp32": 23, "bf16": 7, "fp16": 10}
 _NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
+
 def dtype_name(dtype: Any) -> str:
     """``fp32`` / ``bf16`` / ``fp16`` from a torch dtype or a name."""
     text = str(dtype).removeprefix("torch.")
@@ -212,6 +213,6 @@ def classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict],
     return near, defects, unclassified
 
 
-__all__ = ["classify", "entry", "compare", "first_divergence", "margin_fn", "margin_of", "last_logits", "near_tie_bound",
-           "ulp", "dtype_name", "Divergence", "Comparison", "Margin", "NEAR_TIE_ULPS",
+__all__ = ["classify", "entry", "compare", "first_divergence", "margin_fn", "margin_of", "last_logits",
+           "near_tie_bound", "ulp", "dtype_name", "Divergence", "Comparison", "Margin", "NEAR_TIE_ULPS",
            "FP32_FLOOR_ULPS"]

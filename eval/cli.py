@@ -129,7 +129,7 @@ def _run_configs(args: argparse.Namespace, session: Any, configs: Sequence[Any],
 
     from refspec.eval.baseline import attach_baselines
     from refspec.eval.cli_report import note_corrupt
-    from refspec.eval.record import read_records, records_files, summary_json
+    from refspec.eval.record_files import read_records, records_files, summary_json
     from refspec.eval.sweep import run_plan
 
     summary = _writes_summary(args, sweep=sweep, keep=keep)
@@ -168,7 +168,7 @@ def _interrupted_line(configs: Sequence[Any], paths: RunPaths, *, keep: bool, sw
     """What an interruption leaves: the configurations of this plan whose records are on disk."""
     if not keep:
         return "\ninterrupted: no --out DIR was given, so nothing was kept"
-    from refspec.eval.record import read_records
+    from refspec.eval.record_files import read_records
 
     on_disk = read_records([paths.records]).by_id if paths.records.exists() else {}
     saved = sum(c.config_id in on_disk for c in configs)
@@ -204,7 +204,7 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
 def _run_and_report(args: argparse.Namespace, plan: Plan, configs: Sequence[Any], out_dir: Path,
                     meta: dict[str, Any], *, keep: bool, sweep: bool, command: str) -> int:
     from refspec.eval.baseline import attach_baselines
-    from refspec.eval.record import summary_json
+    from refspec.eval.record_files import summary_json
     from refspec.eval.report import format_table, write_report
     from refspec.eval.session import Session
     from refspec.eval.sweep import prepare_plan

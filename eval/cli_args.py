@@ -34,7 +34,7 @@ COMMANDS = {
 TOOLS = {"generate": "refspec.eval.generate", "bench": "refspec.eval.bench", "roofline": "refspec.eval.roofline_cli",
          "paper": "refspec.eval.paper.cli", "assets": "refspec.eval.assets_cli", "train": "refspec.eval.train",
          "calibrate": "refspec.eval.calibrate_cli", "dvfs": "refspec.eval.dvfs_cli"}
-"""Commands with parsers of their own: ``python -m refspec.eval NAME ...`` hands the rest of the line to ``MODULE.main``."""
+"""Commands with parsers of their own: ``python -m refspec.eval NAME ...`` calls ``MODULE.main`` with the rest."""
 PARSED = ("run", "sweep", "report")
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"

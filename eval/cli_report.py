@@ -21,7 +21,8 @@ from refspec.eval.baseline import attach_baselines
 from refspec.eval.cli_checks import check_report_flags
 from refspec.eval.flags import UsageError
 from refspec.eval.outputs import LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, claimed, write_json
-from refspec.eval.record import RecordError, RunRecord, read_records, records_files, summary_json
+from refspec.eval.record import RecordError, RunRecord
+from refspec.eval.record_files import read_records, records_files, summary_json
 from refspec.eval.report import format_table, write_report
 from refspec.eval.report_serving import target_choices, targets_text, unmet
 from refspec.eval.report_text import config_label

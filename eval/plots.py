@@ -152,7 +152,7 @@ def plot_energy_vs_batch(records: Sequence[RunRecord], path: Path) -> Path | Non
         for name, rows in series_by_batch(recs, corpus):
             bs = [r.batch for r in rows]
             ax.plot(bs, [shown_j(r) for r in rows], "o-", color=colors[name], label=name)
-            bad = [r for r in rows if r.window is not None and r.window.valid is False]  # an invalid window: a hollow marker
+            bad = [r for r in rows if r.window is not None and r.window.valid is False]  # invalid: a hollow marker
             if bad:
                 ax.plot([r.batch for r in bad], [shown_j(r) for r in bad], "o", mfc="white", color=colors[name],
                         label=f"{name}: window invalid")
@@ -283,7 +283,7 @@ def plot_window_vs_run(records: Sequence[RunRecord], path: Path) -> Path | None:
         _batch_panel(ax, recs, corpus, "batch (slots kept busy)", energy_label(recs),
                      "solid: steady-state window; dashed: whole run", 6)
     return save(plt, fig, path, "J/token over the steady-state window and over the whole run (ramp-up and drain "
-                 "included) (" + "; ".join(energy_sources(recs)) + ")")
+                "included) (" + "; ".join(energy_sources(recs)) + ")")
 
 
 def active_rows_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
@@ -329,7 +329,7 @@ def plot_active_rows(records: Sequence[RunRecord], ledgers: Sequence[Path], path
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, title="shaded: steady-state window", title_fontsize=6)
     return save(plt, fig, path,
-                 "Active rows per decode step (first run of each configuration); the steady-state window shaded")
+                "Active rows per decode step (first run of each configuration); the steady-state window shaded")
 
 
 def _finite(x: Any) -> bool:

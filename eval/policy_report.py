@@ -59,7 +59,7 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     rows = []
     usable = [r for r in records if _j(r) is not None and _continuous(r)]
     for r in sorted((r for r in usable if r.spec_policy != "fixed"), key=lambda r: (*_cell(r), r.drafter,
-                                                                                     r.spec_policy)):
+                                                                                    r.spec_policy)):
         same = [f for f in usable if _cell(f) == _cell(r) and f.spec_policy == "fixed"
                 and f.stream.stream_digest == r.stream.stream_digest and f.meter == r.meter
                 and (f.is_baseline or (f.drafter == r.drafter and f.tree == r.tree))]
@@ -146,7 +146,7 @@ def plot_k_over_run(records: Sequence[RunRecord], ledgers: Sequence[Path], path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
     return save(plt, fig, path, "K the speculation policy chose at each decode step (first run of each "
-                 "configuration; series offset slightly so they do not hide each other)")
+                "configuration; series offset slightly so they do not hide each other)")
 
 
 def plot_policy_energy(rows: Sequence[Mapping[str, Any]], records: Sequence[RunRecord], path: Path) -> Path | None:
@@ -190,7 +190,7 @@ def plot_frontier(stairs: Stairs, records: Sequence[RunRecord], path: Path) -> P
         ax.set_ylabel(energy_label(records))
         ax.grid(True, alpha=0.3)
     return save(plt, fig, path, "Energy-latency frontier: the lowest J/token reachable at each median-TPOT target "
-                 "(black staircase) from fixed-K runs (circles) and policy runs (diamonds)")
+                "(black staircase) from fixed-K runs (circles) and policy runs (diamonds)")
 
 
 def policy_section(records: Sequence[RunRecord], out_dir: Path, ledgers: Sequence[Path], *,

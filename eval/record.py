@@ -13,18 +13,12 @@ JSON names (the section's prefix + the field's name):
 :func:`RunRecord.from_json` reads the current :data:`RECORD_VERSION` and the older versions of
 :data:`READABLE_VERSIONS` (renaming their fields; a version 2 record, from before serving
 windows, has ``window`` None); any other version is refused with one line (:class:`RecordError`).
+Files of records: :mod:`refspec.eval.record_files`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
-from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping
-
-from refspec.eval.outputs import RECORDS, TASK_RECORDS_DIR, append_line
-
-log = logging.getLogger(__name__)
+from typing import Any, ClassVar, Mapping
 
 RECORD_VERSION = 4
 READABLE_VERSIONS = (2, 3, 4)
@@ -367,7 +361,8 @@ _V3_NAMES = {"emitted": "run_tokens", "total_time_s": "run_time_s", "total_energ
              "energy_per_token_j_run": "run_j_per_token", "energy_per_token_j": "window_j_per_token",
              "net_energy_j": "run_net_energy_j", "net_energy_per_token_j": "run_net_j_per_token",
              "window_s": "window_time_s", "phase_energy_per_token_j": "phase_j_per_token"}
-_V2_NAMES = {**_V3_NAMES, "energy_per_token_j": "run_j_per_token", "rows": "requests", "prompts_unique": "requests_unique"}
+_V2_NAMES = {**_V3_NAMES, "energy_per_token_j": "run_j_per_token", "rows": "requests",
+             "prompts_unique": "requests_unique"}
 
 
 def _upgrade(d: dict[str, Any], version: int) -> dict[str, Any]:
@@ -382,116 +377,6 @@ def _upgrade(d: dict[str, Any], version: int) -> dict[str, Any]:
     return out
 
 
-# ---- records files -----------------------------------------------------------------------------
-@dataclasses.dataclass
-class LoadedRecords:
-    """Records read from a run or sweep directory.
-
-    Attributes:
-        records: the last ``status == "ok"`` record of each configuration, in first-seen order.
-        corrupt: ``(file, line number, reason)`` of every line that could not be read.
-        duplicates: how many records repeated a configuration already seen.
-        files: the records files read.
-    """
-
-    records: list[RunRecord]
-    corrupt: list[tuple[str, int, str]]
-    duplicates: int
-    files: list[Path]
-
-    @property
-    def by_id(self) -> dict[str, RunRecord]:
-        return {r.config_id: r for r in self.records}
-
-
-def records_files(out_dir: Path) -> list[Path]:
-    """``DIR/records.jsonl`` and every ``DIR/records/*.jsonl`` that exist."""
-    files = [out_dir / RECORDS] if (out_dir / RECORDS).is_file() else []
-    task_dir = out_dir / TASK_RECORDS_DIR
-    if task_dir.is_dir():
-        files += sorted(task_dir.glob("*.jsonl"))
-    return files
-
-
-def _parse(line: str) -> RunRecord | str | None:
-    """The record of one line, None for a record that did not finish, or why it cannot be read."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return f"not JSON ({exc.msg}); a truncated write?"
-    if not isinstance(obj, dict) or not isinstance(obj.get("config_id"), str):
-        return "not a configuration record (no config_id)"
-    if obj.get("status") != "ok":
-        return None
-    try:
-        return RunRecord.from_json(obj)
-    except RecordError as exc:
-        return str(exc)
-
-
-def read_records(files: Iterable[Path], *, strict: bool = False) -> LoadedRecords:
-    """Read records files, skipping (and reporting) corrupt lines; the last record of an id wins.
-
-    Args:
-        files: records files.
-        strict: raise on a line that is JSON but no readable record (another version, a field
-            missing) instead of skipping it.
-
-    Raises:
-        OSError: a file that exists but cannot be read.
-        RecordError: under ``strict``, the first unreadable record.
-    """
-    by_id: dict[str, RunRecord] = {}
-    corrupt: list[tuple[str, int, str]] = []
-    duplicates = 0
-    file_list = list(files)
-    for path in file_list:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        for number, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            rec = _parse(line)
-            if isinstance(rec, str):
-                if strict and not rec.startswith(("not JSON", "not a configuration")):
-                    raise RecordError(f"{path}:{number}: {rec}")
-                corrupt.append((str(path), number, rec))
-            elif rec is not None:
-                duplicates += rec.config_id in by_id
-                by_id.pop(rec.config_id, None)  # re-insert below, keeping the latest
-                by_id[rec.config_id] = rec
-    for path, number, reason in corrupt:
-        log.warning("%s, line %d: skipped (%s)", path, number, reason)
-    return LoadedRecords(records=list(by_id.values()), corrupt=corrupt, duplicates=duplicates, files=file_list)
-
-
-def append_record(path: Path, record: RunRecord) -> None:
-    """Append one record as a JSON line, flushed and fsynced (a crash mid-line is repaired later)."""
-    append_line(path, json.dumps(record.to_json()))
-
-
-def summary_json(records: Iterable[RunRecord]) -> list[dict[str, Any]]:
-    """``summary.json``'s list: every record's JSON object."""
-    return [r.to_json() for r in records]
-
-
-def describe_source(source: str) -> str:
-    """An energy source string in words, never presenting a model as a measurement."""
-    if source.startswith("measured:"):
-        return f"measured by counter {source.split(':', 1)[1]}"
-    if source.startswith("modelled:roofline("):
-        inner = source[len("modelled:roofline("):].rstrip(")")
-        profile, _, mode = inner.partition(",")
-        how = "on measured wall time" if mode == "wall-time" else "on modelled time"
-        return f"modelled (not measured) by roofline profile {profile}, {how}"
-    if source.startswith("modelled:simulated-counter("):
-        inner = source[len("modelled:simulated-counter("):].rstrip(")")
-        return f"simulated (not measured): a counter ({inner}) sampling the roofline's modelled energy"
-    if source.startswith("none"):
-        return "not recorded (time-only meter)"
-    return f"unknown source {source!r}"
-
-
 __all__ = ["RunRecord", "RequestOutput", "Stream", "Counts", "RunFigures", "WindowFigures", "Latency", "Energy",
-           "Work", "PerRequest", "Comparison", "SECTIONS", "RecordError", "LoadedRecords", "RECORD_VERSION",
-           "READABLE_VERSIONS", "read_records", "records_files", "append_record", "summary_json", "fields_of_json",
-           "describe_source"]
+           "Work", "PerRequest", "Comparison", "SECTIONS", "RecordError", "RECORD_VERSION", "READABLE_VERSIONS",
+           "fields_of_json"]

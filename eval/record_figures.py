@@ -22,8 +22,8 @@ from refspec.energy.per_request import PARTS, pooled_acceptance, request_accepta
 from refspec.energy.serving_window import percentile
 from refspec.eval.acceptance_models import acceptance_from_tau
 from refspec.eval.prefill_work import prefill_fields
-from refspec.eval.record import (Counts, Energy, Latency, PerRequest, RequestOutput, RunFigures, WindowFigures, Work,
-                                 describe_source)
+from refspec.eval.record import (Counts, Energy, Latency, PerRequest, RequestOutput, RunFigures, WindowFigures,
+                                 Work)
 
 log = logging.getLogger(__name__)
 Record = Mapping[str, Any]
@@ -66,6 +66,23 @@ def accounting_sections(acc: Accounting) -> dict[str, Any]:
     return {"counts": counts, "run": run, "window": window, "latency": latency, "energy": energy}
 
 
+def describe_source(source: str) -> str:
+    """An energy source string in words, never presenting a model as a measurement."""
+    if source.startswith("measured:"):
+        return f"measured by counter {source.split(':', 1)[1]}"
+    if source.startswith("modelled:roofline("):
+        inner = source[len("modelled:roofline("):].rstrip(")")
+        profile, _, mode = inner.partition(",")
+        how = "on measured wall time" if mode == "wall-time" else "on modelled time"
+        return f"modelled (not measured) by roofline profile {profile}, {how}"
+    if source.startswith("modelled:simulated-counter("):
+        inner = source[len("modelled:simulated-counter("):].rstrip(")")
+        return f"simulated (not measured): a counter ({inner}) sampling the roofline's modelled energy"
+    if source.startswith("none"):
+        return "not recorded (time-only meter)"
+    return f"unknown source {source!r}"
+
+
 # ---- the ledger's work -----------------------------------------------------------------------
 def _phases(records: Iterable[Record], run_ids: Sequence[str], phase: str) -> list[Record]:
     runs = set(run_ids)
@@ -79,7 +96,7 @@ def k_steps(records: Iterable[Record], run_ids: Sequence[str]) -> tuple[dict[str
         counts[int(rec.get("k") or 0)] += 1
     steps = sum(counts.values())
     return {str(k): counts[k] for k in sorted(counts)}, (sum(k * n for k, n in counts.items()) / steps if steps
-                                                          else None)
+                                                         else None)
 
 
 def _experts(records: Sequence[Record], run_ids: Sequence[str], phase: str) -> float | None:
@@ -108,7 +125,8 @@ def _split(ledger: Sequence[Record], run_ids: Sequence[str], phases: Sequence[Re
 
 
 def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence[Any],
-                    asked: Sequence[RequestOutput], *, profile: Any = None) -> tuple[PerRequest, tuple[RequestOutput, ...]]:
+                    asked: Sequence[RequestOutput], *,
+                    profile: Any = None) -> tuple[PerRequest, tuple[RequestOutput, ...]]:
     """Each request's energy, acceptance and latencies, and the configuration's summary of them.
 
     Args:
@@ -165,8 +183,9 @@ def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence
 
 
 # ---- the roofline prediction ----------------------------------------------------------------
-def roofline_figures(args: Any, profile: Any, *, batch: int, k: int, drafter_model: Any, prompts: Sequence[Sequence[int]],
-                        tau: float | None, budgets: Sequence[int], dtype_bytes: int) -> dict[str, Any]:
+def roofline_figures(args: Any, profile: Any, *, batch: int, k: int, drafter_model: Any,
+                     prompts: Sequence[Sequence[int]], tau: float | None, budgets: Sequence[int],
+                     dtype_bytes: int) -> dict[str, Any]:
     """The analytic (modelled) J/token and TPOT of a steady-state step of a configuration.
 
     Context is the mean prompt length plus half the mean budget; acceptance is the per-draft
@@ -187,4 +206,4 @@ def roofline_figures(args: Any, profile: Any, *, batch: int, k: int, drafter_mod
             "source": f"modelled:roofline({profile.name})", "includes_prefill": False}
 
 
-__all__ = ["accounting_sections", "work_section", "k_steps", "request_figures", "roofline_figures"]
+__all__ = ["describe_source", "accounting_sections", "work_section", "k_steps", "request_figures", "roofline_figures"]

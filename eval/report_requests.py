@@ -35,7 +35,7 @@ def write_request_metrics(path: Path, records: Sequence[RunRecord]) -> int:
     """Write one JSON line per request of every record (its configuration's keys, then its
     figures; prompt and token ids left out), atomically; returns the lines written."""
     lines = [json.dumps({**_config(r), **{k: v for k, v in dataclasses.asdict(out).items()
-                                           if k not in ("prompt", "tokens")}})
+                                          if k not in ("prompt", "tokens")}})
              for r in records for out in r.request_outputs]
     write_atomic(path, "".join(line + "\n" for line in lines))
     return len(lines)

@@ -243,7 +243,7 @@ def targets_md(records: Sequence[RunRecord], targets: Targets | None, choices: M
         lines += [f"> {note}", ""]
     for corpus, c in sorted((choices or {}).items()):
         head = (f"**{corpus}**: " + (f"{label(c.chosen)}, {_chosen_j(c.chosen)}" if c.chosen
-                                      else "no configuration meets the targets"))
+                                     else "no configuration meets the targets"))
         given = list(targets.given())
         lines += [head, "", "| configuration | J/token window | J/token run | mean active rows | TTFT p99 ms | "
                   "TPOT p99 ms | " + " | ".join(f"{_NAMES[f]} miss" for f in given) + " | J/token vs chosen |",

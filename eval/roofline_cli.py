@@ -69,7 +69,8 @@ def loss_regions(target: ModelArgs, profile: HardwareProfile, *, k: int, context
 
     def loses(b: int) -> bool:
         kw = dict(batch=b, context=context, acceptance=acceptance, drafter=drafter, dtype_bytes=dtype_bytes)
-        return predict_step(target, profile, k=k, **kw).j_per_token > predict_step(target, profile, k=0, **kw).j_per_token
+        spec, plain = predict_step(target, profile, k=k, **kw), predict_step(target, profile, k=0, **kw)
+        return spec.j_per_token > plain.j_per_token
 
     grid = sorted({b for p in range(max_batch.bit_length()) for b in (1 << p, 3 << p >> 1) if 1 <= b <= max_batch}
                   | {max_batch})
@@ -135,7 +136,8 @@ def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Se
                     d = dense_base if k == 0 else predict_step(dense, profile, k=k, **kw)
                     row.update(experts_per_layer=expected_experts(target.num_experts, target.num_experts_per_tok,
                                                                   b * (k + 1)),
-                               dense_j_per_token=d.j_per_token, dense_saving=1.0 - d.j_per_token / dense_base.j_per_token)
+                               dense_j_per_token=d.j_per_token,
+                               dense_saving=1.0 - d.j_per_token / dense_base.j_per_token)
                 rows.append(row)
     return rows
 
@@ -368,7 +370,8 @@ def _write_outputs(out: Path, rows: list[dict[str, Any]], accs: Sequence[float],
     """The table as CSV and one plot per acceptance rate in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
-    write_atomic(out / f"{stem}.csv", "".join(",".join(map(str, r)) + "\n" for r in [list(rows[0]), *(r.values() for r in rows)]))
+    table = [list(rows[0]), *(r.values() for r in rows)]  # the header, then one line per row
+    write_atomic(out / f"{stem}.csv", "".join(",".join(map(str, r)) + "\n" for r in table))
     for a in accs:
         path = out / f"{stem}_a{a:g}.png"
         _plot([r for r in rows if r["acceptance"] == a], profile,

@@ -16,6 +16,7 @@ from typing import Any
 
 from refspec.eval.flags import UsageError
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything that identifies one configuration (built only at the CLI edge).

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from refspec.eval.record import describe_source
+from refspec.eval.record_figures import describe_source
 from refspec.eval.runtime import LoadedTarget, UsageError, load_target
 
 if TYPE_CHECKING:

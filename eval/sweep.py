@@ -24,7 +24,8 @@ from typing import Callable, Mapping, Sequence
 
 from refspec.energy.ledger import mark_aborted
 from refspec.eval.outputs import RunPaths
-from refspec.eval.record import RunRecord, append_record, read_records, records_files
+from refspec.eval.record import RunRecord
+from refspec.eval.record_files import append_record, read_records, records_files
 from refspec.eval.run import ConfigResult, prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.run_config import RunConfig
 from refspec.eval.session import Session

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from refspec.eval.flags import UsageError
 from refspec.eval.outputs import SWEEP_META, write_json
-from refspec.eval.record import read_records, records_files
+from refspec.eval.record_files import read_records, records_files
 
 
 def definition_id(config_ids: Sequence[str]) -> str:

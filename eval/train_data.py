@@ -184,7 +184,9 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
     replies = replies if replies is not None else ReplyCache(None)
 
     def prompt_ids(source: str, text: str) -> list[int]:
-        return tokenizer.encode(text) if source == "code" else tokenizer.encode_chat([{"role": "user", "content": text}])
+        if source == "code":
+            return tokenizer.encode(text)
+        return tokenizer.encode_chat([{"role": "user", "content": text}])
 
     def reference(source: str, row: dict[str, str]) -> TrainingSequence:
         p = prompt_ids(source, row["prompt"])

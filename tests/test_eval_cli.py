@@ -14,7 +14,8 @@ import pytest
 
 from refspec.eval import cli
 from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16
-from refspec.eval.record import RunRecord, fields_of_json, read_records
+from refspec.eval.record import RunRecord, fields_of_json
+from refspec.eval.record_files import read_records
 from refspec.energy.accounting import pool_runs
 from refspec.energy.accounting_text import format_closure
 from refspec.energy.ledger import read_ledger

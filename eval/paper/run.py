@@ -29,9 +29,10 @@ from refspec.eval.paper.targets import build_drafter, load_target
 
 log = logging.getLogger("refspec.eval.paper")
 CLOSING_S = 10.0
-SUMMARY = ("window_j_per_token", "run_j_per_token", "run_net_j_per_token", "tau", "tpot_p50_s", "tpot_p99_s", "ttft_p50_s",
-           "window_s", "rejected_share", "verify_intensity_modelled", "share_draft", "share_verify", "share_commit",
-           "share_prefill", "share_unattributed", "verified_per_row_step", "agreement", "additivity_residual")
+SUMMARY = ("window_j_per_token", "run_j_per_token", "run_net_j_per_token", "tau", "tpot_p50_s", "tpot_p99_s",
+           "ttft_p50_s", "window_s", "rejected_share", "verify_intensity_modelled", "share_draft",
+           "share_verify", "share_commit", "share_prefill", "share_unattributed", "verified_per_row_step",
+           "agreement", "additivity_residual")
 
 
 class Budget:

@@ -34,6 +34,7 @@ import torch
 from refspec.eval.bench_timing import (hf_run, interleaved, load_hf, refspec_figures, refspec_run,
                                        compile_figures, compiled_step, measure_bandwidth, products_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
+from refspec.eval.outputs import check_output
 from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
 from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
@@ -338,6 +339,8 @@ def _ints(text: str) -> list[int]:
 def _roofline(args) -> int:
     from refspec.eval.roofline_check import check_roofline, format_check, plot_check
 
+    if args.plot is not None:
+        check_output("--plot", args.plot)
     set_threads()
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"))
     res = check_roofline(target.model, batches=_ints(args.batch), ks=_ints(args.k), new_tokens=args.new_tokens)

@@ -464,3 +464,5 @@ def test_run_without_batch_and_corpus_runs_the_default_cells_and_either_flag_one
     assert cells("--batch", "8")[0] == [("code", 8), ("conversation", 8)]
     assert cells("--corpus", "conversation")[0] == [("conversation", 1)]
     assert cells("--corpus", "math", "--batch", "2", "--drafter", "eagle") == ([("math", 2)], ["eagle", "none"])
+    assert cells("--drafter", "eagle", "--batch", "64") == ([("code", 64), ("conversation", 64)], ["eagle", "none"]), \
+        "no command: run"

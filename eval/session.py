@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from refspec.eval.record_figures import describe_source
-from refspec.eval.runtime import LoadedTarget, UsageError, load_target
+from refspec.eval.flags import UsageError
+from refspec.eval.runtime import LoadedTarget, load_target
 
 if TYPE_CHECKING:
     from refspec.eval.run_config import RunConfig

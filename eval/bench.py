@@ -31,11 +31,11 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.eval.bench_timing import (hf_run, interleaved, load_hf, refspec_figures, refspec_run,
-                                       compile_figures, compiled_step, measure_bandwidth, products_run, weight_bytes)
+from refspec.eval.bench_timing import (compile_figures, compiled_step, hf_run, interleaved, load_hf, measure_bandwidth,
+                                       products_run, refspec_figures, refspec_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
-from refspec.eval.outputs import check_output
 from refspec.eval.flags import UsageError
+from refspec.eval.outputs import check_output
 from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
 from refspec.models.cpu_speed import gemm_plan, weight_copy_kind

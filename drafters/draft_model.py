@@ -20,13 +20,10 @@ import dataclasses
 
 import torch
 
+from refspec.config import round_up
 from refspec.drafting import DecodeState, Draft, DrafterError
 from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 class DraftModelDrafter:
@@ -72,7 +69,7 @@ class DraftModelDrafter:
         s = int(state.prompt_lengths.max().item())
         pos = torch.arange(s, device=state.tokens.device)[None].expand(b, s)
         self.model(state.tokens[:, :s].to(self.model.device), pos, self.cache,
-                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+                   num_keys=min(t, round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
         self.forwards = 0
         self._behind, self._drafted = 0, False
 
@@ -87,7 +84,7 @@ class DraftModelDrafter:
         pos = torch.arange(s, device=state.tokens.device)[None].expand(rows.numel(), s)
         tokens = state.tokens.index_select(0, rows)[:, :s]
         self.model(tokens.to(self.model.device), pos, self.cache.rows(rows),
-                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+                   num_keys=min(t, round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
 
     def _next(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         if logits.shape[-1] < self.target_vocab:  # a draft vocabulary short of the target's
@@ -102,7 +99,7 @@ class DraftModelDrafter:
     def propose(self, state: DecodeState, k: int) -> Draft:
         b, t = state.tokens.shape
         dev = state.tokens.device
-        num_keys = min(t, _round_up(state.max_length_bound + k + 1, self.kv_bucket))
+        num_keys = min(t, round_up(state.max_length_bound + k + 1, self.kv_bucket))
         last = state.lengths  # [B] position of the pending token
         pos = (last[:, None] + torch.arange(-1 - self._behind, 1, device=dev)).clamp_(0, t - 1)  # [B, S+2]
         self._behind, self._drafted = 0, True

@@ -21,7 +21,7 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
     """Best wall time of each function and the result of that same run (so figures taken
     from the result, such as per-step times, describe the run the wall time describes), after
     one warm-up each, running the functions in turn ``repeats`` times so a slow spell of a
@@ -57,7 +57,7 @@ def weight_bytes(model) -> int:
     return total
 
 
-def _refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: Any = None) -> Callable[[], Any]:
+def refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: Any = None) -> Callable[[], Any]:
     from refspec.engine import Engine
 
     engine = Engine(model, verify_fn=verify_fn)  # no EOS: every row decodes the full budget
@@ -89,13 +89,13 @@ def compile_figures(step) -> dict[str, Any]:
             "compiled_calls": st.compiled_calls, "compile_eager_calls": st.eager_calls}
 
 
-def _refspec_figures(wall: float, gen) -> dict[str, float]:
+def refspec_figures(wall: float, gen) -> dict[str, float]:
     """tokens/s over the whole call and the mean decode step (draft + verify + commit)."""
     steps = [e.measurement.time_s for e in gen.events if e.phase in ("draft", "verify", "commit")]
     return {"tokens_per_s": gen.num_emitted / wall, "step_ms": 1000 * sum(steps) / gen.steps, "wall_s": wall}
 
 
-def _hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> Callable[[], list[list[int]]]:
+def hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra) -> Callable[[], list[list[int]]]:
     """A call of transformers.generate on left-padded prompts returning the new tokens per row."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -113,7 +113,7 @@ def _hf_run(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, **extra)
     return run
 
 
-def _load_hf(path: Path, dtype: torch.dtype):
+def load_hf(path: Path, dtype: torch.dtype):
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -122,4 +122,5 @@ def _load_hf(path: Path, dtype: torch.dtype):
     return model.eval()
 
 
-__all__ = ["measure_bandwidth", "weight_bytes", "compiled_step", "compile_figures"]
+__all__ = ["measure_bandwidth", "weight_bytes", "compiled_step", "compile_figures", "interleaved", "load_hf", "hf_run",
+           "refspec_run", "refspec_figures", "products_run"]

@@ -115,7 +115,7 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
 
     from refspec.drafters import registry
     from refspec.engine import Engine, EngineConfig
-    from refspec.eval.run import auto_dtype
+    from refspec.eval.machine import auto_dtype
     from refspec.eval.runtime import encode_prompt, load_target, parse_dtype, pick_device, set_threads
     from refspec.sampling import SamplingConfig
 

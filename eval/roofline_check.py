@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.outputs import atomic_target
+
 log = logging.getLogger(__name__)
 
 
@@ -168,7 +170,8 @@ def plot_check(result: dict[str, Any], path: Path) -> Path:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 

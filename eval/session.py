@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from refspec.eval.records import describe_source
-from refspec.eval.runtime import LoadedTarget, UsageError, load_target
+from refspec.eval.record_figures import describe_source
+from refspec.eval.flags import UsageError
+from refspec.eval.runtime import LoadedTarget, load_target
 
 if TYPE_CHECKING:
-    from refspec.eval.run import RunConfig
+    from refspec.eval.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class Session:
         model: model id or directory.
         dtype: resolved dtype name.
         device: torch device.
-        meter: meter kind (see :class:`~refspec.eval.run.RunConfig`).
+        meter: meter kind (see :class:`~refspec.eval.run_config.RunConfig`).
         cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
         compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`.
         phase_loops_s: seconds of each phase-isolated loop after a run metered by a counter
@@ -177,10 +178,10 @@ class Session:
 
     def prompt_set(self, corpus: str, wanted: int, cap: int | None = None) -> Any:
         """Up to ``min(wanted, cap)`` distinct eval prompts of ``corpus`` with their reference answers'
-        lengths (:func:`refspec.eval.requests.corpus_prompt_set`)."""
+        lengths (:func:`refspec.eval.prompt_sets.corpus_prompt_set`)."""
         key = (corpus, wanted, cap)
         if key not in self._prompts:
-            from refspec.eval.requests import corpus_prompt_set
+            from refspec.eval.prompt_sets import corpus_prompt_set
 
             tok = self.target.tokenizer
             chat = self.chat and bool(getattr(tok, "has_chat_template", False))

@@ -109,7 +109,7 @@ def rank_out(out: Path | None) -> Path | None:
     scratch = Path(tempfile.mkdtemp(prefix=f"refspec-tp-rank{tp.rank}-"))
     atexit.register(shutil.rmtree, scratch, True)
     if out is not None and out.is_dir():
-        from refspec.eval.sweep import records_files
+        from refspec.eval.record_files import records_files
 
         for f in records_files(out):
             dest = scratch / f.relative_to(out)

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(args)
         from refspec.eval.interrupts import import_torch
-        from refspec.eval.outdir import claimed
+        from refspec.eval.outputs import claimed
 
         import_torch()
         with claimed(args.out) as out_dir:

@@ -86,7 +86,7 @@ class Server:
         from refspec.energy.ledger.writer import Ledger
         from refspec.energy.per_request import split_profile
         from refspec.eval.run import build_engine, resolve_defaults
-        from refspec.eval.sweep import LEDGER
+        from refspec.eval.outputs import LEDGER
 
         self.started_s = time.perf_counter()
         self.sock = socket.create_server((settings.host, settings.port))  # a busy port fails before the model loads

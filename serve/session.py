@@ -94,7 +94,9 @@ def write_session_record(session: Any, cfg: Any, *, out_dir: Path, ledger: Any, 
     """
     from refspec.eval.report import write_report
     from refspec.eval.run import configuration_record
-    from refspec.eval.sweep import RECORDS, SUMMARY, append_record, attach_baselines, write_json_atomic
+    from refspec.eval.outputs import RECORDS
+    from refspec.eval.sweep import SUMMARY, append_record, write_json_atomic
+    from refspec.eval.baseline import attach_baselines
 
     if not result.requests:
         log.info("no request was served: no record written")

@@ -1,7 +1,7 @@
 """The benchmark helpers report figures of one and the same run."""
 import time
 
-from refspec.eval.bench import _interleaved
+from refspec.eval.bench_timing import interleaved
 
 
 def test_interleaved_keeps_the_result_of_the_fastest_run():
@@ -14,7 +14,7 @@ def test_interleaved_keeps_the_result_of_the_fastest_run():
         time.sleep(next(sleeps))
         return calls[-1]
 
-    best = _interleaved({"f": fn}, repeats=3)
+    best = interleaved({"f": fn}, repeats=3)
     wall, result = best["f"]
     assert result == 2, "the result must come from the run whose wall time is reported"
     assert 0.005 <= wall < 0.04

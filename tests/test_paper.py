@@ -160,7 +160,7 @@ def test_a_difference_inside_the_spread_is_not_resolved():
 
 
 def _variant(arch, batch, drafter, source, j, spread=0.0, **more):
-    summary = {"j_per_token": {"mean": j, "spread": spread, "n": 2}}
+    summary = {"window_j_per_token": {"mean": j, "spread": spread, "n": 2}}
     summary.update({k: {"mean": v, "spread": 0.0, "n": 2} for k, v in more.items()})
     return {"arch": arch, "batch": batch, "drafter": drafter, "kind": drafter.split()[0], "k": 0 if drafter == "none"
             else 16, "source": source, "corpus": "conversation", "summary": summary, "window_valid": True}

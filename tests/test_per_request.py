@@ -241,9 +241,9 @@ def test_run_writes_one_line_per_request_and_its_records_close(tiny, tmp_path, c
     assert all("prompt" not in x and "tokens" not in x and x["energy_j"] > 0 for x in lines)
     for r in summary:
         lost = sum(r["request_unattributed_j"].values())
-        assert r["request_energy_closes"] and r["request_energy_sum_j"] + lost == pytest.approx(r["total_energy_j"])
+        assert r["request_energy_closes"] and r["request_energy_sum_j"] + lost == pytest.approx(r["run_energy_j"])
         assert r["acceptance_tau_from_positions"] == pytest.approx(r["tau"])
-        assert sum(o["output_tokens"] for o in r["request_outputs"]) == r["emitted"]
+        assert sum(o["output_tokens"] for o in r["request_outputs"]) == r["run_tokens"]
         assert sum(sum(o["accepted_hist"]) for o in r["request_outputs"]) == r["row_steps"]
     report = (out / "report.md").read_text()
     assert "What did my request cost in a batch of 3?" in report and "5 requests" in report

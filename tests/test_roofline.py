@@ -215,11 +215,11 @@ def test_cli_prints_table_and_writes_plot(tmp_path, capsys):
 
 
 def test_a_plug_in_drafter_gets_a_prediction_from_its_own_cost_model():
-    """eval.records asks the drafter (no table of names): a class defined here, outside refspec,
+    """The eval asks the drafter (no table of names): a class defined here, outside refspec,
     gets a prediction; a drafter without ``roofline_model`` gets none; None is a free drafter."""
     from types import SimpleNamespace
 
-    from refspec.eval.records import roofline_prediction
+    from refspec.eval.run import roofline_prediction
 
     a = arch("smollm2-135m")
     session = SimpleNamespace(roofline_profile=H200_SXM, target=SimpleNamespace(model=SimpleNamespace(args=a)),

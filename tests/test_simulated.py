@@ -199,7 +199,7 @@ def test_engine_run_under_the_simulated_counter_closes_on_the_truth(tmp_path):
 
 
 def test_the_record_says_simulated_never_measured():
-    from refspec.eval.records import describe_source
+    from refspec.eval.record_figures import describe_source
 
     text = describe_source(make_meter("simulated:h200:period_ms=50:sample_ms=12.5").source)
     assert text == ("simulated (not measured): a counter (h200-sxm,P=50ms,S=12.5ms) sampling the roofline's "

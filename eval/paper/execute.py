@@ -117,7 +117,7 @@ def _print_summary(outputs: Outputs) -> None:
         print(f"claim {c['claim']}: {c['verdict']} ({c['profile']}{others}) - {c['title']}")
     if d["skipped"]:
         print(f"skipped {len(d['skipped'])} shapes: " + "; ".join(f"{s['block']} b{s['batch']} {s['drafter']}: "
-                                                                 f"{s['why']}" for s in d["skipped"][:4]))
+                                                                  f"{s['why']}" for s in d["skipped"][:4]))
     for p in d.get("out_problems", []):
         print(f"WARNING: {p}")
     print(f"wrote {outputs.out}/claims.md, claims.json, results.json and {len(d['plots'])} plots in "

@@ -44,13 +44,7 @@ KNOWN_BAD_ARROWS: set[tuple[str, str]] = {
     ("refspec.energy.interconnect", "refspec.sharding"),  # interconnect moves to refspec.models.tp
     ("refspec.energy.rank_meter", "refspec.distributed"),  # rank_meter moves to refspec.models.tp
 }
-KNOWN_CYCLES: list[frozenset[str]] = [  # eval's circles, removed by the eval branch
-    frozenset({"refspec.eval.mixed_corpus", "refspec.eval.requests"}),
-    frozenset({"refspec.eval.plots", "refspec.eval.policy_report", "refspec.eval.report",
-               "refspec.eval.report_requests"}),
-    frozenset({"refspec.eval.records", "refspec.eval.run", "refspec.eval.run_config", "refspec.eval.runtime",
-               "refspec.eval.session", "refspec.eval.sweep", "refspec.eval.tp_launch"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def package_dirs(root: Path) -> dict[str, Path]:

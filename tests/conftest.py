@@ -1,8 +1,9 @@
 """The session's settings and shared fixtures.
 
-Tests run in parallel workers (pytest-xdist, ``-n auto`` in pyproject's addopts; ``-n 0`` runs
-them in one process). Each process gets its own inductor cache and its share of the cores; tests
-that share a module-scoped fixture run on one worker, so the fixture is built once.
+The README's command runs the tests in parallel workers (pytest-xdist: ``-n auto --dist
+loadgroup``); without ``-n`` they run in one process. Each process gets its own inductor cache and
+its share of the cores; tests that share a module-scoped fixture run on one worker, so the fixture
+is built once, and the GPU tests run one after another on one worker.
 """
 import os
 import sys
@@ -44,12 +45,15 @@ def pytest_addoption(parser):
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "heavy" in item.keywords and not config.getoption("--run-heavy"):
             item.add_marker(pytest.mark.skip(reason="heavy tier (Qwen 1.5B pair): opt in with --run-heavy"))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU; none is present"))
-        if _uses_a_module_fixture(item):
+        if xdist and "gpu" in item.keywords:  # one GPU: its tests (and what they measure) do not overlap
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+        elif xdist and _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 

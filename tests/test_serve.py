@@ -257,6 +257,14 @@ def test_the_run_level_endpoint_gives_the_window_and_the_ledger(http, server):
     assert w["valid"] is False or w["j_per_token"] > 0
 
 
+def test_a_second_server_into_the_same_out_dir_is_refused_before_it_loads(server, model_dir):
+    from refspec.eval.outputs import OutputError
+    from refspec.serve.cli import start
+
+    with pytest.raises(OutputError, match="in use by another refspec run"):
+        start(["--model", str(model_dir), "--out", str(server.out_dir), *SERVER_FLAGS])
+
+
 # ---- the session, after shutdown (last: it stops the module's server) ---------------------------
 def test_every_response_carries_what_the_record_charges_its_request(http, server):
     from refspec.eval import cli

@@ -196,7 +196,7 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
         with _out_dir(out) as (out_dir, _):
             return _write_sbatch(args, plan, argv, out_dir, {**meta, "definition": None, "sbatch": True})
     out = rank_out(out)  # ranks other than 0 write into a scratch copy of the records
-    _threads(args.threads)
+    apply_threads(args.threads)
     with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
         return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)
 
@@ -265,8 +265,9 @@ def _strip(argv: Sequence[str], flags: Sequence[str], options: Sequence[str]) ->
     return out
 
 
-def _threads(requested: str) -> None:
-    """Set intra-op threads from ``--threads`` (see its help); print what ``auto`` chose on a busy machine."""
+def apply_threads(requested: str) -> None:
+    """Set intra-op threads from ``--threads`` (``auto`` or a checked count; see its help); say on stderr
+    when ``auto`` chose one thread on a busy machine (every command of the eval and the server)."""
     import os
 
     import torch
@@ -351,4 +352,4 @@ def _main(raw: list[str]) -> int:
         return EXIT_USAGE
 
 
-__all__ = ["main"]
+__all__ = ["main", "apply_threads"]

@@ -5,7 +5,8 @@ A :class:`~refspec.eval.run_config.RunConfig` names everything that changes a fi
 callable, drafters, prompts, streams). :func:`prepare_configuration` builds what a
 configuration needs so a bad setting fails before anything runs; :func:`run_configuration`
 runs it through the pipeline (:mod:`refspec.eval.pipeline`) and returns its
-:class:`~refspec.eval.record.RunRecord`, whose figures come from the ledger alone.
+:class:`~refspec.eval.record.RunRecord`, whose figures come from the ledger alone
+(:func:`configuration_record`, which a server session's record is built by too).
 
 Serving: ``continuous`` (the default) keeps B slots busy, refilling each freed slot from the
 stream, in one ledger run; ``static`` serves lockstep batches of B requests that drain, one
@@ -115,8 +116,9 @@ def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
 
 
 # ---- serving ------------------------------------------------------------------------------------
-def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
-    """The engine of ``cfg``, every phase event going to ``ledger``."""
+def build_engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
+    """The engine of ``cfg`` (its sampling, policy, meter and verify callable), every phase event going to
+    ``ledger``; ``acceptance_fn`` is an injected acceptance model's (None: the drafter's own)."""
     from refspec.engine import Engine, EngineConfig
     from refspec.eval.policy_setup import build_policy
     from refspec.sampling import SamplingConfig
@@ -191,6 +193,36 @@ def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any
         versions=library_versions(), cpu_gemm_plan=gemm_plan_text(), **accounting_sections(acc))
 
 
+def configuration_record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], *,
+                         ledger_path: Path, start_offset: int, run_ids: Sequence[str], drafter: Any,
+                         injection: dict[str, Any] | None = None, baseline: RunRecord | None = None,
+                         started_s: float) -> RunRecord:
+    """The record of ``cfg`` whose ended ledger runs ``run_ids`` lie in ``ledger_path`` from byte ``start_offset``.
+
+    Its figures come from the ledger as written to disk (:func:`refspec.eval.pipeline.read_back`), never
+    from the engine's own counts; ``run`` and ``sweep`` build every record here, a server session too.
+
+    Args:
+        stream: the requests served (a :class:`~refspec.eval.requests.RequestStream`).
+        results: the engine's ``ServeResult`` of each run.
+        drafter: the drafter that ran (None for the baseline), for the roofline's prediction.
+        injection: the injected acceptance model's record, or None.
+        baseline: the baseline's record at the same batch, for the comparison section.
+        started_s: ``time.perf_counter()`` when the configuration started (the record's ``wall_s``).
+
+    Raises:
+        AccountingError: the runs cannot be accounted.
+    """
+    from refspec.eval.audit import margin_fn
+
+    records = pipeline.read_back(ledger_path, offset=start_offset)
+    acc = pipeline.account(records, run_ids)
+    record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
+                     drafter=drafter)
+    record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))
+    return dataclasses.replace(record, wall_s=time.perf_counter() - started_s, created_unix_s=time.time())
+
+
 def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]],
                         tau: float | None, budgets: Sequence[int] | None = None) -> dict[str, Any] | None:
     """The roofline's (modelled) prediction of a steady-state step of ``cfg``, or None: no hardware profile,
@@ -220,8 +252,6 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         ledger_path: JSONL ledger to append to (one run per chunk).
         baseline: the baseline's record at the same batch, for the comparison.
     """
-    from refspec.eval.audit import margin_fn
-
     t_start = time.perf_counter()
     prompts = _prompts(session, cfg)
     stream = session.stream(cfg)  # the same requests, budgets and arrivals for every configuration
@@ -234,7 +264,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     labels = [{**cfg.identity(), "config_id": cfg.config_id, "batch_index": i, "batches": len(chunks), **injected}
               for i in range(len(chunks))]
     with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
-        engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
+        engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
         results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
         if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
@@ -246,20 +276,18 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
             log.info("phase loops (%s): %s", session.meter.source,
                      ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
     try:
-        records = pipeline.read_back(ledger_path, offset=ledger.start_offset)
-        acc = pipeline.account(records, ledger.run_ids)
-        record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
-                         drafter=drafter)
-        record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))
-        record = dataclasses.replace(record, wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
+        record = configuration_record(session, cfg, stream, results, ledger_path=ledger_path,
+                                      start_offset=ledger.start_offset, run_ids=ledger.run_ids, injection=injection,
+                                      drafter=drafter, baseline=baseline, started_s=t_start)
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise
-    log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(acc.tau, ".3f"),
-             acc.tokens_per_s or 0.0, _g(acc.window_j_per_token, ".4g"), _g(acc.j_per_token, ".4g"),
+    window = record.window.j_per_token if record.window is not None else None
+    log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(record.counts.tau, ".3f"),
+             record.run.tokens_per_s or 0.0, _g(window, ".4g"), _g(record.run.j_per_token, ".4g"),
              record.energy.energy_source_text)
     return ConfigResult(record=record, generations=results)
 
 
-__all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "run_configuration", "serve_chunks",
-           "roofline_prediction"]
+__all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "build_engine", "serve_chunks",
+           "configuration_record", "roofline_prediction", "run_configuration"]

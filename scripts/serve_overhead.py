@@ -81,17 +81,18 @@ def _through_server(args: argparse.Namespace, out: Path) -> tuple[dict, object]:
 
 
 def _engine_alone(server, reqs: list[list[int]], args: argparse.Namespace, out: Path) -> dict:
-    from refspec.energy.ledger.writer import Ledger
+    from refspec.eval import pipeline
     from refspec.eval.run import build_engine
     from refspec.serving import Request
 
     session, cfg = server.session, server.cfg
-    with Ledger(out / "engine-alone.jsonl") as ledger:
-        engine = build_engine(session, cfg, session.drafter(cfg), None, ledger)
+    with pipeline.open_ledger(session.meter, out / "engine-alone.jsonl", "engine-alone", cfg.identity()) as ledger:
+        engine = build_engine(session, cfg, server.drafter, None, ledger)
         stream = [Request(id=i, prompt=tuple(p), max_new_tokens=args.max_tokens, ignore_eos=True)
                   for i, p in enumerate(reqs)]
         t0 = time.perf_counter()
-        res = engine.serve(stream, batch=args.batch, max_len=server.max_len)
+        res = pipeline.serve(engine, stream, batch=args.batch, seed=cfg.seed, device=session.device,
+                             max_len=server.max_len)
         wall = time.perf_counter() - t0
     return {"tokens": res.num_emitted, "wall_s": wall}
 

@@ -11,12 +11,14 @@ The decoder's flags are the eval's (``--model``, ``--drafter``, ``--k``, ``--spe
 runs exactly what ``python -m refspec.eval run`` would. Every request lands in ``DIR/ledger.jsonl``;
 at shutdown (SIGTERM or Ctrl-C: stop admitting, let running requests finish within
 ``--shutdown-timeout``, cancel the rest, exit 0) the session is written as one record to
-``DIR/records.jsonl`` with ``summary.json`` and ``report.md``, so
-``python -m refspec.eval report DIR`` reads it. A bad flag prints one ``error:`` line and exits 2.
+``DIR/records.jsonl`` with ``summary.json``, ``report.md`` and each request's finish reason in
+``finish_reasons.json``, so ``python -m refspec.eval report DIR`` reads it. A bad flag prints one
+``error:`` line and exits 2.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -25,6 +27,7 @@ from typing import Sequence
 
 from refspec.eval.cli_args import add_engine_flags, add_hardware_flags
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, add_sampling_args, finite, integer, one_line
+from refspec.eval.outputs import RECORDS, check_output_dir, claimed
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,8 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default 8000)")
     s.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="where ledger.jsonl, records.jsonl, summary.json and report.md go (default: "
-                        "refspec-serve-<UTC date-time> in the current directory)")
+                   help="where ledger.jsonl, records.jsonl, finish_reasons.json, summary.json and report.md go "
+                        "(default: refspec-serve-<UTC date-time> in the current directory)")
     s.add_argument("--queue-limit", type=int, default=64,
                    help="requests that may wait beyond the batch; more are refused with HTTP 429 (default 64)")
     s.add_argument("--max-len", type=int, default=None,
@@ -85,26 +88,27 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--served-model-name is empty; give the name clients pass as model")
     if args.out is None:
         args.out = Path(f"refspec-serve-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    if (args.out / "records.jsonl").exists():
+    check_output_dir("--out", args.out)
+    if (args.out / RECORDS).exists():
         raise UsageError(f"--out {args.out} holds an earlier session's records; give each session its own --out")
 
 
 def _config(args: argparse.Namespace):  # -> (session kwargs, RunConfig)
     """The eval's plan of this invocation: its one configuration (the drafter's, or the baseline)."""
-    from refspec.eval.cli_plan import _build_plan
+    from refspec.eval.cli_plan import build_plan
 
-    plan = _build_plan(args, sweep=False)
+    plan = build_plan(args, sweep=False)
     served = [c for c in plan.configs if not c.is_baseline] or plan.configs
     return plan.session_kwargs, served[0]
 
 
 def _build(args: argparse.Namespace, out_dir: Path):
-    from refspec.eval.cli import _threads
+    from refspec.eval.cli import apply_threads
     from refspec.eval.session import Session
     from refspec.serve.server import Server, ServeSettings
 
     session_kwargs, cfg = _config(args)
-    _threads(args.threads)
+    apply_threads(args.threads)
     session = Session(**session_kwargs)
     drafter = session.drafter(cfg)
     if drafter is not None and not callable(getattr(drafter, "reset_rows", None)):
@@ -118,12 +122,14 @@ def _build(args: argparse.Namespace, out_dir: Path):
 
 def start(argv: Sequence[str]):  # -> Server
     """Build a server from command-line arguments and serve it on a background thread (tests and
-    benchmarks; the caller holds no ``--out`` lock and calls ``Server.stop()``)."""
+    benchmarks); it holds its ``--out`` directory's lock until the caller's ``Server.stop()``."""
     args = _parser(full_help=False).parse_args(list(argv))
     _check(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    server = _build(args, args.out)
-    server.start()
+    with contextlib.ExitStack() as stack:
+        out_dir = stack.enter_context(claimed(args.out))
+        server = _build(args, out_dir)
+        server.start()
+        server.held = stack.pop_all()
     return server
 
 
@@ -138,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(args)
         from refspec.eval.interrupts import import_torch
-        from refspec.eval.outputs import claimed
 
         import_torch()
         with claimed(args.out) as out_dir:
@@ -147,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{server.app.config.model_name!r}); SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)
             code = server.serve_forever()
             if server.record is not None:
-                print(f"wrote {out_dir}: ledger.jsonl, records.jsonl, summary.json, report.md "
-                      f"({len(server.record['request_outputs'])} requests); "
+                print(f"wrote {out_dir}: ledger.jsonl, records.jsonl, finish_reasons.json, summary.json, "
+                      f"report.md ({len(server.record.request_outputs)} requests); "
                       f"python -m refspec.eval report {out_dir} reads it", file=sys.stderr)
             return code
     except KeyboardInterrupt:  # before the server was up

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from typing import Any, Sequence
 
 import torch
@@ -87,6 +86,7 @@ class EngineLoop:
         self.queue_limit, self.decode, self.eos, self.generator = queue_limit, decode, tuple(eos), generator
         self.intake = Intake()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a request ends
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self.reasons: dict[int, str] = {}  # finish reason of every request that ended
@@ -112,6 +112,7 @@ class EngineLoop:
             with self._lock:
                 self.admitting = False
                 jobs, self._jobs = list(self._jobs.values()), {}
+                self._idle.notify_all()
             for job in jobs:
                 job.deliver(("error", ApiError(500, f"the engine stopped: {exc}", kind="server_error")))
 
@@ -132,6 +133,7 @@ class EngineLoop:
         with self._lock:
             self._jobs.pop(job.rid, None)
             self.reasons[job.rid] = reason
+            self._idle.notify_all()
         job.deliver(("done", job.finish(reason, self.book.energy(job.rid), self.book.speculative_decoding(job.rid))))
         self.book.forget(job.rid)
 
@@ -172,6 +174,7 @@ class EngineLoop:
             if self._jobs.pop(rid, None) is None:
                 return  # it had already ended
             self.reasons[rid] = "abort"
+            self._idle.notify_all()
         self.intake.cancel(rid)
         self.book.forget(rid)
 
@@ -183,9 +186,8 @@ class EngineLoop:
         """Stop admitting, give the running requests ``timeout_s`` to finish, cancel the rest, end
         the engine's run; returns its result (None when the engine loop died)."""
         self.stop_admitting()
-        deadline = time.monotonic() + timeout_s
-        while self._jobs and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.02)
+        with self._idle:  # an engine thread that died has emptied the jobs and notified
+            self._idle.wait_for(lambda: not self._jobs, timeout=timeout_s)
         for rid in list(self._jobs):
             log.warning("request %d did not finish within %.3g s of the shutdown; cancelled", rid, timeout_s)
             self.cancel(rid)

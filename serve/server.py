@@ -9,6 +9,7 @@ writes the session's record.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -82,24 +83,23 @@ class Server:
     """
 
     def __init__(self, settings: ServeSettings, session: Any, cfg: Any, out_dir: Path) -> None:
-        from refspec.energy.ledger.counter_records import counter_ledger
-        from refspec.energy.ledger.writer import Ledger
         from refspec.energy.per_request import split_profile
-        from refspec.eval.run import build_engine, resolve_defaults
+        from refspec.eval import pipeline
         from refspec.eval.outputs import LEDGER
+        from refspec.eval.run import build_engine, resolve_defaults
 
         self.started_s = time.perf_counter()
         self.sock = socket.create_server((settings.host, settings.port))  # a busy port fails before the model loads
         self.settings, self.session, self.out_dir = settings, session, out_dir
         self.cfg = cfg = resolve_defaults(session, dataclasses.replace(cfg, corpus=SERVED_CORPUS))
-        target, meter, drafter = session.target, session.meter, session.drafter(cfg)
+        target, meter = session.target, session.meter
+        self.drafter = drafter = session.drafter(cfg)
         ctx = target.model.args.max_position_embeddings
         self.max_len = min(settings.max_len or DEFAULT_MAX_LEN, ctx)
         run_id = f"{cfg.config_id}.{uuid.uuid4().hex[:6]}.b0"
         labels = {**cfg.identity(), "config_id": cfg.config_id, "batch_index": 0, "batches": 1, "served": "http"}
-        self.ledger = counter_ledger(meter, Ledger(out_dir / LEDGER, run_id=run_id, labels=labels, mode="a",
-                                                   meter_source=meter.source, idle_w=getattr(meter, "idle_w", None)))
-        self.counter = callable(getattr(meter, "finish_run", None))  # phases metered only over counter windows
+        self.ledger = pipeline.open_ledger(meter, out_dir / LEDGER, run_id, labels)
+        self.counter = pipeline.reads_counter(meter)  # phases metered only over counter windows
         profile = split_profile(session.roofline_profile, [meter.source])
         self.book = RequestBook(profile, source=meter.source, speculative=drafter is not None, k=cfg.k)
         engine = build_engine(session, cfg, drafter, None, self.ledger)
@@ -118,7 +118,8 @@ class Server:
         self.app = ServeApp(app_config, self.loop, tok, self.ledger)
         self.uvicorn = _uvicorn_server(self.app.app, settings.shutdown_timeout_s, self.loop.stop_admitting)
         self._thread: threading.Thread | None = None
-        self.record: dict[str, Any] | None = None
+        self.held = contextlib.ExitStack()  # what a background server releases at its stop (its --out lock)
+        self.record: Any = None  # the session's RunRecord, once written
 
     @property
     def url(self) -> str:
@@ -157,7 +158,8 @@ class Server:
         self.uvicorn.handle_exit(signal.SIGTERM, None)
         if self._thread is not None:
             self._thread.join()
-        return self.shutdown()
+        with self.held:
+            return self.shutdown()
 
     def shutdown(self) -> int:
         """After the HTTP server has stopped: end the engine loop and the ledger run, write the record."""
@@ -167,9 +169,9 @@ class Server:
         if failed or result is None:
             log.error("the engine loop stopped with %r; the ledger run is marked aborted", self.loop.error)
             return 1
-        self.record = write_session_record(self.session, self.cfg, out_dir=self.out_dir, ledger=self.ledger,
-                                           result=result, submitted=self.loop.submitted, reasons=self.loop.reasons,
-                                           started_s=self.started_s)
+        self.record = write_session_record(self.session, self.cfg, drafter=self.drafter, out_dir=self.out_dir,
+                                           ledger=self.ledger, result=result, submitted=self.loop.submitted,
+                                           reasons=self.loop.reasons, started_s=self.started_s)
         return 0
 
 

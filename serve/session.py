@@ -5,9 +5,10 @@ server runs, ``GET /v1/energy`` accounts the run so far with the eval's accounti
 (:func:`refspec.energy.accounting.account`, read from the ledger on disk): the whole run's J/token
 and the steady-state window's (all slots busy; ramp-up and drain excluded), with the window's
 validity. At shutdown the run ends and the session becomes one record in ``DIR/records.jsonl``,
-built as the eval builds a configuration's (:func:`refspec.eval.run.configuration_record`: per
-request its tokens, energy, acceptance and latencies), so ``python -m refspec.eval report DIR``
-reads a server session like any run; each request's entry adds its ``finish_reason``.
+the eval's :class:`~refspec.eval.record.RunRecord` built by the eval's own
+:func:`refspec.eval.run.configuration_record` (per request its tokens, energy, acceptance and
+latencies), so ``python -m refspec.eval report DIR`` reads a server session like any run. What
+HTTP alone knows, each request's finish reason, goes beside it in ``DIR/finish_reasons.json``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SERVED_CORPUS = "http"
 """The record's ``corpus``: the requests came from HTTP clients."""
+FINISH_REASONS = "finish_reasons.json"
+"""Beside the record: ``{"run_id": ..., "finish_reasons": {request id: "stop" | "length" | "abort"}}``."""
 
 
 def _finite(x: Any) -> Any:
@@ -76,13 +79,14 @@ def served_stream(result: ServeResult, submitted: Mapping[int, Request]) -> Any:
     return RequestStream(requests=reqs, unique=len({q.prompt for q in reqs}), rate=None, lengths=lengths)
 
 
-def write_session_record(session: Any, cfg: Any, *, out_dir: Path, ledger: Any, result: ServeResult,
-                         submitted: Mapping[int, Request], reasons: Mapping[int, str], started_s: float
-                         ) -> dict[str, Any] | None:
-    """Append the session's record to ``DIR/records.jsonl`` and write ``summary.json`` and the report.
+def write_session_record(session: Any, cfg: Any, *, drafter: Any, out_dir: Path, ledger: Any, result: ServeResult,
+                         submitted: Mapping[int, Request], reasons: Mapping[int, str], started_s: float) -> Any:
+    """Write the session's record (``DIR/records.jsonl``), ``summary.json``, ``report.md`` and the
+    requests' finish reasons (``DIR/finish_reasons.json``), every file through the eval's writers.
 
     Args:
         session / cfg: the eval :class:`~refspec.eval.session.Session` and the session's ``RunConfig``.
+        drafter: the drafter that served (None for plain decoding).
         ledger: the session's ledger (its run ended).
         result: the engine's result of the whole session.
         submitted: every request handed to the engine, by id.
@@ -90,31 +94,31 @@ def write_session_record(session: Any, cfg: Any, *, out_dir: Path, ledger: Any, 
         started_s: ``time.perf_counter()`` at the start.
 
     Returns:
-        The record, or None when no request was served (nothing to account).
+        The :class:`~refspec.eval.record.RunRecord`, or None when no request was served (nothing to account).
     """
+    from refspec.energy.ledger.writer import mark_aborted
+    from refspec.eval.outputs import RECORDS, SUMMARY, write_json
+    from refspec.eval.record_files import append_record, summary_json
     from refspec.eval.report import write_report
     from refspec.eval.run import configuration_record
-    from refspec.eval.outputs import RECORDS
-    from refspec.eval.sweep import SUMMARY, append_record, write_json_atomic
-    from refspec.eval.baseline import attach_baselines
 
     if not result.requests:
         log.info("no request was served: no record written")
         return None
-    record, _ = configuration_record(session, cfg, ledger_path=Path(ledger.path), start_offset=ledger.start_offset,
-                                     run_ids=list(ledger.run_ids), stream=served_stream(result, submitted),
-                                     results=[result], injection=None, baseline=None, started_s=started_s)
-    served = {r.id: r for r in result.requests}
-    for out in record["request_outputs"]:
-        r = served[int(out["id"])]
-        out["finish_reason"] = reasons.get(r.id) or ("abort" if r.cancelled else "stop" if r.finished_by_eos
-                                                     else "length")
-    append_record(out_dir / RECORDS, record)
-    records = [record]
-    attach_baselines(records)
-    write_json_atomic(out_dir / SUMMARY, records)
-    write_report(out_dir, records, latency_target_s=None, corrupt=(), ledgers=[Path(ledger.path)])
+    try:
+        record = configuration_record(session, cfg, served_stream(result, submitted), [result],
+                                      ledger_path=Path(ledger.path), start_offset=ledger.start_offset,
+                                      run_ids=list(ledger.run_ids), drafter=drafter, started_s=started_s)
+        append_record(out_dir / RECORDS, record)
+    except BaseException as exc:  # its run completed, but no record will name it: the ledger must say so
+        mark_aborted(ledger.path, ledger.run_ids, type(exc).__name__)
+        raise
+    finish = {str(r.id): reasons.get(r.id) or ("abort" if r.cancelled else "stop" if r.finished_by_eos else "length")
+              for r in result.requests}
+    write_json(out_dir / FINISH_REASONS, {"run_id": ledger.run_id, "finish_reasons": finish})
+    write_json(out_dir / SUMMARY, summary_json([record]))
+    write_report(out_dir, [record], ledgers=[Path(ledger.path)])
     return record
 
 
-__all__ = ["SERVED_CORPUS", "live_energy", "served_stream", "write_session_record"]
+__all__ = ["SERVED_CORPUS", "FINISH_REASONS", "live_energy", "served_stream", "write_session_record"]

@@ -257,25 +257,41 @@ def test_the_run_level_endpoint_gives_the_window_and_the_ledger(http, server):
     assert w["valid"] is False or w["j_per_token"] > 0
 
 
+def test_a_second_server_into_the_same_out_dir_is_refused_before_it_loads(server, model_dir):
+    from refspec.eval.outputs import OutputError
+    from refspec.serve.cli import start
+
+    with pytest.raises(OutputError, match="in use by another refspec run"):
+        start(["--model", str(model_dir), "--out", str(server.out_dir), *SERVER_FLAGS])
+
+
 # ---- the session, after shutdown (last: it stops the module's server) ---------------------------
 def test_every_response_carries_what_the_record_charges_its_request(http, server):
     from refspec.eval import cli
+    from refspec.eval.outputs import RECORDS
+    from refspec.eval.record_files import read_records
+    from refspec.serve.session import FINISH_REASONS
 
     bodies = [http.post("/v1/completions", json={"model": _name(server), "prompt": prompt_words(i), "max_tokens": 6})
               .json() for i in range(4)]
     assert server.stop() == 0 and server.record is not None
-    out = {o["id"]: o for o in server.record["request_outputs"]}
+    assert read_records([server.out_dir / RECORDS], strict=True).records == [server.record], \
+        "records.jsonl holds the session's record as the eval reads it back"
+    out = {o.id: o for o in server.record.request_outputs}
     assert len(out) == len(server.loop.submitted), "every served request is in the record"
+    reasons = json.loads((server.out_dir / FINISH_REASONS).read_text())
+    assert reasons["run_id"] == server.ledger.run_id and len(reasons["finish_reasons"]) == len(out)
     for b in bodies:
         e = b["usage"]["energy"]
         o = out[e["ledger_request_id"]]
-        assert e["joules"] == pytest.approx(o["energy_j"], rel=1e-9), "response and record must charge the same J"
-        assert e["joules_by_phase"] == pytest.approx(o["energy_by_phase_j"], rel=1e-9)
+        assert e["joules"] == pytest.approx(o.energy_j, rel=1e-9), "response and record must charge the same J"
+        assert e["joules_by_phase"] == pytest.approx(o.energy_by_phase_j, rel=1e-9)
         spec = b["metrics"]["speculative_decoding"]
-        assert spec["per_step_accepted"] == o["accepted_per_step"]
-        assert spec["acceptance_histogram"] == o["accepted_hist"]
-        assert b["usage"]["completion_tokens"] == o["output_tokens"] and o["finish_reason"] == "length"
-    assert server.record["request_energy_closes"], "requests + unattributed must close on the session's energy"
-    assert server.record["corpus"] == "http"
+        assert tuple(spec["per_step_accepted"]) == o.accepted_per_step
+        assert tuple(spec["acceptance_histogram"]) == o.accepted_hist
+        assert b["usage"]["completion_tokens"] == o.output_tokens
+        assert reasons["finish_reasons"][str(o.id)] == b["choices"][0]["finish_reason"] == "length"
+    assert server.record.per_request.request_energy_closes, "requests + unattributed must close on the session's energy"
+    assert server.record.corpus == "http"
     assert cli.main(["report", str(server.out_dir)]) == 0, "the eval's report must read a server session"
     assert (server.out_dir / "report.md").read_text().count("ngram k3 b2") >= 1

@@ -1,10 +1,11 @@
 """What a server must survive, in-process on a tiny llama decoding one token per step (no drafter,
 one slot, a queue of one): concurrency above the batch queues and past the queue limit answers
 429; a client that disconnects mid-stream has its slot freed at the next step and its energy up to
-then kept in the ledger under its request (``finish_reason`` ``abort`` in the session's record);
+then kept in the ledger under its request (in the session's record, its finish reason ``abort``);
 a stop admits nothing more (503) and the session's ledger run ends complete."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -95,6 +96,7 @@ def test_a_stop_admits_nothing_more_and_keeps_the_aborted_request_in_the_ledger(
     import httpx
 
     from refspec.energy.ledger.read import read_ledger
+    from refspec.serve.session import FINISH_REASONS
 
     server.loop.stop_admitting()  # what SIGTERM does first
     with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -103,11 +105,14 @@ def test_a_stop_admits_nothing_more_and_keeps_the_aborted_request_in_the_ledger(
     assert server.stop() == 0
     records = read_ledger(server.ledger.path)
     assert [r["status"] for r in records if r.get("kind") == "end"] == ["complete"]
-    out = {o["id"]: o for o in server.record["request_outputs"]}
-    aborted = [o for o in out.values() if o["finish_reason"] == "abort"]
+    out = {o.id: o for o in server.record.request_outputs}
+    on_disk = json.loads((server.out_dir / FINISH_REASONS).read_text())["finish_reasons"]
+    reasons = {int(k): v for k, v in on_disk.items()}
+    assert set(reasons) == set(out), "every request of the record has its finish reason beside it"
+    aborted = [out[rid] for rid, reason in reasons.items() if reason == "abort"]
     assert len(aborted) == 1, "the request whose client left is in the record, named abort"
     a = aborted[0]
-    assert 1 <= a["output_tokens"] < LONG and a["energy_j"] > 0, "its energy up to the cancellation is charged to it"
-    steps = [r for r in records if r.get("kind") == "phase" and a["id"] in r["slot_requests"]]
+    assert 1 <= a.output_tokens < LONG and a.energy_j > 0, "its energy up to the cancellation is charged to it"
+    steps = [r for r in records if r.get("kind") == "phase" and a.id in r["slot_requests"]]
     assert steps and all(r["run_id"] == server.ledger.run_id for r in steps)
-    assert sum(o["finish_reason"] == "length" for o in out.values()) == 3
+    assert sum(reason == "length" for reason in reasons.values()) == 3

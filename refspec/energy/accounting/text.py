@@ -22,8 +22,10 @@ def format_closure(line_items_j: Mapping[str, float] | None, line_items_sum_j: f
         return "closure: n/a (no energy recorded)"
     terms = " + ".join(f"{name.replace('_', ' ')} {e:.6g}" for name, e in line_items_j.items())
     split = f" ({method} split)" if method else ""
+    # a float sum's rounding (1e-12 of the total) is not an error worth printing
+    error_j = 0.0 if abs(closure_error_j) <= 1e-9 * abs(total_energy_j) else closure_error_j
     return (f"closure{split}: {terms} = {line_items_sum_j:.6g} J; total {total_energy_j:.6g} J; "
-            f"error {closure_error_j:.3g} J -> {'OK' if closes else 'FAILED: they do not close'}")
+            f"error {error_j:.3g} J -> {'OK' if closes else 'FAILED: they do not close'}")
 
 
 def _energy_lines(acc: Accounting) -> list[str]:

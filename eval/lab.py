@@ -256,7 +256,18 @@ class Lab:
 
     @property
     def model(self) -> str:
+        """The target's id or directory."""
         return self.session.model_name
+
+    @property
+    def args(self) -> Any:
+        """The target's architecture (:class:`refspec.config.ModelArgs`; loads the target), for roofline predictions."""
+        return self.session.target.model.args
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per weight element of the runs (4 for fp32, 2 for bf16)."""
+        return self.session.dtype_bytes
 
     def run(self, drafter: str = "none", *, k: int | None = None, batch: int = 1, corpus: str = "code",
             prompts: Sequence[str] | None = None, requests: int | None = None, max_new_tokens: int = 64,
@@ -280,8 +291,9 @@ class Lab:
                 fill ``saving_vs_plain`` and ``speedup_vs_plain``.
 
         Raises:
-            UsageError: a setting that cannot run (unknown drafter or corpus, a budget beyond the
-                model's context, ...), before anything runs.
+            UsageError: a setting that cannot run (a corpus, a batch, a budget beyond the model's
+                context, ...), before anything runs.
+            refspec.drafting.DrafterError: an unknown drafter, or one that cannot be built for the target.
         """
         if k is None:
             from refspec.drafters import registry

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -317,7 +318,9 @@ class Lab:
         return self._plain[cfg.config_id]
 
     def _run(self, cfg: RunConfig, plain: Report | None) -> Report:
-        with claimed(self.out, flag="lab out"):
+        with claimed(self.out, flag="lab out"), warnings.catch_warnings():
+            # progress bars are off; in a notebook without ipywidgets tqdm.auto would still warn on import
+            warnings.filterwarnings("ignore", message="IProgress not found")
             result = run_configuration(self.session, cfg, ledger_path=self.paths.ledger,
                                        baseline=plain.record if plain is not None else None)
             append_record(self.paths.records, result.record)

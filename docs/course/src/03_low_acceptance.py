@@ -21,7 +21,7 @@
 import os
 
 QUICK = os.environ.get("REFSPEC_COURSE_QUICK") == "1"  # the test suite's short run of this lecture
-REQUESTS, TOKENS = (2, 32) if QUICK else (8, 96)
+REQUESTS, TOKENS = (2, 32) if QUICK else (6, 64)
 
 # %% [markdown]
 # ## 1. Conversation against code, at batch 1
@@ -88,9 +88,10 @@ print(f"marginal / average: {marginal / average:.1%}")
 
 # %% [markdown]
 # So the share of energy "on rejected drafts" printed above means: had the verify step's
-# energy been shared out per position, that much would fall on positions that were refuted. It does **not** mean that not drafting would have saved that much: dropping the
-# drafts would save the marginal cost, a small fraction, while losing the occasional accepted
-# draft, each of which saves a whole step. That is why a drafter with most of its drafts
+# energy been shared out per position, that much would fall on positions that were refuted.
+# It does **not** mean that not drafting would have saved that much: dropping the drafts would
+# save the marginal cost, a small fraction, while losing the occasional accepted draft, each of
+# which saves a whole step. That is why a drafter with most of its drafts
 # rejected can still lower J/token at batch 1.
 
 # %% [markdown]
@@ -99,8 +100,9 @@ print(f"marginal / average: {marginal / average:.1%}")
 # The marginal cost is small against the average only while one weight read dominates the step.
 # As the batch grows, that read is shared by more and more positions, while each extra position
 # still pays its own FLOPs and KV traffic (in energy, even where they cost no time), and past the
-# ridge it costs time as well. The model with each corpus's measured acceptance (`acceptance_from_tau`) shows where the saving turns into a
-# loss as the batch grows (the n-gram drafter is free: `fraction=0`).
+# ridge it costs time as well. The model with each corpus's measured acceptance
+# (`acceptance_from_tau`) shows where the saving turns into a loss as the batch grows (the
+# n-gram drafter is free: `fraction=0`).
 
 # %%
 from refspec.energy.model.roofline import DrafterModel, predict_step
@@ -119,7 +121,8 @@ def modelled_saving(a, batch):
 acceptance = {corpus: acceptance_from_tau(r.tau, 4) for corpus, r in runs.items()}
 curves = {corpus: [modelled_saving(a, b) for b in BATCHES] for corpus, a in acceptance.items()}
 for corpus in curves:
-    print(f"{corpus:>12} (a = {acceptance[corpus]:.2f}): " + "  ".join(f"B{b} {s:+.0%}" for b, s in zip(BATCHES, curves[corpus])))
+    points = "  ".join(f"B{b} {s:+.0%}" for b, s in zip(BATCHES, curves[corpus]))
+    print(f"{corpus:>12} (a = {acceptance[corpus]:.2f}): {points}")
 
 # %%
 import matplotlib.pyplot as plt

@@ -203,7 +203,8 @@ def _shares(shares: Mapping[str, float] | None) -> str:
 def _lines(r: Report) -> list[str]:
     """The readable summary of a report, one figure per line."""
     window = "" if r.window_valid else f" (window not valid: {r.window_note})"
-    out = [f"{r.label} on {r.corpus} ({r.model}), {r.requests} requests, {r.tokens} tokens",
+    corpus = Path(r.corpus).name if "/" in r.corpus else r.corpus  # a prompt file by its name
+    out = [f"{r.label} on {corpus} ({r.model}), {r.requests} requests, {r.tokens} tokens",
            f"  energy: {r.energy_source}; time: {r.time_source}",
            f"  J/token: window {_g(r.j_per_token_window, '.4g')}{window}, run {_g(r.j_per_token_run, '.4g')}",
            f"  tau {_g(r.tau, '.3f')}, acceptance {_g(r.acceptance_rate, '.1%')}, {_g(r.tokens_per_s, '.4g')} tok/s, "
@@ -283,7 +284,8 @@ class Lab:
             batch: slots kept busy B.
             corpus: a built-in corpus (``code``, ``conversation``, ``english``, ``romansh``, ...).
             prompts: your own prompts (chat messages) instead of a corpus.
-            requests: requests served (default 4 x batch); they cycle through the prompts.
+            requests: requests served (default: one per prompt given, else 4 x batch); they cycle
+                through the prompts.
             max_new_tokens: the budget cap of each request.
             output_len: how budgets are drawn below the cap (``auto``, ``fixed``, ``uniform:R``, ``reference``).
             temperature: 0 is greedy.
@@ -300,6 +302,8 @@ class Lab:
             from refspec.drafters import registry
 
             k = 0 if drafter == "none" else registry.default_k(drafter)
+        if prompts is not None and requests is None:
+            requests = len(prompts)
         cfg = RunConfig(model=self.model, drafter=drafter, k=k, batch=batch,
                         corpus=self._prompt_file(prompts) if prompts is not None else corpus, num_prompts=None,
                         max_new_tokens=max_new_tokens, dtype=self.dtype, device=str(self.session.device),

@@ -108,7 +108,9 @@ class Report:
         phase_energy_j: each phase's energy, J.
         line_items_j: the run's energy in line items (prefill, draft kept/rejected, verify
             useful/rejected, commit, other, unattributed), J; they close on ``energy_j``.
-        rejected_energy_j: energy spent on drafts that were rejected (verify and draft), J.
+        rejected_energy_j: energy charged to rejected drafts, J: verify energy pro rata per verified
+            position, draft energy per drafted token (an average cost; the marginal cost of a draft
+            in a memory-bound step is far smaller).
         named_items_j: energy no request caused, by name (empty slots, no request, outside phases), J.
         split: the split of a counter's total among phases (None without a counter).
         per_request: each request's figures.
@@ -211,7 +213,8 @@ def _lines(r: Report) -> list[str]:
            f"TPOT p50 {_g(r.tpot_p50_s, '.3g', 1e3, ' ms')}",
            f"  phases (share of the phases' energy): {_shares(r.phase_share)}"]
     if r.rejected_energy_j is not None and r.energy_j:
-        out.append(f"  spent on rejected drafts: {r.rejected_energy_j / r.energy_j:.1%} of the energy")
+        out.append(f"  charged to rejected drafts pro rata (an average, not what fewer drafts would save): "
+                   f"{r.rejected_energy_j / r.energy_j:.1%} of the energy")
     if r.split is not None:
         gate = ("no gate reported" if r.split.gate_passed is None else "gate passed" if r.split.gate_passed
                 else "gate failed: " + "; ".join(r.split.gate_reasons))

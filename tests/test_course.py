@@ -90,7 +90,7 @@ for corpus, rep in runs.items():
     acc, plain = account(rep), account(rep.plain)
     saving = 1 - acc.window_j_per_token / plain.window_j_per_token
     print(f"{corpus}: drafts rejected {1 - acc.acceptance_rate:.1%}, "
-          f"energy on rejected drafts {acc.rejected_share:.1%}, "
+          f"charged to rejected drafts {acc.rejected_share:.1%}, "
           f"J/token {acc.window_j_per_token:.5f} against plain {plain.window_j_per_token:.5f}, saving {saving:.1%}")
 acc = account(runs["conversation"])
 h = get_profile("h100")
@@ -184,6 +184,19 @@ for name, rep in (("fine counter", r), ("slow counter", r_slow)):
 _MARK = "----- library check -----"
 
 
+KERNEL = "refspec-tests"
+
+
+def _kernel_of_this_python(root: Path) -> Path:
+    """A Jupyter data folder whose kernel runs this interpreter (whatever other kernels are installed)."""
+    spec = root / "jupyter" / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
+                                                           "{connection_file}"],
+                                                  "display_name": KERNEL, "language": "python"}))
+    return root / "jupyter"
+
+
 def _stream_text(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream"
                    and o.get("name") == "stdout")
@@ -200,7 +213,8 @@ def test_notebook_runs_and_prints_the_librarys_figures(name, tmp_path, monkeypat
     monkeypatch.setenv("REFSPEC_COURSE_QUICK", "1")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the labs' folders
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+    monkeypatch.setenv("JUPYTER_PATH", str(_kernel_of_this_python(tmp_path)))
+    nbclient.NotebookClient(nb, timeout=600, kernel_name=KERNEL,
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     printed = [line for c in nb.cells[:-1] if "key" in c.metadata.get("tags", [])
                for line in _stream_text(c).splitlines()]

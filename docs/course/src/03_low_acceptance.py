@@ -38,7 +38,7 @@ runs["conversation"]
 # %% key
 for corpus, r in runs.items():
     print(f"{corpus}: drafts rejected {1 - r.acceptance_rate:.1%}, "
-          f"energy on rejected drafts {r.rejected_energy_j / r.energy_j:.1%}, "
+          f"charged to rejected drafts {r.rejected_energy_j / r.energy_j:.1%}, "
           f"J/token {r.j_per_token_window:.5f} against plain {r.plain.j_per_token_window:.5f}, "
           f"saving {r.saving_vs_plain:.1%}")
 

@@ -179,6 +179,9 @@ for name, rep in (("fine counter", r), ("slow counter", r_slow)):
         print(f"{name}: additivity residual {acc.attribution['additivity_residual']:+.1%}")
     else:
         print(f"{name}: verify true {truth:.1%}, attributed {'not printed' if share is None else format(share, '.1%')}")
+        if acc.phase_share:
+            error = max(abs(acc.phase_share[p] - t) for p, t in acc.phase_share_true.items())
+            print(f"{name}: largest error of a phase's share {100 * error:.1f} points")
 """,
 }
 _MARK = "----- library check -----"

@@ -21,7 +21,7 @@ FLOORS = (
     ("run", "sweep", "sweep_dir"),
     ("report_text", "report_serving", "plots", "report_requests", "policy_report", "report"),
     ("cli", "cli_args", "cli_checks", "cli_plan", "cli_report", "generate", "bench", "roofline_cli", "assets_cli",
-     "train", "train_data", "calibrate_cli", "dvfs_cli", "paper", "__main__", "__init__"),
+     "train", "train_data", "calibrate_cli", "dvfs_cli", "paper", "lab", "__main__", "__init__"),
 )
 """Each module's floor (a package by its first name): a module imports its own floor or those below."""
 

@@ -49,13 +49,3 @@ def tiny_models(tmp_path_factory):
         save_hf(name, d)
         out[name] = load_model(d)
     return out
-
-
-@pytest.fixture(autouse=True)
-def _restore_gemm_plan():
-    """load_model activates a process-wide CPU GEMM plan; each test starts and ends on the same one."""
-    from refspec.models import cpu_speed
-
-    before = cpu_speed.gemm_plan()
-    yield
-    cpu_speed.use_gemm_plan(before)

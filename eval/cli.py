@@ -181,6 +181,7 @@ def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
     import_torch()
+    from refspec.eval.sweep import records_files
     from refspec.eval.tp_launch import rank_out, start as start_tp
 
     start_tp(args)  # torchrun ... --tp N: join the group; ranks other than 0 go quiet (refspec.eval.tp_launch)
@@ -198,7 +199,7 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
     if sweep and args.print_sbatch:  # the tasks' records, not this plan, then say what the directory holds
         with _out_dir(out) as (out_dir, _):
             return _write_sbatch(args, plan, argv, out_dir, {**meta, "definition": None, "sbatch": True})
-    out = rank_out(out)  # ranks other than 0 write into a scratch copy of the records
+    out = rank_out(out, records_files)  # ranks other than 0 write into a scratch copy of the records
     _threads(args.threads)
     with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
         return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)

@@ -136,9 +136,9 @@ def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, 
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     policy = build_policy(session, cfg, drafter)
     watch = [policy.on_event] if hasattr(policy, "on_event") else []  # a policy calibrating on measured phases
-    return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                  acceptance_fn=acceptance_fn, policy=policy)
+    return Engine(target.prepared, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
+                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, acceptance_fn=acceptance_fn,
+                  policy=policy)
 
 
 def _run_labels(cfg: RunConfig, batches: int, injection_label: str | None) -> list[dict[str, Any]]:
@@ -215,7 +215,7 @@ def _phase_loops(session: Session, cfg: RunConfig, engine: Any, ledger: Any, res
         return
     ledger.end_run()  # the loops lie outside every window of the run
     shapes = shapes_of([e for res in results for e in res.events], batch=cfg.batch, k=cfg.k, prompts=prompts)
-    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=engine.verify_fn,
+    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=engine.target,
                         sampling=engine.config.sampling, kv_bucket=engine.config.kv_bucket, accept=engine.acceptance_fn)
     loops = run_phase_loops(target, shapes, session.meter, min_s=session.phase_loops_s, seed=cfg.seed)
     for phase, loop in loops.items():
@@ -281,7 +281,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
         record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,
                                                  budgets=[q.max_new_tokens for q in stream.requests])
         compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
-        record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
+        record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(session.target.prepared.cpu_plan),
                       wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)

@@ -198,8 +198,8 @@ def new_batch(cache, batch: int, t_slots: int, max_budget: int, k: int, *, sampl
                  done_host=[True] * batch, lengths_host=[0] * batch)
 
 
-def prefill(target: TargetForward, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]], budgets: Sequence[int], *,
-            drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
+def prefill(target: TargetForward, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+            budgets: Sequence[int], *, drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
             generator: torch.Generator | None) -> None:
     """Fill slots ``rows`` (ascending) with new requests: one packed target forward over only
     their prompts' tokens (each written into its slot's cache row, the first token from each

@@ -177,7 +177,7 @@ def register_builtin(register) -> None:
         from refspec.assets.tokenizer import load_tokenizer
 
         path = resolve_model(str(spec))
-        model = prepare_target(load_model(path, dtype=ctx.dtype, device=ctx.device))  # as the target: its CPU plan
+        model = prepare_target(load_model(path, dtype=ctx.dtype, device=ctx.device))  # this machine's CPU GEMM plan
         fp = load_tokenizer(path).fingerprint() if (path / "tokenizer.json").exists() else None
         return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size, draft_fingerprint=fp,
                                  target_fingerprint=ctx.tokenizer_fingerprint)

@@ -58,7 +58,8 @@ def test_products_run_multiplies_every_matrix_of_a_step_once(tiny_models, monkey
     model = tiny_models["llama"]
     seen = []
     real = gemm_forms.linear
-    monkeypatch.setattr(gemm_forms, "linear", lambda x, w, b=None, gemm=None: seen.append((x.shape, w.shape)) or real(x, w, b, gemm))
+    monkeypatch.setattr(gemm_forms, "linear",
+                        lambda x, w, b=None, gemm=None: seen.append((x.shape, w.shape)) or real(x, w, b, gemm))
     outs = bench_timing.products_run(model, 3)()
     lins = cpu_speed.copied_linears(model)
     assert len(lins) == 1 + 4 * model.num_layers and len(outs) == len(seen) == len(lins)

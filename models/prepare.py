@@ -17,7 +17,6 @@ model eagerly, and the cache is the step's (the CUDA graphs' pool when there is 
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
@@ -33,8 +32,6 @@ from refspec.models.tp.plan import TPError
 from refspec.models.tp.shard import shard_model
 from refspec.models.transformer import Transformer
 
-log = logging.getLogger(__name__)
-
 
 class PreparedTarget:
     """A model and the step its forwards run through (:class:`~refspec.target.TargetForward`).
@@ -48,15 +45,13 @@ class PreparedTarget:
             forward, with a ``new_cache`` (default: the model).
         cpu_plan: the CPU GEMM plan its linear layers follow (:data:`~refspec.models.calibration.REFERENCE`:
             none).
-        tp: the tensor-parallel group it is a share of (None: the whole model).
     """
 
     def __init__(self, model: Transformer, *, step: Transformer | GraphRunner | CompiledStep | None = None,
-                 cpu_plan: GemmPlan = REFERENCE, tp: TensorParallel | None = None) -> None:
+                 cpu_plan: GemmPlan = REFERENCE) -> None:
         self.model = model
         self.step = model if step is None else step
         self.cpu_plan = cpu_plan
-        self.tp = tp
 
     def __repr__(self) -> str:
         plan = self.cpu_plan.describe() or "reference"
@@ -135,7 +130,7 @@ def prepare_target(model: Transformer, *, cpu_plan: GemmPlan | None = None, comp
         step = CompiledStep(model)
     elif cuda_graphs:
         step = GraphRunner(model, capture=True)
-    return PreparedTarget(model, step=step, cpu_plan=plan, tp=tp)
+    return PreparedTarget(model, step=step, cpu_plan=plan)
 
 
 __all__ = ["PreparedTarget", "prepare_target"]

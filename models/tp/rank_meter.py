@@ -1,7 +1,7 @@
 """Energy of every rank of a tensor-parallel run, one phase at a time.
 
 Each rank meters its own device; :class:`RankMeter` wraps that meter. Closing a phase also
-takes the phase's time in collectives (:class:`~refspec.distributed.CommClock`). When the
+takes the phase's time in collectives (:class:`~refspec.models.tp.group.CommClock`). When the
 engine first reads the phase's measurement (after the step's host sync) every rank's figures
 are gathered over the host group (one small collective per phase), so every rank holds the
 same :class:`RankMeasurement`:
@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from refspec.distributed import TensorParallel, TPError, broadcast_object, gather_objects
 from refspec.energy.meters.measurement import Measurement, Windows
 from refspec.energy.meters.timers import default_timer
 from refspec.energy.model.work import ForwardShape
+from refspec.models.tp.group import TensorParallel, TPError, broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from refspec.cache import StaticKVCache
+from refspec.config import round_up
 from refspec.drafters import block_dflash, head_files
 from refspec.drafters.feature_backlog import FeatureBacklog
 from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION, WEIGHTS_FILE, BlockHead,
@@ -33,7 +34,7 @@ from refspec.drafters.block_head import (CONFIG_FILE, HEAD_FORMAT, HEAD_VERSION,
 from refspec.drafters.training.block import (BlockLossConfig, BlockTrainer, block_loss, block_training_states,
                                              sample_blocks, text_labels)
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,6 @@ DEFAULT_K = 8
 
 class HeadNotFoundError(DrafterError):
     """No trained block head for this target (the message gives the command that makes one)."""
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 # ---- the drafter --------------------------------------------------------------------------------
@@ -156,7 +153,7 @@ class BlockDrafter:
         base = state.lengths  # [B] position of the pending token; context is every slot below it
         offs = torch.arange(k + 1, device=dev)
         positions = (base[:, None] + offs).clamp_(max=t - 1)  # [B, K+1]
-        num_keys = min(t, _round_up(state.max_length_bound + k, self.kv_bucket))
+        num_keys = min(t, round_up(state.max_length_bound + k, self.kv_bucket))
         visible = torch.arange(num_keys, device=dev)[None] < (base + k + 1)[:, None]  # [B, Tk]
         mask = visible[:, None, None, :].expand(b, 1, k + 1, num_keys)
         logits = self.head.draft(self.target, state.pending, k, self._last_ctx, positions, self.cache, mask,

@@ -34,7 +34,7 @@ from refspec.drafters.block_checkpoint import (CONFIG_FILE, HEAD_FORMAT, HEAD_VE
                                                read_head_config, save_head)
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.energy.phases import ForwardShape, record_forward, recording
+from refspec.energy.model.work import ForwardShape, record_forward, recording
 from refspec.models.attention import CacheAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.ops import apply_rope, attention_bias, rope_inv_freq, rope_tables

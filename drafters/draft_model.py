@@ -20,20 +20,19 @@ import dataclasses
 
 import torch
 
+from refspec.config import round_up
 from refspec.drafting import DecodeState, Draft, DrafterError
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+from refspec.target import TargetForward
 
 
 class DraftModelDrafter:
     """Autoregressive drafting with a smaller model.
 
     Args:
-        model: the draft ``Transformer`` (same vocabulary as the target).
+        model: the draft model (same vocabulary as the target): a ``Transformer``, or one readied
+            by ``refspec.models.prepare_target`` (:class:`~refspec.target.TargetForward`).
         target_vocab_size: the target's V (the draft's V may be smaller, never larger).
         draft_fingerprint / target_fingerprint: tokenizer fingerprints; a mismatch is refused.
         kv_bucket: attended cache prefix granularity.
@@ -42,7 +41,7 @@ class DraftModelDrafter:
     name = "draft-model"
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model, *, target_vocab_size: int, draft_fingerprint: str | None = None,
+    def __init__(self, model: TargetForward, *, target_vocab_size: int, draft_fingerprint: str | None = None,
                  target_fingerprint: str | None = None, kv_bucket: int = 64) -> None:
         if draft_fingerprint is not None and target_fingerprint is not None and draft_fingerprint != target_fingerprint:
             raise DrafterError(
@@ -72,7 +71,7 @@ class DraftModelDrafter:
         s = int(state.prompt_lengths.max().item())
         pos = torch.arange(s, device=state.tokens.device)[None].expand(b, s)
         self.model(state.tokens[:, :s].to(self.model.device), pos, self.cache,
-                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+                   num_keys=min(t, round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
         self.forwards = 0
         self._behind, self._drafted = 0, False
 
@@ -87,7 +86,7 @@ class DraftModelDrafter:
         pos = torch.arange(s, device=state.tokens.device)[None].expand(rows.numel(), s)
         tokens = state.tokens.index_select(0, rows)[:, :s]
         self.model(tokens.to(self.model.device), pos, self.cache.rows(rows),
-                   num_keys=min(t, _round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
+                   num_keys=min(t, round_up(s, self.kv_bucket)), logits_at=pos[:, :0])
 
     def _next(self, logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         if logits.shape[-1] < self.target_vocab:  # a draft vocabulary short of the target's
@@ -102,7 +101,7 @@ class DraftModelDrafter:
     def propose(self, state: DecodeState, k: int) -> Draft:
         b, t = state.tokens.shape
         dev = state.tokens.device
-        num_keys = min(t, _round_up(state.max_length_bound + k + 1, self.kv_bucket))
+        num_keys = min(t, round_up(state.max_length_bound + k + 1, self.kv_bucket))
         last = state.lengths  # [B] position of the pending token
         pos = (last[:, None] + torch.arange(-1 - self._behind, 1, device=dev)).clamp_(0, t - 1)  # [B, S+2]
         self._behind, self._drafted = 0, True
@@ -171,11 +170,11 @@ def register_builtin(register) -> None:
             model = ctx.target.truncated(int(str(spec).split(":", 1)[1]))
             return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)
         from refspec.assets import resolve_model
-        from refspec.models import load_model
+        from refspec.models import load_model, prepare_target
         from refspec.assets.tokenizer import load_tokenizer
 
         path = resolve_model(str(spec))
-        model = load_model(path, dtype=ctx.dtype, device=ctx.device)
+        model = prepare_target(load_model(path, dtype=ctx.dtype, device=ctx.device))  # this machine's CPU GEMM plan
         fp = load_tokenizer(path).fingerprint() if (path / "tokenizer.json").exists() else None
         return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size, draft_fingerprint=fp,
                                  target_fingerprint=ctx.tokenizer_fingerprint)

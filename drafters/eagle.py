@@ -43,13 +43,14 @@ from typing import Any
 import torch
 
 from refspec.cache import StaticKVCache, causal_mask
+from refspec.config import round_up
 from refspec.drafters.eagle_head import (CONFIG, KEY_MAP, KINDS, WEIGHTS, Eagle1Head, Eagle3Head, EagleHead,
                                          HeadConfig, eagle3_layers, load_head, new_head, save_head)
 from refspec.drafters.feature_backlog import FeatureBacklog
 from refspec.drafters.training.eagle import EagleTrainer, EagleTrainingModule
 from refspec.drafters.head_files import find_head, head_dir_name, shipped_heads_dir
 from refspec.drafting import DecodeState, Draft, DrafterError, DraftTree
-from refspec.energy.roofline import DrafterModel
+from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,6 @@ __all__ = [  # the drafter's own names, then those re-exported from where they l
     "load_head", "new_head", "save_head", "EagleTrainer", "EagleTrainingModule", "find_head", "head_dir_name",
     "shipped_heads_dir",
 ]
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 # ---- the drafter --------------------------------------------------------------------------------
@@ -129,7 +126,7 @@ class EagleDrafter:
         return (self.tree.depth - 1) * self.tree.topk + 1 if self.tree is not None else 0
 
     def _num_keys(self, state: DecodeState, width: int, k: int) -> int:
-        return min(self.cache.max_len, _round_up(state.max_length_bound + width + max(k, self._span) + 1,
+        return min(self.cache.max_len, round_up(state.max_length_bound + width + max(k, self._span) + 1,
                                                  self.kv_bucket))
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -193,7 +190,7 @@ class EagleDrafter:
         w = state.hidden[0].shape[1]
         start = torch.zeros(b, dtype=torch.long, device=dev)
         # the prompt's pairs sit at slots 0..w-1 and attend causally: no key beyond them is read
-        num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
+        num_keys = min(self.cache.max_len, round_up(w, self.kv_bucket))
         self._primed = self._catch_up(state.tokens, state.hidden, start, state.prompt_lengths - 1, num_keys)
         self._backlog.reset(state.prompt_lengths)
 
@@ -206,7 +203,7 @@ class EagleDrafter:
         if self._ensure_cache(state) or (self._primed is not None and self._primed[0].shape[0] != b):
             self._primed = None  # a previous batch's, of another shape
         w = hidden[0].shape[1]
-        num_keys = min(self.cache.max_len, _round_up(w, self.kv_bucket))
+        num_keys = min(self.cache.max_len, round_up(w, self.kv_bucket))
         zero = torch.zeros(rows.numel(), dtype=torch.long, device=dev)
         plens = state.prompt_lengths.index_select(0, rows)  # [R]
         feat, logits = self._catch_up(state.tokens.index_select(0, rows), list(hidden), zero, plens - 1, num_keys,

@@ -20,8 +20,8 @@ from torch import nn
 from refspec.cache import StaticKVCache
 from refspec.config import ModelArgs
 from refspec.drafting import DrafterError
-from refspec.energy.phases import ForwardShape, record_forward, recording
-from refspec.energy.roofline import layer_parameters
+from refspec.energy.model.roofline import layer_parameters
+from refspec.energy.model.work import ForwardShape, record_forward, recording
 from refspec.models.layers import MLP, Linear, RMSNorm
 from refspec.models.ops import apply_rope, attend, attention_bias, rope_inv_freq, rope_tables
 

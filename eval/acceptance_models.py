@@ -270,6 +270,22 @@ def survival_from_taus(taus: dict[int, float]) -> list[float]:
     return out
 
 
+def acceptance_from_tau(tau: float, k: int) -> float:
+    """The per-draft acceptance a whose expected tokens per step, (1 - a^(k+1)) / (1 - a), equal
+    ``tau`` (Leviathan et al. 2023); 0 for tau <= 1 or k = 0, 1 for tau >= k + 1 (bisection)."""
+    from refspec.energy.model.roofline import expected_tokens_per_step
+
+    if k <= 0 or tau <= 1.0:
+        return 0.0
+    if tau >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
 def model_from_survival(survival: Sequence[float], k: int, *, tail_ratio: float | None, name: str,
                         drafter: str, corpus: str, provenance: Provenance) -> AcceptanceModel:
     """A model at K = ``k`` from ``S_1..S_n``; beyond n the survival decays by ``tail_ratio``.
@@ -382,5 +398,5 @@ BUILTIN: dict[str, Callable[[int], AcceptanceModel]] = {"vllm-eagle3-llama3.1-8b
 
 
 __all__ = ["AcceptanceModel", "AcceptanceModelError", "Provenance", "BUILTIN", "VLLM_EAGLE3_TAU", "DERIVED_ON",
-           "DFLASH_B16_TAU", "geometric_model", "survival_from_taus", "model_from_survival", "dflash_like_model",
-           "published_models"]
+           "DFLASH_B16_TAU", "geometric_model", "acceptance_from_tau", "survival_from_taus", "model_from_survival",
+           "dflash_like_model", "published_models"]

@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AssetError as exc:  # a store problem (unknown id, download, integrity): exit 1 as before
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
-    except (UsageError, MissingExtraError, ValueError, OSError) as exc:  # not what the command needs, or a missing extra
+    except (UsageError, MissingExtraError, ValueError, OSError) as exc:  # a bad input, or a missing extra
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

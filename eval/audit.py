@@ -3,8 +3,9 @@
 Greedy speculative decoding is lossless: every request must emit, token for token, what plain
 decoding (the baseline configuration, k = 0, same request stream) emits for the same prompt.
 Under continuous batching a request shares its steps with whatever else is in the batch, so
-the audit compares request by request (record field ``request_outputs``: per request id its
-prompt and emitted tokens), never whole batches.
+the audit compares request by request (a record's ``request_outputs``: per request id its
+prompt and emitted tokens), never whole batches; :mod:`refspec.eval.baseline` writes its
+verdicts into the record.
 
 Where a request differs, its first divergent position p decides the kind. One target forward
 over ``prompt + common prefix`` (the tokens both runs agreed on) gives the logits at p; the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 NEAR_TIE_ULPS = 4
 """ulps of the run's dtype at the top logit's magnitude: its rounding term (module docstring)."""
@@ -40,24 +41,6 @@ MAX_LISTED = 20
 """Divergences listed per record (each kind); the counts cover all of them."""
 _MANTISSA_BITS = {"fp32": 23, "bf16": 7, "fp16": 10}
 _NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
-
-FIELDS = ("greedy_requests_compared", "greedy_requests_matching", "greedy_requests_near_tie",
-          "greedy_requests_defect", "greedy_requests_unclassified", "greedy_requests_not_comparable",
-          "greedy_near_ties", "greedy_defects", "greedy_near_tie_bound", "greedy_audit_baseline")
-"""Record fields :func:`audit_fields` fills (descriptions: :data:`FIELD_TEXT`)."""
-FIELD_TEXT = {
-    "greedy_requests_compared": "requests whose output was compared with the baseline's (same id and prompt)",
-    "greedy_requests_matching": "of those, requests whose output equals the baseline's token for token",
-    "greedy_requests_near_tie": "differing requests whose first divergent token is a numerical near-tie "
-                                "(both tokens within the dtype's rounding of the top logit; refspec.eval.audit)",
-    "greedy_requests_defect": "differing requests whose first divergence no rounding explains (a defect)",
-    "greedy_requests_unclassified": "differing requests not classified (no model at hand at report time, or no prompt recorded)",
-    "greedy_requests_not_comparable": "requests present in only one of the two runs, or with different prompts",
-    "greedy_near_ties": "the first near-ties (id, position, tokens, top-2 margin, gap, bound)",
-    "greedy_defects": "the first defects (id, position, tokens, top-2 margin, gap, bound, reason)",
-    "greedy_near_tie_bound": "the near-tie bound in words",
-    "greedy_audit_baseline": "baseline config_id and output digest the classification was made against",
-}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -115,27 +98,31 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _by_id(outputs: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
-    return {int(o["id"]): o for o in outputs}
+class Output(Protocol):
+    """One request's output as compared: its id, its prompt (None: not recorded) and its tokens."""
+
+    id: int
+    prompt: Sequence[int] | None
+    tokens: Sequence[int]
 
 
-def compare(outputs: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]]) -> Comparison:
-    """Request-by-request comparison of two ``request_outputs`` lists (``{"id", "prompt", "tokens"}`` each)."""
-    mine, base = _by_id(outputs), _by_id(baseline)
+def compare(outputs: Sequence[Output], baseline: Sequence[Output]) -> Comparison:
+    """Request-by-request comparison of two runs' request outputs (a record's ``request_outputs``)."""
+    mine, base = {int(o.id): o for o in outputs}, {int(o.id): o for o in baseline}
     both = sorted(set(mine) & set(base))
-    other_prompt = [i for i in both if mine[i].get("prompt") is not None and base[i].get("prompt") is not None
-                    and list(mine[i]["prompt"]) != list(base[i]["prompt"])]
+    other_prompt = [i for i in both if mine[i].prompt is not None and base[i].prompt is not None
+                    and list(mine[i].prompt) != list(base[i].prompt)]
     matching, divergent = 0, []
     for rid in (i for i in both if i not in other_prompt):
         m, b = mine[rid], base[rid]
-        p = first_divergence(m["tokens"], b["tokens"])
+        p = first_divergence(m.tokens, b.tokens)
         if p is None:
             matching += 1
             continue
-        prompt = m.get("prompt") if m.get("prompt") is not None else b.get("prompt")
+        prompt = m.prompt if m.prompt is not None else b.prompt
         divergent.append(Divergence(id=rid, position=p, prompt=None if prompt is None else tuple(prompt),
-                                    prefix=tuple(m["tokens"][:p]), token=_at(m["tokens"], p),
-                                    baseline_token=_at(b["tokens"], p)))
+                                    prefix=tuple(m.tokens[:p]), token=_at(m.tokens, p),
+                                    baseline_token=_at(b.tokens, p)))
     return Comparison(compared=len(both) - len(other_prompt), matching=matching, divergent=tuple(divergent),
                       not_comparable=tuple(sorted(set(mine) ^ set(base) | set(other_prompt))))
 
@@ -198,8 +185,9 @@ def margin_fn(model: Any) -> MarginFn:
     return margin
 
 
-# ---- the record fields ----------------------------------------------------------------------------
-def _entry(d: Divergence, m: Margin | None, reason: str | None = None) -> dict[str, Any]:
+# ---- classification ------------------------------------------------------------------------------
+def entry(d: Divergence, m: Margin | None, reason: str | None = None) -> dict[str, Any]:
+    """A divergence as the record lists it (id, position, tokens; margin, gap and bound when classified)."""
     out: dict[str, Any] = {"id": d.id, "position": d.position, "baseline_token": d.baseline_token, "token": d.token}
     if m is not None:
         out.update(top2_margin=m.top2_margin, gap=m.gap, bound=m.bound, dtype=m.dtype)
@@ -208,58 +196,23 @@ def _entry(d: Divergence, m: Margin | None, reason: str | None = None) -> dict[s
     return out
 
 
-def _classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict], list[dict], int]:
-    """``(near-ties, defects, unclassified)``: without a prompt no margin can be computed."""
+def classify(divergent: Sequence[Divergence], fn: MarginFn) -> tuple[list[dict], list[dict], int]:
+    """``(near-ties, defects, unclassified)`` of ``divergent``: without a prompt no margin can be computed."""
     near, defects, unclassified = [], [], 0
     for d in divergent:
         if d.token is None or d.baseline_token is None:
-            defects.append(_entry(d, None, "outputs of different lengths with a common prefix"))
+            defects.append(entry(d, None, "outputs of different lengths with a common prefix"))
             continue
         m = fn(d)
         if m is None:
             unclassified += 1
         elif m.near_tie:
-            near.append(_entry(d, m))
+            near.append(entry(d, m))
         else:
-            defects.append(_entry(d, m, f"gap {m.gap:.4g} > bound {m.bound:.4g}"))
+            defects.append(entry(d, m, f"gap {m.gap:.4g} > bound {m.bound:.4g}"))
     return near, defects, unclassified
 
 
-def audit_fields(record: Mapping[str, Any], baseline: Mapping[str, Any] | None,
-                 fn: MarginFn | None = None) -> dict[str, Any]:
-    """The audit's record fields (:data:`FIELDS`) of ``record`` against ``baseline``.
-
-    Args:
-        record: a configuration record with ``request_outputs``.
-        baseline: its baseline's record, or None when the outputs are not comparable (sampling,
-            injected acceptance, no baseline): every field is then None.
-        fn: the near-tie test (:func:`margin_fn`); None (at report time, no model) counts the
-            differing requests as unclassified, unless ``record`` already holds a classification
-            made against this very baseline, which is kept.
-
-    Returns:
-        The fields to update ``record`` with.
-    """
-    none = {f: None for f in FIELDS}
-    if baseline is None or not record.get("request_outputs") or not baseline.get("request_outputs"):
-        return none
-    cmp = compare(record["request_outputs"], baseline["request_outputs"])
-    key = f"{baseline.get('config_id')}:{baseline.get('output_digest')}"
-    counts = {"greedy_requests_compared": cmp.compared, "greedy_requests_matching": cmp.matching,
-              "greedy_requests_not_comparable": len(cmp.not_comparable), "greedy_audit_baseline": key}
-    if fn is None:
-        done = record.get("greedy_audit_baseline") == key and record.get("greedy_requests_near_tie") is not None
-        if done and record.get("greedy_requests_matching") == cmp.matching:
-            return {f: record.get(f) for f in FIELDS}
-        return {**none, **counts, "greedy_requests_unclassified": len(cmp.divergent)}
-    near, defects, unclassified = _classify(cmp.divergent, fn)
-    dtype = getattr(fn, "dtype", None) or record.get("dtype")
-    return {**counts, "greedy_requests_near_tie": len(near), "greedy_requests_defect": len(defects),
-            "greedy_requests_unclassified": unclassified, "greedy_near_ties": near[:MAX_LISTED],
-            "greedy_defects": defects[:MAX_LISTED],
-            "greedy_near_tie_bound": bound_text(dtype) if dtype in _NAMES else None}
-
-
-__all__ = ["audit_fields", "compare", "first_divergence", "margin_fn", "margin_of", "last_logits", "near_tie_bound",
-           "ulp", "dtype_name", "Divergence", "Comparison", "Margin", "FIELDS", "FIELD_TEXT", "NEAR_TIE_ULPS",
+__all__ = ["classify", "entry", "compare", "first_divergence", "margin_fn", "margin_of", "last_logits",
+           "near_tie_bound", "ulp", "dtype_name", "Divergence", "Comparison", "Margin", "NEAR_TIE_ULPS",
            "FP32_FLOOR_ULPS"]

@@ -31,12 +31,14 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.eval.bench_timing import (_hf_run, _interleaved, _load_hf, _refspec_figures, _refspec_run,
-                                       compile_figures, compiled_step, measure_bandwidth, products_run, weight_bytes)
+from refspec.eval.bench_timing import (compile_figures, compiled_step, hf_run, interleaved, load_hf, measure_bandwidth,
+                                       products_run, refspec_figures, refspec_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
-from refspec.eval.runtime import UsageError, load_target, parse_dtype, set_threads
+from refspec.eval.flags import UsageError
+from refspec.eval.outputs import check_output
+from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
-from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
+from refspec.models.cpu_speed import weight_copy_kind
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +83,27 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
         dtype = parse_dtype(dname)
         target = load_target(model_name, dtype=dtype, device=device)
         vocab = target.model.args.vocab_size
-        hf = _load_hf(target.path, dtype)
+        hf = load_hf(target.path, dtype)
         floor_ms = 1000 * weight_bytes(target.model) / bw
         for b in batches:
             prompts = [torch.randint(100, vocab - 100, (prompt_len - (i % 4),), generator=g).tolist()
                        for i in range(b)]
             # transformers' step time: compare like with like by subtracting a 1-token run (prefill)
-            fns = {"refspec": _refspec_run(target.model, prompts, new_tokens),
-                   "hf": _hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": _hf_run(hf, prompts, 1, pad_id=0),
+            fns = {"refspec": refspec_run(target.model, prompts, new_tokens),
+                   "hf": hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": hf_run(hf, prompts, 1, pad_id=0),
                    "products": products_run(target.model, b)}
-            step = compiled_step(target.model) if compile else None
+            step = compiled_step(target) if compile else None
             if step is not None:
-                fns["compiled"] = _refspec_run(target.model, prompts, new_tokens, verify_fn=step)
-            best = _interleaved(fns, repeats)
-            ours = _refspec_figures(*best["refspec"])
+                fns["compiled"] = refspec_run(step, prompts, new_tokens)
+            best = interleaved(fns, repeats)
+            ours = refspec_figures(*best["refspec"])
             hf_wall, hf_prefill = best["hf"][0], best["hf_prefill"][0]
             hf_step_ms = 1000 * (hf_wall - hf_prefill) / (new_tokens - 1)
             row = {"dtype": dname, "batch": b, "refspec_tokens_per_s": ours["tokens_per_s"],
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
                    "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
                    "weight_bytes": weight_bytes(target.model), "weight_copies": weight_copy_kind(target.model),
-                   "gemm_plan": gemm_plan().describe() or "reference"}
+                   "gemm_plan": target.prepared.cpu_plan.describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
             row["products_ms"] = 1000 * best["products"][0]
@@ -118,7 +120,7 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
 
 def _compiled_row(best: dict[str, tuple[float, Any]], row: dict[str, Any], step, floor_ms: float) -> dict[str, Any]:
     """The compiled step's figures beside the eager ones of the same run."""
-    comp = _refspec_figures(*best["compiled"])
+    comp = refspec_figures(*best["compiled"])
     out = {"compiled_tokens_per_s": comp["tokens_per_s"], "compiled_step_ms": comp["step_ms"],
            "compiled_speedup_vs_hf": comp["tokens_per_s"] / row["hf_tokens_per_s"],
            "compiled_speedup_vs_eager": comp["tokens_per_s"] / row["refspec_tokens_per_s"],
@@ -150,7 +152,8 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 def _machine_fields(target: Any) -> dict[str, Any]:
     """The CPU, its notable flags and the paths chosen for it (weight copies, GEMM plan)."""
     return {"cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
-            "weight_copies": weight_copy_kind(target.model), "gemm_plan": gemm_plan().describe() or "reference"}
+            "weight_copies": weight_copy_kind(target.model),
+            "gemm_plan": target.prepared.cpu_plan.describe() or "reference"}
 
 
 def _compiled_rates(row: dict[str, Any], t: dict[str, float], tokens: dict[str, list[list[int]]]) -> None:
@@ -182,16 +185,15 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
     drafter = registry.build(drafter_name, registry.DrafterContext(
         target=target.model, target_name=model_name, tokenizer_fingerprint=target.fingerprint, dtype=dtype,
         device=device, options=opts))
-    hf = _load_hf(target.path, dtype)
+    hf = load_hf(target.path, dtype)
     hf_extra, hf_method = _hf_equivalent(drafter_name, opts, model_name, k, dtype)
     out: dict[str, Any] = {"model": model_name, **_machine_fields(target), "drafter": drafter_name,
                            "drafter_options": opts, "k": k, "dtype": dtype_name, "prompts": len(prompts),
                            "new_tokens": new_tokens, "transformers_method": hf_method, "compile": compile, "rows": []}
     engines = {"plain": Engine(target.model), "spec": Engine(target.model, drafter, config=EngineConfig(k=k))}
-    step = compiled_step(target.model) if compile else None
+    step = compiled_step(target) if compile else None
     if step is not None:
-        engines |= {"plain_compiled": Engine(target.model, verify_fn=step),
-                    "spec_compiled": Engine(target.model, drafter, config=EngineConfig(k=k), verify_fn=step)}
+        engines |= {"plain_compiled": Engine(step), "spec_compiled": Engine(step, drafter, config=EngineConfig(k=k))}
     hf_once: tuple[float, list[list[int]]] | None = None
     for b in sorted(batches):  # batch 1 first: its transformers run is reused for the others
         with_hf = hf_method is not None and b == 1  # transformers' speculative generate: batch 1 only
@@ -238,7 +240,7 @@ def _hf_equivalent(drafter_name: str, opts: dict, model_name: str, k: int,
     if drafter_name == "ngram":
         return {"prompt_lookup_num_tokens": k}, "prompt lookup"
     if drafter_name == "draft-model":
-        assistant = _load_hf(drafter_path(drafter_name, opts, model_name), dtype)
+        assistant = load_hf(drafter_path(drafter_name, opts, model_name), dtype)
         assistant.generation_config.num_assistant_tokens = k
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         return {"assistant_model": assistant}, "assisted generation"
@@ -257,8 +259,8 @@ def _timed_chunks(engines: dict[str, Any], hf: Any, hf_extra: dict[str, Any], pr
         chunk = prompts[i:i + b]
         fns = {name: (lambda e=e: e.generate(chunk, max_new_tokens=new_tokens)) for name, e in engines.items()}
         if hf is not None:
-            fns["hf"] = _hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
-        best = _interleaved(fns, repeats)
+            fns["hf"] = hf_run(hf, chunk, new_tokens, pad_id=0, **hf_extra)
+        best = interleaved(fns, repeats)
         for name, (wall, result) in best.items():
             t[name] += wall
             tokens[name] += result if name == "hf" else result.tokens
@@ -271,7 +273,7 @@ def _hf_one_by_one(hf: Any, hf_extra: dict[str, Any], prompts: list[list[int]], 
     """transformers' generate over the prompts one at a time: total wall time and the tokens."""
     t_hf, hf_tokens = 0.0, []
     for p in prompts:
-        best = _interleaved({"hf": _hf_run(hf, [p], new_tokens, pad_id=0, **hf_extra)}, repeats)
+        best = interleaved({"hf": hf_run(hf, [p], new_tokens, pad_id=0, **hf_extra)}, repeats)
         t_hf += best["hf"][0]
         hf_tokens += best["hf"][1]
     return t_hf, hf_tokens
@@ -338,6 +340,8 @@ def _ints(text: str) -> list[int]:
 def _roofline(args) -> int:
     from refspec.eval.roofline_check import check_roofline, format_check, plot_check
 
+    if args.plot is not None:
+        check_output("--plot", args.plot)
     set_threads()
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"))
     res = check_roofline(target.model, batches=_ints(args.batch), ks=_ints(args.k), new_tokens=args.new_tokens)

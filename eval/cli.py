@@ -1,6 +1,6 @@
 """``python -m refspec.eval``: evaluate speculative decoding against its no-drafter baseline.
 
-Three commands::
+``python -m refspec.eval --help`` lists every command; three are parsed here::
 
     python -m refspec.eval [run] --drafter ngram --batch 8 --corpus conversation --out DIR
     python -m refspec.eval sweep --batch 1,8,64 --k 0,2,4,8 --drafter ngram,eagle,block --corpus all --out DIR
@@ -11,14 +11,16 @@ each corpus and prints one table; ``sweep`` runs a grid, one record per configur
 resumable, optionally as a Slurm array (``--print-sbatch``); ``report`` renders Markdown and
 plots from a directory of records. Files under ``--out DIR``: ``summary.json``,
 ``records.jsonl``, ``ledger.jsonl`` (the audit trail), ``report.md``, PNG plots and
-``sweep.json``. A DIR holds one sweep definition and one running invocation at a time
-(:mod:`refspec.eval.outdir`): another definition is refused (``--force``: a subfolder), and
-so is a second run while the first holds the lock.
+``sweep.json``. A DIR holds one sweep definition (:mod:`refspec.eval.sweep_dir`) and one running
+command at a time (:func:`refspec.eval.outputs.claimed`): another definition is refused
+(``--force``: a subfolder), and so is a second command while the first holds the lock. The
+others (``generate``, ``bench``, ``paper``, ...) have their own parsers (:data:`refspec.eval.cli_args.TOOLS`).
 
 Every flag is checked before anything heavy loads (:mod:`refspec.eval.cli_checks`); a bad one
 prints one ``error:`` line naming it and exits 2, leaving nothing behind; Ctrl-C exits 130.
 
-Only the command-line modules (this one, cli_report) print; everything they call logs.
+Only the command-line modules (this one, cli_report and the tools' ``main``) print; everything
+they call logs.
 """
 from __future__ import annotations
 
@@ -31,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from refspec.eval.cli_args import CORE_CORPORA, DEFAULT_DRAFTER, TOOLS, _normalise_argv, _parser
-from refspec.eval.cli_plan import _build_plan
-from refspec.eval.cli_report import note_corrupt
+from refspec.eval.cli_args import TOOLS, normalise_argv, parser, top_help
+from refspec.eval.cli_plan import Plan, build_plan
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,
                                      sigterm_as_interrupt, unwrapped_interrupts)
-from refspec.eval.outdir import LOCK, claimed, definition_id, resolve_out, scratch, write_meta
+from refspec.eval.outputs import LOCK, SBATCH, SUMMARY, SWEEP_META, RunPaths, claimed, scratch, write_atomic, write_json
+from refspec.eval.sweep_dir import definition_id, resolve_out, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 # ---- running ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _out_dir(path: Path | None, lock: str = LOCK) -> Iterator[tuple[Path, bool]]:
-    """The output directory, locked (see :mod:`refspec.eval.outdir`), or a temporary one when none was given."""
+    """The output directory, locked (:func:`refspec.eval.outputs.claimed`), or a temporary one when none was given."""
     if path is not None:
         with claimed(path, lock=lock) as out:
             yield out, True
@@ -62,22 +64,17 @@ class _AcceptanceExporter:
         self.command = command
         self._gens: dict[tuple[str, str, int], list[Any]] = {}
         self._meta: dict[tuple[str, str, int], dict[str, Any]] = {}
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise UsageError(f"--export-acceptance {path}: cannot write it: {exc.strerror or exc}") from None
 
     def add(self, result: Any) -> None:
         r = result.record
-        if self.path is None or r["drafter"] == "none" or r.get("tree") or r.get("acceptance_injected"):
+        if self.path is None or r.is_baseline or r.tree or r.acceptance_injected:
             return
         from refspec.eval.injection import AcceptanceModel, save_acceptance_models
 
-        key = (r["drafter"], r["corpus"], r["k"])
+        key = (r.drafter, r.corpus, r.k)
         self._gens.setdefault(key, []).extend(result.generations)
-        meta = self._meta.setdefault(key, {"prompts": r["prompts_unique"], "batches": set(), "model": r["model"]})
-        meta["batches"].add(r["batch"])
+        meta = self._meta.setdefault(key, {"prompts": r.stream.requests_unique, "batches": set(), "model": r.model})
+        meta["batches"].add(r.batch)
         models = []
         for (drafter, corpus, k), gens in self._gens.items():
             m = self._meta[(drafter, corpus, k)]
@@ -98,19 +95,19 @@ def _task_configs(args: argparse.Namespace, configs: Sequence[Any], *, sweep: bo
     return [configs[args.task_index]]
 
 
-def _write_sbatch(args: argparse.Namespace, plan: Any, argv: Sequence[str], out_dir: Path,
+def _write_sbatch(args: argparse.Namespace, plan: Plan, argv: Sequence[str], out_dir: Path,
                   meta: dict[str, Any]) -> int:
     """Write the Slurm array script of the sweep and say how to submit and merge it."""
-    from refspec.eval.sweep import SBATCH, SWEEP_META, sbatch_script, write_json_atomic
+    from refspec.eval.sweep import sbatch_script
 
     task_argv = _strip(argv, ("--print-sbatch",), ("--task-index", "--out", "--export-acceptance"))
     task_argv += ["--out", str(out_dir.resolve()), "--no-progress"]
     path = out_dir / SBATCH
     (out_dir / "slurm").mkdir(exist_ok=True)  # Slurm opens --output before the script runs
-    path.write_text(sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
-                                  time_limit=args.slurm_time, partition=args.slurm_partition, gpus=args.slurm_gpus,
-                                  tp=args.tp))
-    write_json_atomic(out_dir / SWEEP_META, meta)
+    write_atomic(path, sbatch_script(sweep_argv=task_argv[1:], num_tasks=len(plan.configs), out_dir=out_dir,
+                                     time_limit=args.slurm_time, partition=args.slurm_partition, gpus=args.slurm_gpus,
+                                     tp=args.tp))
+    write_json(out_dir / SWEEP_META, meta)
     print(f"wrote {path}: a Slurm array of {len(plan.configs)} tasks, one configuration each")
     print(f"submit with: sbatch {path}")
     print(f"then merge with: python -m refspec.eval report {out_dir}")
@@ -124,33 +121,33 @@ def _writes_summary(args: argparse.Namespace, *, sweep: bool, keep: bool) -> boo
     return keep and not (sweep and args.task_index is not None) and writes_files()
 
 
-def _run_configs(args: argparse.Namespace, session: Any, configs: Sequence[Any], paths: Any, *, sweep: bool,
-                 keep: bool, command: str) -> tuple[list[dict[str, Any]] | None, list[str], Any]:
+def _run_configs(args: argparse.Namespace, session: Any, configs: Sequence[Any], paths: RunPaths, *, sweep: bool,
+                 keep: bool, command: str) -> tuple[list[Any] | None, list[str], Any]:
     """Run ``configs``, keeping ``summary.json`` current; returns the records (None when
     interrupted), the ids skipped as done, and the records read before the run."""
     from tqdm.auto import tqdm
 
-    from refspec.eval.sweep import SUMMARY, attach_baselines, read_records, records_files, run_plan, write_json_atomic
+    from refspec.eval.baseline import attach_baselines
+    from refspec.eval.cli_report import note_corrupt
+    from refspec.eval.record_files import read_records, records_files, summary_json
+    from refspec.eval.sweep import run_plan
 
     summary = _writes_summary(args, sweep=sweep, keep=keep)
     existing = read_records(records_files(paths.out_dir)) if sweep else None
-    known: dict[str, dict[str, Any]] = existing.by_id if existing is not None else {}
+    known = existing.by_id if existing is not None else {}
     note_corrupt(existing.corrupt if existing is not None else ())
     exporter = _AcceptanceExporter(args.export_acceptance, command)
-    finished: list[dict[str, Any]] = []
     skipped: list[str] = []
     bar = tqdm(total=len(configs), unit="config", desc="configurations", file=sys.stderr,
                disable=args.no_progress or len(configs) < 2, dynamic_ncols=True)
 
     def on_result(result: Any) -> None:
-        finished.append(result.record)
         exporter.add(result)
         bar.update(1)
-        known[result.record["config_id"]] = result.record
+        known[result.record.config_id] = result.record
         if summary:
-            mine = [known[c.config_id] for c in configs if c.config_id in known]
-            attach_baselines(mine)
-            write_json_atomic(paths.out_dir / SUMMARY, mine)
+            mine = attach_baselines([known[c.config_id] for c in configs if c.config_id in known])
+            write_json(paths.out_dir / SUMMARY, summary_json(mine))
 
     def on_skip(cfg: Any) -> None:
         skipped.append(cfg.config_id)
@@ -167,11 +164,11 @@ def _run_configs(args: argparse.Namespace, session: Any, configs: Sequence[Any],
     return records, skipped, existing
 
 
-def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: bool) -> str:
+def _interrupted_line(configs: Sequence[Any], paths: RunPaths, *, keep: bool, sweep: bool) -> str:
     """What an interruption leaves: the configurations of this plan whose records are on disk."""
     if not keep:
         return "\ninterrupted: no --out DIR was given, so nothing was kept"
-    from refspec.eval.sweep import read_records
+    from refspec.eval.record_files import read_records
 
     on_disk = read_records([paths.records]).by_id if paths.records.exists() else {}
     saved = sum(c.config_id in on_disk for c in configs)
@@ -181,10 +178,11 @@ def _interrupted_line(configs: Sequence[Any], paths: Any, *, keep: bool, sweep: 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
     import_torch()
+    from refspec.eval.sweep import records_files
     from refspec.eval.tp_launch import rank_out, start as start_tp
 
     start_tp(args)  # torchrun ... --tp N: join the group; ranks other than 0 go quiet (refspec.eval.tp_launch)
-    plan = _build_plan(args, sweep=sweep)
+    plan = build_plan(args, sweep=sweep)
     command = "python -m refspec.eval " + " ".join(shlex.quote(a) for a in argv)
     configs = _task_configs(args, plan.configs, sweep=sweep)
     ids = [c.config_id for c in plan.configs]
@@ -199,16 +197,18 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
         with _out_dir(out) as (out_dir, _):
             return _write_sbatch(args, plan, argv, out_dir, {**meta, "definition": None, "sbatch": True})
     out = rank_out(out)  # ranks other than 0 write into a scratch copy of the records
-    _threads(args.threads)
+    apply_threads(args.threads)
     with _out_dir(out, LOCK if task is None else f".task-{task}.lock") as (out_dir, keep):
         return _run_and_report(args, plan, configs, out_dir, meta, keep=keep, sweep=sweep, command=command)
 
 
-def _run_and_report(args: argparse.Namespace, plan: Any, configs: Sequence[Any], out_dir: Path, meta: dict[str, Any],
-                    *, keep: bool, sweep: bool, command: str) -> int:
+def _run_and_report(args: argparse.Namespace, plan: Plan, configs: Sequence[Any], out_dir: Path,
+                    meta: dict[str, Any], *, keep: bool, sweep: bool, command: str) -> int:
+    from refspec.eval.baseline import attach_baselines
+    from refspec.eval.record_files import summary_json
     from refspec.eval.report import format_table, write_report
     from refspec.eval.session import Session
-    from refspec.eval.sweep import SUMMARY, SweepPaths, attach_baselines, prepare_plan, write_json_atomic
+    from refspec.eval.sweep import prepare_plan
 
     started = time.perf_counter()
     task = args.task_index if sweep else None
@@ -217,14 +217,14 @@ def _run_and_report(args: argparse.Namespace, plan: Any, configs: Sequence[Any],
     configs = prepare_plan(session, configs, out_dir if sweep else None)
     if task is None and keep:
         write_meta(out_dir, meta)
-    paths = SweepPaths.for_task(out_dir, task)
+    paths = RunPaths.for_task(out_dir, task)
     summary = _writes_summary(args, sweep=sweep, keep=keep)
     records, skipped, existing = _run_configs(args, session, configs, paths, sweep=sweep, keep=keep, command=command)
     if records is None:
         return EXIT_INTERRUPTED
-    attach_baselines(records)
+    records = attach_baselines(records)
     if summary:
-        write_json_atomic(out_dir / SUMMARY, records)
+        write_json(out_dir / SUMMARY, summary_json(records))
     print(format_table(records))
     if skipped:
         print(f"\n{len(skipped)} configuration(s) were already done and skipped (resume).")
@@ -266,8 +266,9 @@ def _strip(argv: Sequence[str], flags: Sequence[str], options: Sequence[str]) ->
     return out
 
 
-def _threads(requested: str) -> None:
-    """Set intra-op threads from ``--threads`` (see its help); print what ``auto`` chose on a busy machine."""
+def apply_threads(requested: str) -> None:
+    """Set intra-op threads from ``--threads`` (``auto`` or a checked count; see its help); say on stderr
+    when ``auto`` chose one thread on a busy machine (every command of the eval and the server)."""
     import os
 
     import torch
@@ -317,18 +318,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(raw: list[str]) -> int:
+    if raw and raw[0] in ("-h", "--help"):
+        print(top_help(), end="")
+        return 0
     if raw and raw[0] in TOOLS:
         import importlib
 
-        import_holding_interrupts(TOOLS[raw[0]][0])  # some tools import torch at their top
-        return int(importlib.import_module(TOOLS[raw[0]][0]).main(raw[1:]) or 0)
+        import_holding_interrupts(TOOLS[raw[0]])  # some tools import torch at their top
+        return int(importlib.import_module(TOOLS[raw[0]]).main(raw[1:]) or 0)
     return _main(raw)
 
 
 def _main(raw: list[str]) -> int:
-    norm = _normalise_argv(raw)
+    norm = normalise_argv(raw)
     try:
-        args = _parser(full_help=any(a in ("-h", "--help") for a in norm)).parse_args(norm)
+        args = parser(full_help=any(a in ("-h", "--help") for a in norm)).parse_args(norm)
     except SystemExit as exc:  # argparse exits 2 on bad flags (after one line), 0 on --help
         return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -349,4 +353,4 @@ def _main(raw: list[str]) -> int:
         return EXIT_USAGE
 
 
-__all__ = ["main", "CORE_CORPORA", "DEFAULT_DRAFTER"]
+__all__ = ["main", "apply_threads"]

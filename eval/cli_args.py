@@ -1,33 +1,41 @@
-"""Arguments of ``python -m refspec.eval``: the parser and its defaults. The checks that run
-before anything heavy are in :mod:`refspec.eval.cli_checks` (torch-free) and
-:mod:`refspec.eval.cli_plan` (corpora, drafters, dtypes, devices, ending in a ``Plan`` of
+"""Arguments of ``python -m refspec.eval``: the commands, the parser of run/sweep/report, their defaults.
+
+The checks that run before anything heavy are in :mod:`refspec.eval.cli_checks` (torch-free)
+and :mod:`refspec.eval.cli_plan` (corpora, drafters, dtypes, devices, ending in a ``Plan`` of
 configurations); :mod:`refspec.eval.cli` runs the plan.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.eval.flags import (EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, add_sampling_args,  # noqa: F401
-                                finite, integer)
+from refspec.eval.flags import OneLineParser, add_sampling_args
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("run", "sweep", "report")
-# Tools with their own parsers: ``python -m refspec.eval NAME ...`` hands the rest of the line to
-# ``MODULE.main``.
-TOOLS = {
-    "generate": ("refspec.eval.generate", "decode prompts with a target and a drafter, print the text"),
-    "bench": ("refspec.eval.bench", "refspec against transformers and the bandwidth floor (decode, spec, roofline)"),
-    "roofline": ("refspec.eval.roofline_cli", "the analytic batch x k prediction table, plots and CSV"),
-    "assets": ("refspec.eval.assets_cli", "list, fetch, verify and convert the pinned real models"),
-    "train": ("refspec.eval.train", "train EAGLE / EAGLE-3 / block drafter heads"),
-    "dvfs": ("refspec.eval.dvfs_cli", "show the SM clocks a DVFS sweep can lock"),
-    "paper": ("refspec.eval.paper", "the paper's seven claims on this hardware: claims.md, claims.json, plots"),
-    "calibrate": ("refspec.eval.calibrate_cli", "show (or with --force redo) this CPU's GEMM plan and its timings"),
+PROG = "python -m refspec.eval"
+COMMANDS = {
+    "run": "one drafter configuration against plain decoding on each corpus; one table (the default command)",
+    "sweep": "a grid of configurations (corpus x batch x drafter x K), one record each, resumable, Slurm-ready",
+    "report": "Markdown, plots and summary.json from a run or sweep directory, with latency targets",
+    "generate": "decode prompts with a target and a drafter, print the text",
+    "bench": "refspec against transformers and the bandwidth floor (decode, spec, roofline)",
+    "roofline": "the analytic batch x K prediction table, plots and CSV; TP crossovers; the energy policy's K",
+    "paper": "the paper's seven claims on this hardware: claims.md, claims.json, plots",
+    "assets": "list, fetch, verify and convert the pinned real models (and their licences)",
+    "train": "train EAGLE / EAGLE-3 / block drafter heads",
+    "calibrate": "show (or with --force redo) this CPU's GEMM plan and its timings",
+    "dvfs": "show the SM clocks a DVFS sweep can lock",
 }
+"""Every command, one line each: ``python -m refspec.eval --help`` lists them in this order."""
+TOOLS = {"generate": "refspec.eval.generate", "bench": "refspec.eval.bench", "roofline": "refspec.eval.roofline_cli",
+         "paper": "refspec.eval.paper.cli", "assets": "refspec.eval.assets_cli", "train": "refspec.eval.train",
+         "calibrate": "refspec.eval.calibrate_cli", "dvfs": "refspec.eval.dvfs_cli"}
+"""Commands with parsers of their own: ``python -m refspec.eval NAME ...`` calls ``MODULE.main`` with the rest."""
+PARSED = ("run", "sweep", "report")
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "conversation"
 DEFAULT_RUN_CELLS = (("code", 1), ("conversation", 8))
@@ -40,34 +48,32 @@ DEFAULT_BATCH = 1
 DEFAULT_NUM_PROMPTS = None
 """No cap: a run draws as many distinct prompts as it serves requests."""
 SCHEDULES = ("continuous", "static")
-SUMMARY_FIELDS = ("schedule", "requests", "requests_unique", "request_rate", "output_lengths", "mean_active_rows",
-                  "window_mean_active_rows", "window_s", "window_tokens", "window_energy_j", "window_first_step",
-                  "window_last_step", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s",
-                  "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "energy_per_token_j", "energy_per_token_j_run")
-"""The serving fields of every record, listed (with their descriptions) in ``--help``."""
 DEFAULT_MAX_NEW_TOKENS = 64
 CORE_CORPORA = ("conversation", "code", "math", "english", "romansh")
 """What ``--corpus all`` means: one corpus of each kind of text the paper compares."""
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
-def _summary_fields_text() -> str:
-    from refspec.eval.records import RECORD_FIELDS
+def top_help() -> str:
+    """``python -m refspec.eval --help``: the commands, one line each, and where the rest is."""
+    width = max(map(len, COMMANDS))
+    return "\n".join([
+        f"usage: {PROG} [COMMAND] [FLAGS]", "",
+        "A pure-PyTorch reference speculative decoder with an auditable energy accounting.", "",
+        f"Commands ({PROG} COMMAND --help shows a command's flags):",
+        *(f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()), "",
+        *textwrap.wrap(f"Without a command, run runs: {PROG} --drafter eagle --batch 64 is {PROG} run --drafter "
+                       "eagle --batch 64.", 100),
+        *textwrap.wrap("Record fields (records.jsonl, summary.json): docs/fields.md. Corpora, their sources and "
+                       f"licences: docs/corpora.md; model licences: {PROG} assets list.", 100), ""])
 
-    import textwrap
 
-    return "Summary fields (records.jsonl, summary.json):\n" + "".join(
-        textwrap.fill(f"{name}: {RECORD_FIELDS[name]}", 100, initial_indent="  ", subsequent_indent="      ") + "\n"
-        for name in SUMMARY_FIELDS) + "\n"
-
-
-def _epilog(full: bool = False) -> str:
-    from refspec.eval.corpora import licence_text
-
-    return (f"--corpus all means: {', '.join(CORE_CORPORA)} (name other built-ins explicitly).\n"
+def _epilog() -> str:
+    return (f"--corpus all means: {', '.join(CORE_CORPORA)} (name other built-ins explicitly; docs/corpora.md lists "
+            "them with their licences).\n"
             "Energy: on a GPU with NVML the energy is MEASURED (Zeus, total-energy counter); elsewhere it is "
-            "MODELLED by the roofline profile of the hardware, and every output says which.\n\n"
-            + (_summary_fields_text() if full else "") + licence_text())
+            "MODELLED by the roofline profile of the hardware, and every output says which. Record fields: "
+            "docs/fields.md.")
 
 
 def _drafter_help(full: bool) -> str:
@@ -99,7 +105,8 @@ def _add_serving(g: Any, *, sweep: bool) -> None:
                         "reference answers, else uniform:0.25); EOS still ends a request early")
 
 
-def _add_hardware(p: argparse.ArgumentParser) -> None:
+def add_hardware_flags(p: argparse.ArgumentParser) -> None:
+    """The hardware and measurement flags (dtype, device, meter, graphs, compile, threads, warm-up, TP, loops)."""
     h = p.add_argument_group("hardware and measurement")
     h.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA, fp32 on a CPU, so every greedy request equals plain decoding's: bf16 "
@@ -139,8 +146,9 @@ def _add_hardware(p: argparse.ArgumentParser) -> None:
                         "periods, at least 1 s; 0: no loops)")
 
 
-def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
-    g = p.add_argument_group("what to run")
+def add_engine_flags(g: Any, *, sweep: bool, full: bool) -> None:
+    """The decoder's flags (``--model``, ``--drafter``, ``--k``, ``--spec-policy``, ``--tree``,
+    ``--drafter-option``, ``--draft-model``), shared by ``run``, ``sweep`` and the server."""
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model id (python -m refspec.eval assets list) or a Hugging Face directory with tokenizer.json")
     if sweep:
@@ -148,18 +156,9 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
         g.add_argument("--k", default=None,
                        help="comma-separated draft lengths; 0 is the baseline (run once per corpus and batch); "
                             "default: each drafter's own K")
-        g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-        g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
     else:
         g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=_drafter_help(full))
         g.add_argument("--k", type=int, default=None, help="drafts per step (default: the drafter's)")
-        g.add_argument("--batch", type=int, default=None,
-                       help=f"rows decoded together (default {DEFAULT_BATCH}; with neither --batch nor --corpus: "
-                            + ", ".join(f"{c} at batch {b}" for c, b in DEFAULT_RUN_CELLS)
-                            + ", a case where speculation saves and one where it loses)")
-        g.add_argument("--corpus", default=None,
-                       help=f"corpus name, comma-separated names, a prompt .jsonl file, or all "
-                            f"(default {','.join(c for c, _ in DEFAULT_RUN_CELLS)})")
     g.add_argument("--spec-policy", default=None, metavar="SPEC", action="append" if sweep else "store",
                    help=("repeatable; a policy other than fixed runs once per drafter at the largest --k. "
                          if sweep else "") + "how many tokens to draft each step, up to --k: " + _policy_help())
@@ -168,6 +167,22 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     g.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a drafter option, e.g. head=/path/to/head or max_n=4 (repeatable)")
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: model id, directory or self:N")
+
+
+def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
+    g = p.add_argument_group("what to run")
+    add_engine_flags(g, sweep=sweep, full=full)
+    if sweep:
+        g.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+        g.add_argument("--corpus", default=DEFAULT_CORPUS, help="comma-separated corpora, prompt .jsonl files, or all")
+    else:
+        g.add_argument("--batch", type=int, default=None,
+                       help=f"rows decoded together (default {DEFAULT_BATCH}; with neither --batch nor --corpus: "
+                            + ", ".join(f"{c} at batch {b}" for c, b in DEFAULT_RUN_CELLS)
+                            + ", a case where speculation saves and one where it loses)")
+        g.add_argument("--corpus", default=None,
+                       help=f"corpus name, comma-separated names, a prompt .jsonl file, or all "
+                            f"(default {','.join(c for c, _ in DEFAULT_RUN_CELLS)})")
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
                    help="at most this many distinct prompts from each corpus (default: as many as --requests; "
                         "requests beyond them repeat prompts cyclically)")
@@ -177,7 +192,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not render chat prompts with the chat template")
     g.add_argument("--no-baseline", action="store_true", help="skip the no-drafter baseline")
-    _add_hardware(p)
+    add_hardware_flags(p)
     a = p.add_argument_group("acceptance injection")
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
                    help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "
@@ -209,22 +224,20 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         return super()._get_help_string(action)
 
 
-def _parser(full_help: bool = True) -> argparse.ArgumentParser:
-    """The parser; ``full_help=False`` skips the drafter list, which imports every drafter."""
+def parser(full_help: bool = True) -> argparse.ArgumentParser:
+    """The parser of run, sweep and report; ``full_help=False`` skips the drafter list, which imports every drafter."""
     fmt = _Formatter
-    p = OneLineParser(prog="python -m refspec.eval", description=__doc__, epilog=_epilog(),
-                                formatter_class=fmt)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join((*COMMANDS, *TOOLS)) + "}")
-    run = sub.add_parser("run", help="one drafter configuration against the baseline (default command)",
+    p = OneLineParser(prog=PROG, description=top_help(), formatter_class=fmt, add_help=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help=COMMANDS["run"],
                          description="Run one drafter configuration and the no-drafter baseline at the same batch "
-                                     "on each corpus; print one table. Other commands: sweep, report "
-                                     "(python -m refspec.eval sweep --help).",
-                         epilog=_epilog(full_help), formatter_class=fmt)
+                                     f"on each corpus; print one table. Other commands: {PROG} --help.",
+                         epilog=_epilog(), formatter_class=fmt)
     _add_common(run, sweep=False, full=full_help)
-    sw = sub.add_parser("sweep", help="a grid of configurations, resumable, Slurm-ready",
+    sw = sub.add_parser("sweep", help=COMMANDS["sweep"],
                         description="Run every (corpus, batch, drafter, k) configuration; one record per "
                                     "configuration in DIR/records.jsonl; a rerun skips finished ones.",
-                        epilog=_epilog(full_help), formatter_class=fmt)
+                        epilog=_epilog(), formatter_class=fmt)
     _add_common(sw, sweep=True, full=full_help)
     s = sw.add_argument_group("cluster")
     s.add_argument("--print-sbatch", action="store_true",
@@ -233,7 +246,7 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--slurm-time", default="04:00:00", help="Slurm --time per task")
     s.add_argument("--slurm-partition", default=None, help="Slurm partition")
     s.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per task")
-    rep = sub.add_parser("report", help="Markdown and plots from a directory of records",
+    rep = sub.add_parser("report", help=COMMANDS["report"],
                          description="Merge DIR/records.jsonl and DIR/records/*.jsonl (Slurm tasks) and write "
                                      "DIR/report.md, DIR/summary.json and PNG plots.",
                          epilog=_epilog(), formatter_class=fmt)
@@ -248,15 +261,13 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
                      help="add the energy-latency frontier: per corpus and batch, the lowest J/token any run reached "
                           "at each median-TPOT target (fixed-K runs and policies with energy:tpot_ms=T swept)")
     rep.add_argument("--debug", action="store_true", help="show tracebacks")
-    for name, (_, text) in TOOLS.items():  # listed in --help; main() dispatches them before parsing
-        sub.add_parser(name, help=f"{text} (python -m refspec.eval {name} --help)", add_help=False)
     return p
 
 
-def _normalise_argv(argv: Sequence[str]) -> list[str]:
-    """``run`` is the default command: insert it unless a command (or top-level help) is given."""
+def normalise_argv(argv: Sequence[str]) -> list[str]:
+    """``run`` is the default command: insert it unless a command is given."""
     argv = list(argv)
-    return argv if argv and argv[0] in (*COMMANDS, *TOOLS) else ["run", *argv]
+    return argv if argv and argv[0] in COMMANDS else ["run", *argv]
 
 
 def _policy_help() -> str:

@@ -2,18 +2,18 @@
 
 They run first, so a bad number, list, combination or path fails in a fraction of a second,
 before anything heavy imports and before ``--out`` is touched. Checks that need torch or the
-drafter registry (device, dtype, drafter names) follow in :func:`refspec.eval.cli_args._build_plan`.
+drafter registry (device, dtype, drafter names) follow in :func:`refspec.eval.cli_plan.build_plan`.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import Sequence
 
-from refspec.energy.meter_spec import KINDS, MeterSpecError, parse_meter_spec
+from refspec.energy.meters.spec import KINDS, MeterSpecError, parse_meter_spec
 from refspec.eval.flags import UsageError, check_sampling, finite, int_list, integer
+from refspec.eval.outputs import LEDGER, RECORDS, REPORT, SUMMARY, SWEEP_META, check_output, check_output_dir
 
 METERS = KINDS
 # The options each built-in drafter reads (its register_builtin); anything else would be stored
@@ -81,24 +81,25 @@ def check_meter(meter: str) -> None:
         raise UsageError(f"--meter {meter!r}: {exc}") from None
 
 
-def check_path_for_file(flag: str, path: Path) -> None:
-    """A file ``path`` can be written: not a directory, and no file where a parent folder must be."""
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a directory; give a file name, e.g. {path / 'acceptance.json'}")
-    check_path_for_dir(flag, path.parent)
+def _corpus_files(corpus: str | None) -> list[Path]:
+    """The prompt files among ``--corpus``'s names (inputs no output may replace)."""
+    names = [x.strip() for x in str(corpus or "").split(",") if x.strip()]
+    return [Path(n).expanduser() for n in names if n.endswith((".jsonl", ".json")) or "/" in n]
 
 
-def check_path_for_dir(flag: str, path: Path) -> None:
-    """``path`` is or can become a writable directory (nothing is created here)."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is an existing file; give a directory")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UsageError(f"{flag} {path}: {probe} is a file, so no directory can be made under it")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: {probe} is not writable; choose another place")
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--out`` can become the output directory, and each output file can be written: not a directory or a
+    link, not an input of the command (a prompt file, an acceptance file), not a file the command already writes."""
+    own: list[Path] = []
+    if args.out is not None:
+        check_output_dir("--out", args.out)
+        own = [args.out / n for n in (RECORDS, LEDGER, SUMMARY, SWEEP_META, REPORT)]
+    inputs = [*_corpus_files(args.corpus), *([Path(args.accept_model)] if args.accept_model else [])]
+    for flag, path in (("--export-acceptance", args.export_acceptance),
+                       ("--per-request-metrics", getattr(args, "per_request_metrics", None))):
+        if path is not None:
+            check_output(flag, path, inputs=inputs, others=own)
+            own.append(path)
 
 
 def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int], list[int] | None]:
@@ -138,12 +139,7 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         raise UsageError(f"--k {args.k} needs a drafter: --drafter none is plain decoding (drop --k or name one)")
     check_drafter_options(drafters, parse_drafter_options(args.drafter_option, args.draft_model))
     _check_combinations(args, drafters, sweep=sweep)
-    if args.out is not None:
-        check_path_for_dir("--out", args.out)
-    if args.export_acceptance is not None:
-        check_path_for_file("--export-acceptance", args.export_acceptance)
-    if getattr(args, "per_request_metrics", None) is not None:
-        check_path_for_file("--per-request-metrics", args.per_request_metrics)
+    check_outputs(args)
     return batches, ks
 
 
@@ -177,4 +173,4 @@ def check_report_flags(args: argparse.Namespace) -> None:
 
 
 __all__ = ["check_run_flags", "check_report_flags", "parse_drafter_options", "check_drafter_options", "csv",
-           "check_path_for_dir", "check_path_for_file", "BUILTIN_OPTIONS", "METERS"]
+           "check_outputs", "BUILTIN_OPTIONS", "METERS"]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _check_corpora(names: Sequence[str]) -> list[str]:
-    from refspec.eval.corpora import CORPORA
+    from refspec.eval.corpora.catalog import CORPORA
 
     out: list[str] = []
     for name in names:
@@ -178,7 +178,7 @@ def _cells(args: argparse.Namespace, batches: list[int]) -> list[tuple[list[str]
     return [(names, tuple(batches or [DEFAULT_BATCH]))]
 
 
-def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
+def build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     """Every flag checked (torch-free ones first), then the configurations of the invocation."""
     schedules = check_serving_flags(args, sweep=sweep)
     batches, ks = check_run_flags(args, sweep=sweep)
@@ -186,7 +186,7 @@ def _build_plan(args: argparse.Namespace, *, sweep: bool) -> Plan:
     cells = _cells(args, batches)
     corpora = _check_corpora([c for names, _ in cells for c in names])  # before torch: the catalogue is light
     from refspec.drafters import registry
-    from refspec.eval.run import RunConfig
+    from refspec.eval.run_config import RunConfig
     from refspec.eval.runtime import pick_device
     from refspec.eval.sweep import SweepGrid, plan
 

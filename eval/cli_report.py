@@ -1,10 +1,11 @@
 """``python -m refspec.eval report DIR``: Markdown, plots and ``summary.json`` from a directory of records.
 
-Every record is checked (its version, the fields the report reads) before anything in DIR is
-rewritten, so a foreign or hand-cut record fails with one line and leaves DIR as it was.
-``--latency-target`` (p99 TPOT) and ``--ttft-target`` (p99 TTFT) choose per corpus the
-lowest steady-state J/token configuration meeting both; where none does, a ``note:`` line
-says so and the exit status stays 0 (the report shows every miss).
+Every record is read (its version, the fields the report needs) before anything in DIR is
+rewritten, so a foreign or hand-cut record fails with one line and leaves DIR as it was; the
+report holds DIR's lock while it writes (a sweep still writing there is waited for, not mixed
+with). ``--latency-target`` (p99 TPOT) and ``--ttft-target`` (p99 TTFT) choose per corpus the
+lowest steady-state J/token configuration meeting both; where none does, a ``note:`` line says
+so and the exit status stays 0 (the report shows every miss).
 """
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from refspec.energy.accounting.latency import Targets
+from refspec.eval.baseline import attach_baselines
 from refspec.eval.cli_checks import check_report_flags
 from refspec.eval.flags import UsageError
-from refspec.eval.outdir import running_into
+from refspec.eval.outputs import LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, claimed, write_json
+from refspec.eval.record import RecordError, RunRecord
+from refspec.eval.record_files import read_records, records_files, summary_json
+from refspec.eval.report import format_table, write_report
+from refspec.eval.report_serving import target_choices, targets_text, unmet
+from refspec.eval.report_text import config_label
 
 log = logging.getLogger(__name__)
 
@@ -32,36 +40,28 @@ def note_corrupt(corrupt: Sequence[tuple[str, int, str]]) -> None:
 def report(args: argparse.Namespace) -> int:
     """``python -m refspec.eval report DIR``: merge the records, check them, then rewrite summary and report."""
     check_report_flags(args)
-    from refspec.eval.report import format_table, write_report
-    from refspec.eval.sweep import (LEDGER, SUMMARY, SWEEP_META, TASK_LEDGERS_DIR, attach_baselines, read_records,
-                                    records_files, write_json_atomic)
-
     out_dir: Path = args.dir
     files = records_files(out_dir)
     if not files:
         raise UsageError(f"{out_dir} holds no records.jsonl (nor records/*.jsonl); run a sweep into it first")
     try:
-        loaded = read_records(files)
+        loaded = read_records(files, strict=True)
     except OSError as exc:
         raise UsageError(f"cannot read records in {out_dir}: {exc.strerror or exc}") from None
+    except RecordError as exc:
+        raise UsageError(f"report {out_dir}: {exc}") from None
     note_corrupt(loaded.corrupt)
     if not loaded.records:
         raise UsageError(f"no finished configuration in {', '.join(str(f) for f in files)}")
-    _check_records(loaded.records, out_dir)
-    live = running_into(out_dir)
-    if live is not None:
-        print(f"note: a sweep is still running into {out_dir} (pid {live.get('pid')}); this report covers the "
-              f"{len(loaded.records)} configuration(s) finished so far", file=sys.stderr)
     targets = _targets(args, out_dir / SWEEP_META)
-    records = loaded.records
-    _check_target_fields(records, targets, out_dir)
-    attach_baselines(records)
-    write_json_atomic(out_dir / SUMMARY, records)
-    ledgers = ([out_dir / LEDGER] if (out_dir / LEDGER).exists() else []) + sorted(
-        (out_dir / TASK_LEDGERS_DIR).glob("*.jsonl"))
-    rep = write_report(out_dir, records, latency_target_s=targets.tpot_p99_s, ttft_target_s=targets.ttft_p99_s,
-                       frontier=bool(getattr(args, "frontier", False)),
-                       corrupt=loaded.corrupt, ledgers=ledgers)
+    _check_target_fields(loaded.records, targets, out_dir)
+    with claimed(out_dir, flag="report"):
+        records = attach_baselines(loaded.records)
+        write_json(out_dir / SUMMARY, summary_json(records))
+        ledgers = ([out_dir / LEDGER] if (out_dir / LEDGER).exists() else []) + sorted(
+            (out_dir / TASK_LEDGERS_DIR).glob("*.jsonl"))
+        rep = write_report(out_dir, records, latency_target_s=targets.tpot_p99_s, ttft_target_s=targets.ttft_p99_s,
+                           frontier=bool(getattr(args, "frontier", False)), corrupt=loaded.corrupt, ledgers=ledgers)
     print(format_table(records))
     _print_targets(records, targets)
     print(f"\nmerged {len(files)} records file(s), {len(records)} configuration(s)"
@@ -70,10 +70,8 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _targets(args: argparse.Namespace, meta: Path) -> Any:
+def _targets(args: argparse.Namespace, meta: Path) -> Targets:
     """The p99 targets: the flags, else the sweep's (``sweep.json``)."""
-    from refspec.energy.latency import Targets
-
     tpot, ttft = args.latency_target, getattr(args, "ttft_target", None)
     if (tpot is None or ttft is None) and meta.is_file():
         try:
@@ -86,19 +84,16 @@ def _targets(args: argparse.Namespace, meta: Path) -> Any:
     return Targets(tpot, ttft)
 
 
-def _check_target_fields(records: Sequence[dict[str, Any]], targets: Any, out_dir: Path) -> None:
+def _check_target_fields(records: Sequence[RunRecord], targets: Targets, out_dir: Path) -> None:
     """A TTFT target needs records with TTFT: none at all is an error (before anything is rewritten)."""
-    if targets.ttft_p99_s is not None and not any(r.get("ttft_p99_s") is not None for r in records):
+    if targets.ttft_p99_s is not None and not any(r.latency.ttft_p99_s is not None for r in records):
         raise UsageError(f"report {out_dir}: --ttft-target needs ttft_p99_s, which none of the {len(records)} "
                          "record(s) has (records written before serving windows, static lockstep runs: their window "
                          "and TTFT fields are absent); rerun the sweep, or drop --ttft-target")
 
 
-def _print_targets(records: Sequence[dict[str, Any]], targets: Any) -> None:
+def _print_targets(records: Sequence[RunRecord], targets: Targets) -> None:
     """The choice per corpus on stdout; a corpus where nothing meets the targets also gets a stderr note."""
-    from refspec.eval.report import config_label
-    from refspec.eval.report_serving import target_choices, targets_text, unmet
-
     if not targets.given():
         return
     choices = target_choices(records, targets)
@@ -107,30 +102,6 @@ def _print_targets(records: Sequence[dict[str, Any]], targets: Any) -> None:
     if missed:
         print(f"note: no configuration meets {targets.text()} on {', '.join(missed)}; report.md shows by how much "
               "each one misses", file=sys.stderr)
-
-
-def _check_records(records: Sequence[dict[str, Any]], out_dir: Path) -> None:
-    """Every record is of this refspec's version and has what the report reads (before anything is rewritten)."""
-    from refspec.eval.records import RECORD_VERSION
-
-    for r in records:
-        if r.get("record_version") not in _readable(RECORD_VERSION):
-            raise UsageError(f"report {out_dir}: record {r['config_id']} has record_version "
-                             f"{r.get('record_version')!r}, this refspec reads "
-                             f"{', '.join(map(str, _readable(RECORD_VERSION)))}; rerun its sweep")
-        missing = [f for f in _REPORT_FIELDS if f not in r]
-        if missing:
-            raise UsageError(f"report {out_dir}: record {r['config_id']} lacks {', '.join(missing)}; a record "
-                             f"written by hand or cut short? Rerun its sweep")
-
-
-def _readable(current: int) -> tuple[int, ...]:
-    """Record versions the report reads: the current one and 2 (static runs before serving windows, shown as such)."""
-    return tuple(sorted({2, current}))
-
-
-_REPORT_FIELDS = ("drafter", "k", "batch", "corpus", "model", "tau", "energy_per_token_j", "tpot_p99_s",
-                  "baseline_config_id", "energy_source")
 
 
 __all__ = ["report", "note_corrupt"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from refspec.energy.dvfs import ZeusGPUBackend
-from refspec.energy.meters import NoGPUError
+from refspec.energy.meters.errors import NoGPUError
+from refspec.energy.model.dvfs import ZeusGPUBackend
 
 
 def main(argv: Sequence[str] | None = None) -> int:

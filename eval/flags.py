@@ -86,5 +86,6 @@ def check_sampling(args) -> None:
     finite("--top-p", args.top_p, low=0, high=1, low_open=True, fix="1 keeps every token")
     integer("--seed", args.seed, low=0, high=SEED_MAX)
 
-__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "add_sampling_args", "check_sampling",
-           "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]
+
+__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "add_sampling_args",
+           "check_sampling", "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]

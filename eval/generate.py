@@ -115,7 +115,7 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
 
     from refspec.drafters import registry
     from refspec.engine import Engine, EngineConfig
-    from refspec.eval.run import auto_dtype
+    from refspec.eval.machine import auto_dtype
     from refspec.eval.runtime import encode_prompt, load_target, parse_dtype, pick_device, set_threads
     from refspec.sampling import SamplingConfig
 
@@ -135,7 +135,7 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
         drafter = registry.build(args.drafter, ctx)
         k = args.k if args.k is not None else registry.default_k(args.drafter)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
+    engine = Engine(target.prepared, drafter, config=EngineConfig(k=k, sampling=sampling),
                     eos_token_ids=target.eos_token_ids)
     need = max(engine.required_slots(len(p), args.max_new_tokens) for p in prompts)
     ctx = target.model.args.max_position_embeddings

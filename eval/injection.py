@@ -48,7 +48,6 @@ tau (acceptance length) counts the bonus token: ``tau = n_acc + 1`` per row-step
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -58,6 +57,7 @@ import torch
 from refspec.config import read_json
 from refspec.eval.acceptance_models import (BUILTIN, VLLM_EAGLE3_TAU, AcceptanceModel, AcceptanceModelError,
                                             Provenance, geometric_model, model_from_survival, survival_from_taus)
+from refspec.eval.outputs import write_json
 from refspec.verify import Acceptance
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,7 @@ SCHEMA = "refspec.acceptance/1"
 
 def save_acceptance_models(path: str | Path, models: Sequence[AcceptanceModel]) -> Path:
     """Write models to a JSON file of the module's schema; returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"schema": SCHEMA, "models": [m.to_json() for m in models]}, indent=2) + "\n")
-    return p
+    return write_json(Path(path), {"schema": SCHEMA, "models": [m.to_json() for m in models]})
 
 
 def load_acceptance_models(path: str | Path) -> list[AcceptanceModel]:

@@ -22,7 +22,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (Slurm's time limit, ``kill``) unwinds like Ctrl-C: the lock is released, the ledger run marked aborted."""
+    """SIGTERM (Slurm's time limit, ``kill``) unwinds like Ctrl-C: the lock released, the ledger run marked aborted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -6,13 +6,13 @@ own corpus gives them. A server sees such a stream when users of different tasks
 and a per-request speculation policy is tested on it: one fixed K cannot suit both parts.
 
 The parts' reference answers are scaled by different corpus quantiles, so a mixed stream
-carries no reference lengths: ``--output-len-dist auto`` draws its budgets ``uniform:0.25``
-(any explicit distribution but ``reference`` works too).
+carries no reference lengths (:func:`refspec.eval.prompt_sets.mixed_prompt_set`):
+``--output-len-dist auto`` draws its budgets ``uniform:0.25`` (any explicit distribution but
+``reference`` works too).
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Iterable
+from typing import Iterable
 
 PREFIX = "mixed:"
 
@@ -40,21 +40,4 @@ def check_mixed(corpus: str, known: Iterable[str]) -> str:
     return PREFIX + "+".join(parts)
 
 
-def mixed_prompt_set(corpus: str, tokenizer: Any, *, chat: bool, wanted: int, cap: int | None = None) -> Any:
-    """Up to ``min(wanted, cap)`` prompts alternating over the parts (no reference lengths).
-
-    Returns:
-        A :class:`refspec.eval.requests.PromptSet`.
-    """
-    from refspec.eval.requests import PromptSet, corpus_prompt_set
-
-    parts = mixed_parts(corpus)
-    assert parts, f"{corpus!r} is not a mixed corpus"
-    limit = wanted if cap is None else min(wanted, cap)
-    each = math.ceil(limit / len(parts))
-    sets = [corpus_prompt_set(p, tokenizer, chat=chat, wanted=each, references=False).prompts for p in parts]
-    prompts = [s[i] for i in range(each) for s in sets if i < len(s)][:limit]
-    return PromptSet(prompts, [None] * len(prompts))
-
-
-__all__ = ["PREFIX", "check_mixed", "mixed_parts", "mixed_prompt_set"]
+__all__ = ["PREFIX", "check_mixed", "mixed_parts"]

@@ -1,10 +1,10 @@
 """Speculation policies in the report: K over the run, J/token beside every fixed K, the frontier.
 
-Reads records (:data:`refspec.eval.records.RECORD_FIELDS`) and the ledger's per-step K (the
-``k`` of each verify phase record); computes no energy: every J/token drawn is a record's
-(the steady-state window's, else the whole run's, as the report ranks them).
+Reads records (:class:`refspec.eval.record.RunRecord`; the K a policy chose per step is their
+``work.k_steps``, from the ledger's verify records) and the ledger's per-step K; computes no
+energy: every J/token drawn is a record's (the steady-state window's, else the whole run's, as
+the report ranks them).
 
-* :func:`k_fields`: a record's K per decode step, summarised (how many steps took each K);
 * :func:`comparison_rows`: per corpus, batch and drafter, each policy's J/token beside the best
   fixed K (K = 0, the baseline, included) and every fixed K's;
 * :func:`frontier`: per corpus and batch, the lowest J/token any run reached at a median TPOT
@@ -17,33 +17,18 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-Record = Mapping[str, Any]
+from refspec.eval.plots import energy_label, panels, save
+from refspec.eval.record import RunRecord
+from refspec.eval.report_text import config_label, j_run, shown_j
 
-FIELD_TEXT = {
-    "spec_policy": "speculation policy (refspec.policy): fixed (K every step), off-above:B, k-by-batch:..., "
-                   "energy[:tpot_ms=T]; k is then the largest K a step may take",
-    "k_steps": "decode steps per K the policy chose, {\"K\": steps} (from the ledger's verify records)",
-    "k_mean": "mean K over the decode steps",
-}
-"""The record fields of this module, name -> description (listed in RECORD_FIELDS)."""
-
-
-def k_fields(ledger_records: Iterable[Mapping[str, Any]], run_ids: Sequence[str]) -> dict[str, Any]:
-    """:data:`FIELD_TEXT`'s ``k_steps`` and ``k_mean`` from a configuration's ledger runs."""
-    runs, counts = set(run_ids), defaultdict(int)
-    for rec in ledger_records:
-        if rec.get("kind") == "phase" and rec.get("phase") == "verify" and rec.get("run_id") in runs:
-            counts[int(rec.get("k") or 0)] += 1
-    steps = sum(counts.values())
-    return {"k_steps": {str(k): counts[k] for k in sorted(counts)},
-            "k_mean": sum(k * n for k, n in counts.items()) / steps if steps else None}
+Stairs = Mapping[tuple[str, int], Sequence[tuple[float, float, str]]]
 
 
 def k_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tuple[int, int]]]:
     """``(step, K)`` of every decode step per run id, as the ledger recorded them."""
-    from refspec.energy.ledger import read_ledger
+    from refspec.energy.ledger.read import read_ledger
 
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for path in ledgers:
@@ -54,52 +39,48 @@ def k_by_step(ledgers: Sequence[Path], run_ids: set[str]) -> dict[str, list[tupl
     return {rid: sorted(steps) for rid, steps in out.items()}
 
 
-def _j(r: Record) -> float | None:
+def _j(r: RunRecord) -> float | None:
     """The J/token the report ranks by: the steady-state window's, else the whole run's."""
-    from refspec.eval.report_serving import j_run, shown_j
-
     j = shown_j(r)
     return j if j is not None else j_run(r)
 
 
-def policy_of(r: Record) -> str:
-    return str(r.get("spec_policy") or "fixed")
+def _cell(r: RunRecord) -> tuple[str, int]:
+    return r.corpus, r.batch
 
 
-def _cell(r: Record) -> tuple[str, int]:
-    return str(r["corpus"]), int(r["batch"])
+def _continuous(r: RunRecord) -> bool:
+    return (r.stream.schedule or "continuous") == "continuous"
 
 
-def comparison_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
+def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """Per (corpus, batch, drafter) with a policy run: each policy's J/token, the best fixed K's
     (the baseline is K = 0) and ``vs_best`` = policy / best - 1 (negative: the policy beats every fixed K)."""
     rows = []
-    usable = [r for r in records if _j(r) is not None and r.get("schedule", "continuous") == "continuous"]
-    for r in sorted((r for r in usable if policy_of(r) != "fixed"), key=lambda r: (*_cell(r), r["drafter"],
-                                                                                    policy_of(r))):
-        same = [f for f in usable if _cell(f) == _cell(r) and policy_of(f) == "fixed"
-                and f.get("stream_digest") == r.get("stream_digest") and f.get("meter") == r.get("meter")
-                and (f["drafter"] == "none" or (f["drafter"] == r["drafter"] and f.get("tree") == r.get("tree")))]
-        fixed = {int(f["k"]): _j(f) for f in same}
+    usable = [r for r in records if _j(r) is not None and _continuous(r)]
+    for r in sorted((r for r in usable if r.spec_policy != "fixed"), key=lambda r: (*_cell(r), r.drafter,
+                                                                                    r.spec_policy)):
+        same = [f for f in usable if _cell(f) == _cell(r) and f.spec_policy == "fixed"
+                and f.stream.stream_digest == r.stream.stream_digest and f.meter == r.meter
+                and (f.is_baseline or (f.drafter == r.drafter and f.tree == r.tree))]
+        fixed = {f.k: _j(f) for f in same}
         if not fixed:
             continue
         best_k = min(fixed, key=lambda k: (fixed[k], k))
-        rows.append({"corpus": r["corpus"], "batch": r["batch"], "drafter": r["drafter"], "policy": policy_of(r),
-                     "k_max": r["k"], "j": _j(r), "k_mean": r.get("k_mean"), "tpot_p50_s": r.get("tpot_p50_s"),
+        rows.append({"corpus": r.corpus, "batch": r.batch, "drafter": r.drafter, "policy": r.spec_policy,
+                     "k_max": r.k, "j": _j(r), "k_mean": r.work.k_mean, "tpot_p50_s": r.latency.tpot_p50_s,
                      "fixed": dict(sorted(fixed.items())), "best_k": best_k, "best_j": fixed[best_k],
                      "vs_best": _j(r) / fixed[best_k] - 1.0})
     return rows
 
 
-def frontier(records: Sequence[Record]) -> dict[tuple[str, int], list[tuple[float, float, str]]]:
+def frontier(records: Sequence[RunRecord]) -> dict[tuple[str, int], list[tuple[float, float, str]]]:
     """Per (corpus, batch): the staircase ``(median TPOT s, J/token, label)`` of runs no other run
     beats on both (sorted by TPOT; each step is the lowest J/token at a TPOT target from there on)."""
-    from refspec.eval.report import config_label
-
     cells: dict[tuple[str, int], list[tuple[float, float, str]]] = defaultdict(list)
     for r in records:
-        j, t = _j(r), r.get("tpot_p50_s")
-        if j is not None and t is not None and r.get("schedule", "continuous") == "continuous":
+        j, t = _j(r), r.latency.tpot_p50_s
+        if j is not None and t is not None and _continuous(r):
             cells[_cell(r)].append((float(t), float(j), config_label(r)))
     out = {}
     for cell, points in cells.items():
@@ -135,7 +116,7 @@ def comparison_md(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return out + [""]
 
 
-def frontier_md(stairs: Mapping[tuple[str, int], Sequence[tuple[float, float, str]]]) -> list[str]:
+def frontier_md(stairs: Stairs) -> list[str]:
     out = ["## Energy-latency frontier", "",
            "Per corpus and batch, the lowest J/token reachable at each median-TPOT target: from a target at or "
            "above a row's TPOT on, that row's J/token (until the next row's) is the least any run reached.", "",
@@ -145,41 +126,36 @@ def frontier_md(stairs: Mapping[tuple[str, int], Sequence[tuple[float, float, st
     return out + [""]
 
 
-def plot_k_over_run(records: Sequence[Record], ledgers: Sequence[Path], path: Path) -> Path | None:
+def plot_k_over_run(records: Sequence[RunRecord], ledgers: Sequence[Path], path: Path) -> Path | None:
     """K per decode step of each policy run (its first ledger run), one panel per corpus and batch."""
-    from refspec.eval.plots import _panels, _save
-    from refspec.eval.report import config_label
-
-    recs = [r for r in records if policy_of(r) != "fixed" and r.get("run_ids")]
-    series = k_by_step(ledgers, {r["run_ids"][0] for r in recs})
-    recs = [r for r in recs if series.get(r["run_ids"][0])]
+    recs = [r for r in records if r.spec_policy != "fixed" and r.stream.run_ids]
+    series = k_by_step(ledgers, {r.stream.run_ids[0] for r in recs})
+    recs = [r for r in recs if series.get(r.stream.run_ids[0])]
     if not recs:
         return None
-    panels = sorted({_cell(r) for r in recs})
-    plt, fig, axes = _panels(len(panels), height=3.2)
-    for ax, cell in zip(axes, panels):
+    cells = sorted({_cell(r) for r in recs})
+    plt, fig, axes = panels(len(cells), height=3.2)
+    for ax, cell in zip(axes, cells):
         for i, r in enumerate(r for r in recs if _cell(r) == cell):
-            steps = series[r["run_ids"][0]]
+            steps = series[r.stream.run_ids[0]]
             ax.step([s for s, _ in steps], [k + 0.06 * i for _, k in steps], where="post", lw=1, color=f"C{i % 10}",
-                    label=f"{config_label(r)}, mean K {r.get('k_mean') or 0:.2f}")
+                    label=f"{config_label(r)}, mean K {r.work.k_mean or 0:.2f}")
         ax.set_title(f"{cell[0]}, batch {cell[1]}", fontsize=10)
         ax.set_xlabel("decode step")
         ax.set_ylabel("K chosen (ledger)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    return _save(plt, fig, path, "K the speculation policy chose at each decode step (first run of each "
-                 "configuration; series offset slightly so they do not hide each other)")
+    return save(plt, fig, path, "K the speculation policy chose at each decode step (first run of each "
+                "configuration; series offset slightly so they do not hide each other)")
 
 
-def plot_policy_energy(rows: Sequence[Mapping[str, Any]], records: Sequence[Record], path: Path) -> Path | None:
+def plot_policy_energy(rows: Sequence[Mapping[str, Any]], records: Sequence[RunRecord], path: Path) -> Path | None:
     """J/token against fixed K (K = 0 the baseline) with each policy's J/token as a level line."""
-    from refspec.eval.plots import _energy_label, _panels, _save
-
     if not rows:
         return None
-    panels = sorted({(r["corpus"], r["batch"], r["drafter"]) for r in rows})
-    plt, fig, axes = _panels(len(panels), height=3.4)
-    for ax, (corpus, batch, drafter) in zip(axes, panels):
+    cells = sorted({(r["corpus"], r["batch"], r["drafter"]) for r in rows})
+    plt, fig, axes = panels(len(cells), height=3.4)
+    for ax, (corpus, batch, drafter) in zip(axes, cells):
         sel = [r for r in rows if (r["corpus"], r["batch"], r["drafter"]) == (corpus, batch, drafter)]
         fixed = sel[0]["fixed"]
         ax.plot(list(fixed), list(fixed.values()), "o-", color="C0", label="fixed K")
@@ -187,46 +163,42 @@ def plot_policy_energy(rows: Sequence[Mapping[str, Any]], records: Sequence[Reco
             ax.axhline(r["j"], color=f"C{i + 1}", ls="--", lw=1.2, label=f"{r['policy']} ({_pct(r['vs_best'])})")
         ax.set_title(f"{corpus}, batch {batch}, {drafter}", fontsize=9)
         ax.set_xlabel("K (fixed; 0 = no drafter)")
-        ax.set_ylabel(_energy_label(records))
+        ax.set_ylabel(energy_label(records))
         ax.set_xticks(sorted(fixed))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, title="vs best fixed K", title_fontsize=6)
-    return _save(plt, fig, path, "J/token of each speculation policy (dashed) beside every fixed K")
+    return save(plt, fig, path, "J/token of each speculation policy (dashed) beside every fixed K")
 
 
-def plot_frontier(stairs: Mapping[tuple[str, int], Sequence[tuple[float, float, str]]], records: Sequence[Record],
-                  path: Path) -> Path | None:
+def plot_frontier(stairs: Stairs, records: Sequence[RunRecord], path: Path) -> Path | None:
     """Per (corpus, batch): every run's (median TPOT, J/token) and the frontier staircase."""
-    from refspec.eval.plots import _energy_label, _panels, _save
-    from refspec.eval.report import config_label
-
     if not stairs:
         return None
-    plt, fig, axes = _panels(len(stairs), height=3.6)
+    plt, fig, axes = panels(len(stairs), height=3.6)
     for ax, (cell, points) in zip(axes, stairs.items()):
-        recs = [r for r in records if _cell(r) == cell and _j(r) is not None and r.get("tpot_p50_s") is not None]
+        recs = [r for r in records if _cell(r) == cell and _j(r) is not None and r.latency.tpot_p50_s is not None]
         for r in recs:
-            pol = policy_of(r) != "fixed"
-            ax.plot(1e3 * r["tpot_p50_s"], _j(r), "D" if pol else "o", color="C1" if pol else "C0", ms=4, alpha=0.8)
-            ax.annotate(config_label(r).replace(f" b{cell[1]}", ""), (1e3 * r["tpot_p50_s"], _j(r)), fontsize=5,
-                        alpha=0.7)
+            pol = r.spec_policy != "fixed"
+            x = 1e3 * r.latency.tpot_p50_s
+            ax.plot(x, _j(r), "D" if pol else "o", color="C1" if pol else "C0", ms=4, alpha=0.8)
+            ax.annotate(config_label(r).replace(f" b{cell[1]}", ""), (x, _j(r)), fontsize=5, alpha=0.7)
         xs = [1e3 * t for t, _, _ in points]
-        ax.step(xs + [max(1e3 * r["tpot_p50_s"] for r in recs) * 1.05], [j for _, j, _ in points] + [points[-1][1]],
-                where="post", color="k", lw=1.2)
+        ax.step(xs + [max(1e3 * r.latency.tpot_p50_s for r in recs) * 1.05], [j for _, j, _ in points]
+                + [points[-1][1]], where="post", color="k", lw=1.2)
         ax.set_title(f"{cell[0]}, batch {cell[1]}", fontsize=10)
         ax.set_xlabel("TPOT p50 (ms)")
-        ax.set_ylabel(_energy_label(records))
+        ax.set_ylabel(energy_label(records))
         ax.grid(True, alpha=0.3)
-    return _save(plt, fig, path, "Energy-latency frontier: the lowest J/token reachable at each median-TPOT target "
-                 "(black staircase) from fixed-K runs (circles) and policy runs (diamonds)")
+    return save(plt, fig, path, "Energy-latency frontier: the lowest J/token reachable at each median-TPOT target "
+                "(black staircase) from fixed-K runs (circles) and policy runs (diamonds)")
 
 
-def policy_section(records: Sequence[Record], out_dir: Path, ledgers: Sequence[Path], *,
+def policy_section(records: Sequence[RunRecord], out_dir: Path, ledgers: Sequence[Path], *,
                    frontier_plot: bool = False) -> tuple[list[str], list[Path]]:
     """The report's policy Markdown and plots (nothing without a policy run, unless ``frontier_plot``)."""
     rows = comparison_rows(records)
     md, plots = comparison_md(rows), []
-    if any(policy_of(r) != "fixed" for r in records):
+    if any(r.spec_policy != "fixed" for r in records):
         plots += [plot_k_over_run(records, ledgers, out_dir / "policy_k.png"),
                   plot_policy_energy(rows, records, out_dir / "policy_energy.png")]
     if frontier_plot:
@@ -236,4 +208,4 @@ def policy_section(records: Sequence[Record], out_dir: Path, ledgers: Sequence[P
     return md, [p for p in plots if p is not None]
 
 
-__all__ = ["FIELD_TEXT", "comparison_rows", "frontier", "k_by_step", "k_fields", "policy_section"]
+__all__ = ["comparison_rows", "frontier", "k_by_step", "policy_section"]

@@ -54,16 +54,6 @@ def check_policy_for(spec: PolicySpec, *, k: int, tree: bool, drafter: str) -> N
                          f"the largest a step may draft: raise --k to {spec.max_k(k)}")
 
 
-def acceptance_from_tau(tau: float, k: int) -> float:
-    """Per-token acceptance a with ``(1 - a^(k+1)) / (1 - a) = tau`` (bisection; tau clipped to 1..k+1)."""
-    tau = min(max(tau, 1.0), k + 1.0)
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** i for i in range(k + 1)) < tau else (lo, mid)
-    return (lo + hi) / 2
-
-
 @functools.lru_cache(maxsize=1)
 def _tau_rows() -> tuple[str | None, tuple[dict[str, Any], ...]]:
     try:
@@ -76,6 +66,7 @@ def _tau_rows() -> tuple[str | None, tuple[dict[str, Any], ...]]:
 def corpus_prior(model: str, drafter: str, corpus: str, temperature: float) -> float | None:
     """The drafter's per-token acceptance on ``corpus`` (parts of a ``mixed:A+B`` averaged) from
     the measured tau table, or None where it has no row."""
+    from refspec.eval.acceptance_models import acceptance_from_tau
     from refspec.eval.mixed_corpus import mixed_parts
 
     table_model, rows = _tau_rows()
@@ -99,7 +90,7 @@ def build_policy(session: Any, cfg: Any, drafter: Any) -> Any:
         return None
     if spec.kind != "energy":
         return spec.build(cfg.k)
-    from refspec.energy.hardware import cpu_profile
+    from refspec.energy.model.hardware import cpu_profile
     from refspec.engine import EngineConfig
     from refspec.policy_energy import RooflineStepCost
 
@@ -121,4 +112,4 @@ def build_policy(session: Any, cfg: Any, drafter: Any) -> Any:
     return spec.build(cfg.k, cost=cost, prior=prior, measured=measured)
 
 
-__all__ = ["build_policy", "check_policy_for", "checked_spec", "corpus_prior", "acceptance_from_tau"]
+__all__ = ["build_policy", "check_policy_for", "checked_spec", "corpus_prior"]

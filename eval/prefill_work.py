@@ -18,24 +18,13 @@ request differ by more than :data:`PREFILL_WORK_TOLERANCE`, words a warning nami
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from refspec.eval.record import Work
 
 PREFILL_WORK_TOLERANCE = 0.10
 """Relative difference in prefill positions per request above which a comparison is flagged."""
-
-FIELD_TEXT: dict[str, str] = {
-    "refills": "refill prefills after a decode step (the first fill excluded)",
-    "refill_group_p50": "median rows per refill prefill (null without refills)",
-    "refill_group_max": "most rows in one refill prefill (null without refills)",
-    "prefill_positions_per_request": "positions the target's prefill forwards computed (padding included), per "
-                                     "request prefilled, from the ledger's work; null when it records none",
-    "prefill_tokens_per_request": "real prompt tokens per request prefilled",
-    "prefill_positions_per_token": "prefill positions computed per real prompt token (1 for packed prefill)",
-    "prefill_work_vs_baseline": "prefill positions per request / the baseline's (null: not comparable)",
-    "prefill_warning": "why this comparison's prefill work differs from the baseline's by more than 10 % (null "
-                       "when it does not)",
-}
-"""The record fields of this module, name -> description (listed in RECORD_FIELDS)."""
 
 
 def _positions(forward: Mapping[str, Any]) -> int:
@@ -79,38 +68,43 @@ def prefill_fields(records: Sequence[Mapping[str, Any]], run_ids: Sequence[str],
             "prefill_positions_per_token": per_request / tokens if per_request is not None and tokens else None}
 
 
-def _groups_text(r: Mapping[str, Any]) -> str:
-    if not r.get("refills"):
+def _groups_text(w: Work) -> str:
+    if not w.refills:
         return "no refills"
-    return f"refill groups of median {r['refill_group_p50']:g}, max {r['refill_group_max']} rows"
+    return f"refill groups of median {w.refill_group_p50:g}, max {w.refill_group_max} rows"
 
 
-def _cause(record: Mapping[str, Any], baseline: Mapping[str, Any]) -> str:
+def _cause(mine: Work, theirs: Work, same_stream: bool | None) -> str:
     """Why the prefill work per request differs: other requests, other prompt tokens, or padding."""
-    if record.get("same_stream_as_baseline") is False:
+    if same_stream is False:
         return "the two runs served different request streams (stream_digest differs)"
-    tok, base_tok = record.get("prefill_tokens_per_request"), baseline.get("prefill_tokens_per_request")
+    tok, base_tok = mine.prefill_tokens_per_request, theirs.prefill_tokens_per_request
     if tok and base_tok and abs(tok / base_tok - 1) > PREFILL_WORK_TOLERANCE:
         return f"they prefilled different prompts ({tok:.1f} against {base_tok:.1f} prompt tokens per request)"
-    ppt, base_ppt = record.get("prefill_positions_per_token"), baseline.get("prefill_positions_per_token")
-    return (f"padding: prefill forwards padded to the longest prompt of their group compute {base_ppt:.2f} "
-            f"positions per prompt token in the baseline ({_groups_text(baseline)}) against {ppt:.2f} here "
-            f"({_groups_text(record)})")
+    return (f"padding: prefill forwards padded to the longest prompt of their group compute "
+            f"{theirs.prefill_positions_per_token:.2f} positions per prompt token in the baseline "
+            f"({_groups_text(theirs)}) against {mine.prefill_positions_per_token:.2f} here ({_groups_text(mine)})")
 
 
-def prefill_comparison(record: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``prefill_work_vs_baseline`` and ``prefill_warning`` of ``record`` against ``baseline``."""
-    mine = record.get("prefill_positions_per_request")
-    theirs = None if baseline is None else baseline.get("prefill_positions_per_request")
-    if record.get("drafter") == "none" or not mine or not theirs:
+def prefill_comparison(mine: Work, theirs: Work | None, *, same_stream: bool | None) -> dict[str, Any]:
+    """``prefill_work_vs_baseline`` and ``prefill_warning`` of a speculative run's work against its baseline's.
+
+    Args:
+        mine: the speculative run's work.
+        theirs: the baseline's, or None.
+        same_stream: whether the two served the same stream (None: unknown).
+    """
+    a = mine.prefill_positions_per_request
+    b = None if theirs is None else theirs.prefill_positions_per_request
+    if not a or not b:
         return {"prefill_work_vs_baseline": None, "prefill_warning": None}
-    ratio = mine / theirs
+    ratio = a / b
     warning = None
     if abs(ratio - 1) > PREFILL_WORK_TOLERANCE:
         warning = (f"prefill work per request differs from the baseline's by {100 * (ratio - 1):+.0f}% "
-                   f"({mine:.1f} against {theirs:.1f} positions per request), so prefill, not speculation, can "
-                   f"decide this comparison; cause: {_cause(record, baseline)}")  # type: ignore[arg-type]
+                   f"({a:.1f} against {b:.1f} positions per request), so prefill, not speculation, can "
+                   f"decide this comparison; cause: {_cause(mine, theirs, same_stream)}")  # type: ignore[arg-type]
     return {"prefill_work_vs_baseline": ratio, "prefill_warning": warning}
 
 
-__all__ = ["PREFILL_WORK_TOLERANCE", "FIELD_TEXT", "prefill_fields", "prefill_comparison"]
+__all__ = ["PREFILL_WORK_TOLERANCE", "prefill_fields", "prefill_comparison"]

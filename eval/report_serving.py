@@ -1,61 +1,29 @@
 """The report's serving parts: the window beside the run, latency targets, and the greedy audit.
 
-Records of a serving run carry the steady-state window's J/token as ``energy_per_token_j`` and
-the whole run's as ``energy_per_token_j_run`` (:mod:`refspec.energy.serving_window`); a record
-written before serving windows (a static lockstep run, record_version 2 without those fields)
-has only the run's figure, under ``energy_per_token_j``. Every reader here goes through
-:func:`j_window` / :func:`j_run`, so an old record is never shown as if it had a window.
-The selection under targets is :func:`refspec.energy.latency.choose`; the greedy audit fields
-come from :mod:`refspec.eval.audit`. Nothing here computes a figure; it selects and formats.
+Which J/token a record shows is :mod:`refspec.eval.report_text`'s (the window's; a static or
+old record's run's). The selection under targets is :func:`refspec.energy.latency.choose`,
+which reads a mapping per record (:func:`latency_view`); the greedy audit's figures come from
+:mod:`refspec.eval.baseline`. Nothing here computes a figure; it selects and formats.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from refspec.energy.latency import Targets, choose, cost_of_tighter_target, format_targets, misses, premium
+from refspec.energy.accounting.latency import Targets, choose, cost_of_tighter_target, format_targets, misses, premium
+from refspec.eval.record import RunRecord
+from refspec.eval.report_text import fmt, has_window, is_static, j_run, shown_j
 
-Record = Mapping[str, Any]
+Label = Callable[[RunRecord], str]
 TIGHTER = (1.0, 0.75, 0.5, 0.25)
 """p99 TPOT targets tabulated, as fractions of the given one."""
 _NAMES = {"tpot_p99_s": "TPOT", "ttft_p99_s": "TTFT"}
 
 
-def _f(x: Any, spec: str, scale: float = 1.0) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return format(float(x) * scale, spec)
-
-
 # ---- window and run ----------------------------------------------------------------------------
-def has_window(r: Record) -> bool:
-    """Whether ``r`` carries the serving fields (window J/token beside the run's)."""
-    return "energy_per_token_j_run" in r
-
-
-def j_window(r: Record) -> float | None:
-    """Steady-state window J/token; None for a record without window fields."""
-    return r.get("energy_per_token_j") if has_window(r) else None
-
-
-def j_run(r: Record) -> float | None:
-    """Whole-run J/token (an old record's only J/token)."""
-    return r.get("energy_per_token_j_run") if has_window(r) else r.get("energy_per_token_j")
-
-
-def is_static(r: Record) -> bool:
-    """A lockstep (``--schedule static``) serving record, whose window figures are not shown."""
-    return has_window(r) and r.get("schedule") == "static"
-
-
-def shown_j(r: Record) -> float | None:
-    """The J/token the report shows and ranks by: the window's, a static (lockstep) row's run's."""
-    return j_run(r) if is_static(r) else r.get("energy_per_token_j")
-
-
-def static_note(rows: Sequence[Record]) -> str | None:
+def static_note(rows: Sequence[RunRecord]) -> str | None:
     """The footnote for static rows' n/a window figures (None when no row is static)."""
     if not any(is_static(r) for r in rows):
         return None
@@ -63,24 +31,25 @@ def static_note(rows: Sequence[Record]) -> str | None:
             "stretches of each batch and is no steady state beside a continuous one; compare their run J/token.")
 
 
-def window_cell(r: Record) -> str:
+def window_cell(r: RunRecord) -> str:
     """The window J/token, or why there is none."""
     if not has_window(r):
         return "absent"
     if is_static(r):
         return "n/a"
-    v = r.get("energy_per_token_j")
-    empty = r.get("window_note") or (v is not None and math.isnan(float(v)))
-    return "empty" if empty else _f(v, ".4g") + ("*" if r.get("window_valid") is False else "")
+    v = r.window.j_per_token
+    empty = r.window.note or (v is not None and math.isnan(float(v)))
+    return "empty" if empty else fmt(v, ".4g") + ("*" if r.window.valid is False else "")
 
 
-def invalid_notes(records: Sequence[Record], label: Any) -> list[str]:
+def invalid_notes(records: Sequence[RunRecord], label: Label) -> list[str]:
     """One line per configuration whose window is invalid (marked ``*``): why, and that it is not ranked."""
-    return [f"* {label(r)}: window invalid ({r.get('window_invalid_reason')}); its J/token is shown, never ranked "
-            f"by a latency target" for r in records if r.get("window_valid") is False and not r.get("window_note")]
+    return [f"* {label(r)}: window invalid ({r.window.invalid_reason}); its J/token is shown, never ranked "
+            f"by a latency target" for r in records if r.window is not None and r.window.valid is False
+            and not r.window.note]
 
 
-def windows_md(rows: Sequence[Record], label: Any) -> list[str]:
+def windows_md(rows: Sequence[RunRecord], label: Label) -> list[str]:
     """Each configuration's steady-state window: its bounds, time, tokens, mean active rows (serving records only)."""
     recs = [r for r in rows if has_window(r)]
     if not recs:
@@ -90,65 +59,71 @@ def windows_md(rows: Sequence[Record], label: Any) -> list[str]:
           "| note |", "|---|---|---:|---:|---:|---:|---|"]
     for r in recs:
         if is_static(r):  # the run's mean active rows stays: it is no window figure
-            md.append(f"| {label(r)} | n/a | n/a | n/a | n/a / {_f(r.get('mean_active_rows'), '.1f')} | n/a | "
+            md.append(f"| {label(r)} | n/a | n/a | n/a | n/a / {fmt(r.run.mean_active_rows, '.1f')} | n/a | "
                       "static schedule: no steady state |")
             continue
-        steps = ("n/a" if r.get("window_first_step") is None
-                 else f"{r['window_first_step']}..{r['window_last_step']} ({r.get('window_steps')})")
-        md.append(f"| {label(r)} | {steps} | {_f(r.get('window_s'), '.4g')} | {_f(r.get('window_tokens'), '.0f')} | "
-                  f"{_f(r.get('window_mean_active_rows'), '.1f')} / {_f(r.get('mean_active_rows'), '.1f')} | "
-                  f"{_f(r.get('window_tokens_per_s'), '.4g')} | {r.get('window_note') or ''} |")
+        w = r.window
+        steps = "n/a" if w.first_step is None else f"{w.first_step}..{w.last_step} ({w.steps})"
+        md.append(f"| {label(r)} | {steps} | {fmt(w.time_s, '.4g')} | {fmt(w.tokens, '.0f')} | "
+                  f"{fmt(w.mean_active_rows, '.1f')} / {fmt(r.run.mean_active_rows, '.1f')} | "
+                  f"{fmt(w.tokens_per_s, '.4g')} | {w.note or ''} |")
     return md + [""]
 
 
-def serving_line(rows: Sequence[Record]) -> str:
+def serving_line(rows: Sequence[RunRecord]) -> str:
     """``continuous schedule, 32 requests (16 unique)`` per distinct setting, or the old-record note."""
     old = [r for r in rows if not has_window(r)]
-    parts = list(dict.fromkeys(f"{r.get('schedule', '?')} schedule, {r.get('requests')} requests "
-                               f"({r.get('requests_unique')} unique) at batch {r.get('batch')}"
-                               for r in sorted(rows, key=lambda r: int(r.get("batch", 0))) if has_window(r)))
+    parts = list(dict.fromkeys(f"{r.stream.schedule or '?'} schedule, {r.stream.requests} requests "
+                               f"({r.stream.requests_unique} unique) at batch {r.batch}"
+                               for r in sorted(rows, key=lambda r: r.batch) if has_window(r)))
     if old:
         parts.append(f"{len(old)} record(s) without serving fields (static lockstep, written before steady-state "
                      f"windows): their window fields are absent and their J/token is the whole run's")
     return "; ".join(parts)
 
 
-def old_records_note(records: Sequence[Record]) -> str | None:
-    old = sorted(str(r.get("config_id")) for r in records if not has_window(r))
+def old_records_note(records: Sequence[RunRecord]) -> str | None:
+    old = sorted(r.config_id for r in records if not has_window(r))
     if not old:
         return None
-    return (f"{len(old)} record(s) lack the serving window fields (energy_per_token_j_run, mean_active_rows, "
+    return (f"{len(old)} record(s) lack the serving window fields (window_j_per_token, run_mean_active_rows, "
             f"TTFT): " + ", ".join(old[:6]) + (" ..." if len(old) > 6 else "") + ". Their J/token is the whole "
             "run's (drain included), so it is not comparable with a window's; rerun their sweep for windows.")
 
 
 # ---- the greedy audit ------------------------------------------------------------------------
-def greedy_text(r: Record) -> str:
+def greedy_text(r: RunRecord) -> str:
     """Per-request audit counts a reader can check, or the old per-row match, explained."""
-    n = r.get("greedy_requests_compared")
-    if n is not None:
-        m = r.get("greedy_requests_matching")
+    c = r.comparison
+    if c.greedy_requests_compared is not None:
+        n, m = c.greedy_requests_compared, c.greedy_requests_matching
         if m == n:
             return f"yes ({m}/{n} req)"
         parts = [f"{m}/{n} req equal"]
-        for field, word in (("greedy_requests_near_tie", "near-tie"), ("greedy_requests_defect", "DEFECT"),
-                            ("greedy_requests_unclassified", "unclassified")):
-            if r.get(field):
-                parts.append(f"{r[field]} {word}")
+        for count, word in ((c.greedy_requests_near_tie, "near-tie"), (c.greedy_requests_defect, "DEFECT"),
+                            (c.greedy_requests_unclassified, "unclassified")):
+            if count:
+                parts.append(f"{count} {word}")
         return ", ".join(parts)
-    match = r.get("greedy_match_baseline")
-    if match is None:
+    if c.greedy_match_baseline is None:
         return "-"
-    if match:
+    if c.greedy_match_baseline:
         return "yes (rows)"
-    rows = r.get("rows")
-    return f"no: {rows - (r.get('greedy_rows_matching') or 0)}/{rows} rows differ, unclassified"
+    rows = r.stream.requests or 0
+    return f"no: {rows - (c.greedy_rows_matching or 0)}/{rows} rows differ, unclassified"
 
 
-def audit_md(records: Sequence[Record]) -> list[str]:
+def _divergence(d: Mapping[str, Any], kind: str, op: str) -> str:
+    return (f"  - {kind} request {d['id']} at token {d['position']}: baseline {d['baseline_token']}, this run "
+            f"{d['token']}; top-2 margin {fmt(d.get('top2_margin'), '.4g')}, gap {fmt(d.get('gap'), '.4g')} {op} "
+            f"bound {fmt(d.get('bound'), '.4g')}")
+
+
+def audit_md(records: Sequence[RunRecord]) -> list[str]:
     """The greedy audit: what was compared, the bound, every defect listed, the near-ties counted."""
-    audited = [r for r in records if r.get("greedy_requests_compared") is not None]
-    old = [r for r in records if r.get("greedy_requests_compared") is None and r.get("greedy_match_baseline") is False]
+    audited = [r for r in records if r.comparison.greedy_requests_compared is not None]
+    old = [r for r in records if r.comparison.greedy_requests_compared is None
+           and r.comparison.greedy_match_baseline is False]
     md = ["### Greedy audit per request", "",
           "Each request's greedy output is compared token for token with the baseline's for the same request "
           "(same id and prompt). A differing request is a **near-tie** when, at its first divergent token, a "
@@ -159,23 +134,18 @@ def audit_md(records: Sequence[Record]) -> list[str]:
     if not audited and not old:
         return md + ["No greedy comparison in these records (sampling, injected acceptance or baseline only).", ""]
     for r in audited:
-        md.append(f"- {r.get('config_id')} ({r.get('dtype')}): {greedy_text(r)}; "
-                  f"{r.get('greedy_requests_not_comparable') or 0} request(s) not comparable; "
-                  f"bound: {r.get('greedy_near_tie_bound') or 'n/a'}")
-        for d in r.get("greedy_defects") or []:
-            md.append(f"  - DEFECT request {d['id']} at token {d['position']}: baseline {d['baseline_token']}, this "
-                      f"run {d['token']}; top-2 margin {_f(d.get('top2_margin'), '.4g')}, gap "
-                      f"{_f(d.get('gap'), '.4g')} > bound {_f(d.get('bound'), '.4g')}"
+        c = r.comparison
+        md.append(f"- {r.config_id} ({r.dtype}): {greedy_text(r)}; {c.greedy_requests_not_comparable or 0} "
+                  f"request(s) not comparable; bound: {c.greedy_near_tie_bound or 'n/a'}")
+        for d in c.greedy_defects or ():
+            md.append(_divergence(d, "DEFECT", ">")
                       + (f" ({d['reason']})" if d.get("reason") and "bound" not in d["reason"] else ""))
-        for d in r.get("greedy_near_ties") or []:
-            md.append(f"  - near-tie request {d['id']} at token {d['position']}: baseline {d['baseline_token']}, this "
-                      f"run {d['token']}; top-2 margin {_f(d.get('top2_margin'), '.4g')}, gap {_f(d.get('gap'), '.4g')}"
-                      f" <= bound {_f(d.get('bound'), '.4g')}")
-        if r.get("greedy_requests_unclassified"):
-            md.append(f"  - {r['greedy_requests_unclassified']} differing request(s) unclassified: compared at "
+        md += [_divergence(d, "near-tie", "<=") for d in c.greedy_near_ties or ()]
+        if c.greedy_requests_unclassified:
+            md.append(f"  - {c.greedy_requests_unclassified} differing request(s) unclassified: compared at "
                       "report time without the model; the run itself classifies them")
     for r in old:
-        md.append(f"- {r.get('config_id')}: {greedy_text(r)} (record without per-request outputs: no "
+        md.append(f"- {r.config_id}: {greedy_text(r)} (record without per-request outputs: no "
                   "classification possible; rerun its sweep)")
     return md + [""]
 
@@ -186,41 +156,51 @@ class CorpusChoice:
     """One corpus under the targets: the choice, every configuration's misses, what lacks a figure."""
 
     corpus: str
-    chosen: Record | None
-    rows: list[tuple[Record, dict[str, float | None]]]
-    no_figure: list[tuple[Record, list[str]]]
+    chosen: RunRecord | None
+    rows: list[tuple[RunRecord, dict[str, float | None]]]
+    no_figure: list[tuple[RunRecord, list[str]]]
     tighter: list[dict[str, Any]] | None
 
 
-def target_choices(records: Sequence[Record], targets: Targets) -> dict[str, CorpusChoice]:
+def latency_view(r: RunRecord) -> dict[str, Any]:
+    """What :mod:`refspec.energy.latency` reads of a record: its identity, p99 latencies, window
+    validity, and the J/token the report shows (:func:`refspec.eval.report_text.shown_j`)."""
+    return {"batch": r.batch, "drafter": r.drafter, "k": r.k, "tpot_p99_s": r.latency.tpot_p99_s,
+            "ttft_p99_s": r.latency.ttft_p99_s, "energy_per_token_j": shown_j(r),
+            **({} if r.window is None else {"window_valid": r.window.valid})}
+
+
+def target_choices(records: Sequence[RunRecord], targets: Targets) -> dict[str, CorpusChoice]:
     """Per corpus: the lowest-J/token configuration meeting ``targets`` and every other one's misses.
 
-    A static row is ranked by its run's J/token (:func:`shown_j`), the figure shown for it.
+    A static row is ranked by its run's J/token (:func:`refspec.eval.report_text.shown_j`), the figure shown for it.
     """
-    by_corpus: dict[str, list[Record]] = defaultdict(list)
+    by_corpus: dict[str, list[RunRecord]] = defaultdict(list)
     for r in records:
-        by_corpus[str(r.get("corpus"))].append(r)
+        by_corpus[r.corpus].append(r)
     out: dict[str, CorpusChoice] = {}
     for corpus, rows in sorted(by_corpus.items()):
         usable, lacking = [], []
         for r in rows:
-            absent = [f for f in ("energy_per_token_j", *targets.given())
-                      if (shown_j(r) if f == "energy_per_token_j" else r.get(f)) is None]
+            view = latency_view(r)
+            absent = [("J/token" if f == "energy_per_token_j" else f) for f in ("energy_per_token_j", *targets.given())
+                      if view[f] is None]
             (lacking.append((r, absent)) if absent else usable.append(r))
-        chosen = choose(usable, targets, shown_j) if usable else None
+        views = [latency_view(r) for r in usable]
+        best = choose(views, targets) if usable else None
         tighter = None
         if targets.tpot_p99_s is not None and usable:
-            tighter = cost_of_tighter_target(usable, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s,
-                                             shown_j)
-        out[corpus] = CorpusChoice(corpus=corpus, chosen=chosen, rows=[(r, misses(r, targets)) for r in usable],
+            tighter = cost_of_tighter_target(views, [targets.tpot_p99_s * f for f in TIGHTER], targets.ttft_p99_s)
+        out[corpus] = CorpusChoice(corpus=corpus, chosen=next((r for r, v in zip(usable, views) if v is best), None),
+                                   rows=[(r, misses(v, targets)) for r, v in zip(usable, views)],
                                    no_figure=lacking, tighter=tighter)
     return out
 
 
-def _chosen_j(r: Record) -> str:
+def _chosen_j(r: RunRecord) -> str:
     """The chosen configuration's J/token, saying which (a static row shows its run's)."""
     if is_static(r):
-        return f"{_f(j_run(r), '.4g')} J/token (run, static schedule)"
+        return f"{fmt(j_run(r), '.4g')} J/token (run, static schedule)"
     return f"{window_cell(r)} J/token (window)"
 
 
@@ -230,18 +210,25 @@ def _miss_cell(miss: float | None, target: float) -> str:
     return "meets" if miss == 0.0 else f"+{1e3 * miss:.3g} ms ({100 * miss / target:+.0f}%)"
 
 
-def _row_md(r: Record, ms: Mapping[str, float | None], targets: Targets, chosen: Record | None, label: Any) -> str:
+def _row_md(r: RunRecord, ms: Mapping[str, float | None], targets: Targets, chosen: RunRecord | None,
+            label: Label) -> str:
     vs = premium(float(shown_j(r)), float(shown_j(chosen))) if chosen else None
     mark = " **chosen**" if r is chosen else ""
-    cells = [f"{label(r)}{mark}", window_cell(r), _f(j_run(r), ".4g"), _f(r.get("mean_active_rows"), ".1f"),
-             _f(r.get("ttft_p99_s"), ".1f", 1e3), _f(r.get("tpot_p99_s"), ".1f", 1e3),
+    cells = [f"{label(r)}{mark}", window_cell(r), fmt(j_run(r), ".4g"), fmt(r.run.mean_active_rows, ".1f"),
+             fmt(r.latency.ttft_p99_s, ".1f", 1e3), fmt(r.latency.tpot_p99_s, ".1f", 1e3),
              *(_miss_cell(ms[f], t) for f, t in targets.given().items()),
              "n/a" if vs is None else f"{100 * vs:+.1f}%"]
     return "| " + " | ".join(cells) + " |"
 
 
-def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapping[str, CorpusChoice] | None,
-               label: Any) -> list[str]:
+def _not_judged(r: RunRecord, absent: Sequence[str], label: Label) -> str:
+    why = (f"empty window: {r.window.note}" if r.window is not None and r.window.note else
+           "a record written before serving windows" if not has_window(r) else "not recorded")
+    return f"- {label(r)}: not judged, it has no {', '.join(absent)} ({why})"
+
+
+def targets_md(records: Sequence[RunRecord], targets: Targets | None, choices: Mapping[str, CorpusChoice] | None,
+               label: Label) -> list[str]:
     """The report's latency-target section (``label``: a record's configuration label)."""
     lines = ["## Latency targets", ""]
     if targets is None or not targets.given():
@@ -256,7 +243,7 @@ def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapp
         lines += [f"> {note}", ""]
     for corpus, c in sorted((choices or {}).items()):
         head = (f"**{corpus}**: " + (f"{label(c.chosen)}, {_chosen_j(c.chosen)}" if c.chosen
-                                      else "no configuration meets the targets"))
+                                     else "no configuration meets the targets"))
         given = list(targets.given())
         lines += [head, "", "| configuration | J/token window | J/token run | mean active rows | TTFT p99 ms | "
                   "TPOT p99 ms | " + " | ".join(f"{_NAMES[f]} miss" for f in given) + " | J/token vs chosen |",
@@ -265,10 +252,7 @@ def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapp
         note = static_note([r for r, _ in c.rows])
         lines += ["", note] if note else []
         lines.append("")
-        for r, absent in c.no_figure:
-            why = (f"empty window: {r['window_note']}" if r.get("window_note") else
-                   "a record written before serving windows" if not has_window(r) else "not recorded")
-            lines.append(f"- {label(r)}: not judged, it has no {', '.join(absent)} ({why})")
+        lines += [_not_judged(r, absent, label) for r, absent in c.no_figure]
         if c.tighter:
             lines += ["", f"What tighter targets cost (p99 TPOT at {', '.join(f'{f:g}x' for f in TIGHTER)} the given "
                       "one" + (f", p99 TTFT held at {1e3 * targets.ttft_p99_s:g} ms" if targets.ttft_p99_s else "")
@@ -277,7 +261,7 @@ def targets_md(records: Sequence[Record], targets: Targets | None, choices: Mapp
     return lines
 
 
-def targets_text(choices: Mapping[str, CorpusChoice], targets: Targets, label: Any) -> list[str]:
+def targets_text(choices: Mapping[str, CorpusChoice], targets: Targets, label: Label) -> list[str]:
     """Lines for the CLI: the choice per corpus, or that none meets the targets."""
     out = [f"latency targets {targets.text()}:"]
     for corpus, c in sorted(choices.items()):
@@ -285,7 +269,7 @@ def targets_text(choices: Mapping[str, CorpusChoice], targets: Targets, label: A
             out.append(f"  {corpus}: no configuration meets the targets")
         else:
             run = "" if has_window(c.chosen) else " (run J/token: no window fields)"
-            j = _chosen_j(c.chosen) if is_static(c.chosen) else f"{_f(c.chosen['energy_per_token_j'], '.4g')} J/token"
+            j = _chosen_j(c.chosen) if is_static(c.chosen) else f"{fmt(shown_j(c.chosen), '.4g')} J/token"
             out.append(f"  {corpus}: {label(c.chosen)}, {j}{run}")
     return out
 
@@ -295,6 +279,6 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["has_window", "is_static", "static_note", "j_window", "j_run", "window_cell", "invalid_notes", "windows_md",
-           "serving_line", "old_records_note", "greedy_text", "audit_md", "CorpusChoice", "target_choices", "targets_md", "targets_text",
+__all__ = ["static_note", "window_cell", "invalid_notes", "windows_md", "serving_line", "old_records_note",
+           "greedy_text", "audit_md", "CorpusChoice", "latency_view", "target_choices", "targets_md", "targets_text",
            "unmet", "TIGHTER"]

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.outputs import atomic_target
+
 log = logging.getLogger(__name__)
 
 
@@ -90,7 +92,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
     Returns:
         ``{"profile": {...}, "cells": [...], "raw": {...}, "fitted": {...}}``.
     """
-    from refspec.energy.roofline import cpu_profile
+    from refspec.energy.model.hardware import cpu_profile
 
     if new_tokens <= skip + 1:
         raise ValueError(f"new_tokens ({new_tokens}) must exceed skip + 1 ({skip + 1})")
@@ -129,7 +131,7 @@ def _measure_cell(model, prompts: list[list[int]], k: int, prof, *, new_tokens: 
     """Median measured verify and step time of one (batch, k) cell against the roofline's verify time."""
     from refspec.drafters.ngram import NgramDrafter
     from refspec.engine import Engine, EngineConfig
-    from refspec.energy.roofline import work_time_s
+    from refspec.energy.model.roofline import work_time_s
 
     b = len(prompts)
     # untrimmed: every step verifies K + 1 positions per row whatever the drafter found
@@ -168,7 +170,8 @@ def plot_check(result: dict[str, Any], path: Path) -> Path:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.energy.architectures import ARCHS, arch, dense_equivalent
+from refspec.energy.model.architectures import ARCHS, arch, dense_equivalent
 from refspec.config import ModelArgs
-from refspec.energy.roofline import (EAGLE_HEAD, DrafterModel, HardwareProfile, compute_bound_batch, expected_experts,
-                                     get_profile, predict_step)
-from refspec.eval.cli_checks import check_path_for_dir
+from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel, compute_bound_batch, predict_step
+from refspec.energy.model.hardware import HardwareProfile, get_profile
+from refspec.energy.model.experts import expected_experts
+from refspec.eval.outputs import atomic_target, check_output_dir, write_atomic
 from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
 
 
@@ -69,7 +70,8 @@ def loss_regions(target: ModelArgs, profile: HardwareProfile, *, k: int, context
 
     def loses(b: int) -> bool:
         kw = dict(batch=b, context=context, acceptance=acceptance, drafter=drafter, dtype_bytes=dtype_bytes)
-        return predict_step(target, profile, k=k, **kw).j_per_token > predict_step(target, profile, k=0, **kw).j_per_token
+        spec, plain = predict_step(target, profile, k=k, **kw), predict_step(target, profile, k=0, **kw)
+        return spec.j_per_token > plain.j_per_token
 
     grid = sorted({b for p in range(max_batch.bit_length()) for b in (1 << p, 3 << p >> 1) if 1 <= b <= max_batch}
                   | {max_batch})
@@ -100,7 +102,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[int], list[int], list[float
     integer("--context", args.context, low=1, high=10_000_000)
     integer("--dtype-bytes", args.dtype_bytes, low=1, high=8, fix="2 is bf16, 4 fp32")
     if args.out is not None:
-        check_path_for_dir("--out", args.out)
+        check_output_dir("--out", args.out)
     return batches, ks, accs
 
 
@@ -135,7 +137,8 @@ def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Se
                     d = dense_base if k == 0 else predict_step(dense, profile, k=k, **kw)
                     row.update(experts_per_layer=expected_experts(target.num_experts, target.num_experts_per_tok,
                                                                   b * (k + 1)),
-                               dense_j_per_token=d.j_per_token, dense_saving=1.0 - d.j_per_token / dense_base.j_per_token)
+                               dense_j_per_token=d.j_per_token,
+                               dense_saving=1.0 - d.j_per_token / dense_base.j_per_token)
                 rows.append(row)
     return rows
 
@@ -210,7 +213,8 @@ def _plot(rows: list[dict[str, Any]], profile: HardwareProfile, title: str, path
     ax_e.legend(title=f"dotted: B(k+1) = ridge{dense}", fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_target(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -367,10 +371,8 @@ def _write_outputs(out: Path, rows: list[dict[str, Any]], accs: Sequence[float],
     """The table as CSV and one plot per acceptance rate in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     stem = f"roofline_{args.model.replace('/', '_')}_{profile.name}_ctx{args.context}"
-    with open(out / f"{stem}.csv", "w") as fh:
-        fh.write(",".join(rows[0]) + "\n")
-        for r in rows:
-            fh.write(",".join(str(v) for v in r.values()) + "\n")
+    table = [list(rows[0]), *(r.values() for r in rows)]  # the header, then one line per row
+    write_atomic(out / f"{stem}.csv", "".join(",".join(map(str, r)) + "\n" for r in table))
     for a in accs:
         path = out / f"{stem}_a{a:g}.png"
         _plot([r for r in rows if r["acceptance"] == a], profile,

@@ -17,9 +17,10 @@ import math
 from typing import Any, Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.roofline import DrafterModel, HardwareProfile
-from refspec.policy import StepView
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import DrafterModel
 from refspec.policy_energy import EnergyPolicy, RooflineStepCost, cheapest
+from refspec.policy_protocol import StepView
 
 
 def policy_rows(target: ModelArgs, profile: HardwareProfile, *, batches: Sequence[int], ks: Sequence[int],

@@ -1,93 +1,65 @@
-"""Running one evaluation configuration: engine, meter and ledger; the configuration's record.
+"""One evaluation configuration, from its settings to its record: what ``run`` and ``sweep`` share.
 
-A :class:`~refspec.eval.run_config.RunConfig` names everything that changes a figure. A
-:class:`~refspec.eval.session.Session` holds what configurations share: the loaded target and
-tokenizer, the energy meter, the verify callable (eager or CUDA graphs), built drafters and
-encoded prompts. :func:`run_configuration` runs one configuration and returns its record, a
-flat JSON-ready dict (the ``records.jsonl`` / ``summary.json`` schema, :data:`RECORD_FIELDS`).
+A :class:`~refspec.eval.run_config.RunConfig` names everything that changes a figure; a
+:class:`~refspec.eval.session.Session` holds what configurations share (target, meter, verify
+callable, drafters, prompts, streams). :func:`prepare_configuration` builds what a
+configuration needs so a bad setting fails before anything runs; :func:`run_configuration`
+runs it through the pipeline (:mod:`refspec.eval.pipeline`) and returns its
+:class:`~refspec.eval.record.RunRecord`, whose figures come from the ledger alone
+(:func:`configuration_record`, which a server session's record is built by too).
 
-Serving: a configuration serves a stream of ``requests`` requests
-(:mod:`refspec.eval.requests`: distinct corpus prompts, closed-loop or seeded Poisson
-arrivals) through :meth:`refspec.engine.Engine.serve`. ``continuous`` (the default) keeps B
-slots busy, refilling each freed slot from the stream, in one ledger run; ``static`` serves
-lockstep batches of B requests that drain, one ledger run each. The same stream (same ids, same
-prompts) is served by a configuration and its baseline, so outputs compare request by request.
-
-Every batch (continuous: the whole stream) is one run of one :class:`~refspec.energy.ledger.Ledger` (``run_id``
-``<config id>.<attempt>.b<i>``, appended to the ledger file with flush); the ledger is the
-engine's observer. The record's figures come only from the ledger records this configuration
-wrote, read back from disk and pooled by :func:`refspec.energy.accounting.pool_runs`; this module
-copies them into the record (:func:`refspec.eval.records.accounting_fields`) and computes none.
+Serving: ``continuous`` (the default) keeps B slots busy, refilling each freed slot from the
+stream, in one ledger run; ``static`` serves lockstep batches of B requests that drain, one
+ledger run each (``<config id>.<attempt>.b<i>``). A configuration and its baseline serve the
+same stream (same ids, prompts, budgets and arrivals), so outputs compare request by request.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import hashlib
+import json
 import logging
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from refspec.energy.accounting import Accounting, pool_runs
-from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16, gemm_plan_text, library_versions  # noqa: F401
-from refspec.eval.records import experts_fields  # MoE targets: experts touched per step
-from refspec.eval.records import (RECORD_FIELDS, RECORD_VERSION, _digest, accounting_fields, acceptance_from_tau,
-                                 compare_with_baseline, describe_source, ensure_line_end, roofline_prediction)
-from refspec.eval.policy_report import k_fields
-from refspec.eval.prefill_work import prefill_fields
-from refspec.eval.report_requests import request_fields
+from refspec.energy.ledger.writer import mark_aborted
+from refspec.eval import pipeline
+from refspec.eval.baseline import with_baseline
+from refspec.eval.flags import UsageError
+from refspec.eval.machine import gemm_plan_text, library_versions
+from refspec.eval.record import RequestOutput, RunRecord, Stream
+from refspec.eval.record_figures import accounting_sections, request_figures, roofline_figures, work_section
 from refspec.eval.run_config import RunConfig
-from refspec.eval.runtime import UsageError
 from refspec.eval.session import Session
 
 log = logging.getLogger(__name__)
 
 
-# ---- one configuration ----------------------------------------------------------------------
 @dataclasses.dataclass
 class ConfigResult:
-    """A finished configuration: its record and the generations behind it."""
+    """A finished configuration: its record and the engine's result of each served chunk."""
 
-    record: dict[str, Any]
+    record: RunRecord
     generations: list[Any]
 
 
-def _acceptance_injection(cfg: RunConfig, device: torch.device) -> tuple[Any, dict[str, Any] | None, str | None]:
-    """The engine's acceptance_fn, the injection record and its label for ``cfg`` (Nones without injection)."""
+# ---- before any run -----------------------------------------------------------------------------
+def _injection(cfg: RunConfig, device: torch.device) -> tuple[Any, dict[str, Any] | None, str | None]:
+    """The engine's acceptance_fn, the injection's record and its label (Nones without injection)."""
     if cfg.accept_model is None:
         return None, None, None
-    if importlib.util.find_spec("refspec.eval.injection") is None:
-        raise UsageError("--accept-model: refspec.eval.injection is not available in this installation")
     from refspec.eval.injection import injection_label, injection_record, make_acceptance_fn, resolve_acceptance_model
 
     model = resolve_acceptance_model(cfg.accept_model, k=cfg.k, drafter=cfg.drafter, corpus=cfg.corpus)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 7919)
-    label = injection_label(model)
-    log.info("%s", label)
-    # under a policy a step's K may be below the engine's: the model is restricted to each step's K
-    k = cfg.k if cfg.spec_policy == "fixed" else None
-    return make_acceptance_fn(model, gen, k=k), injection_record(model), label
-
-
-def prepare_configuration(session: Session, cfg: RunConfig) -> None:
-    """Load what ``cfg`` needs (prompts, drafter, injected model) so a bad setting fails before any run.
-
-    Raises:
-        UsageError, NoGPUError, DrafterError, AcceptanceModelError, CorpusError: what building them raises.
-    """
-    _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
-    prompts = _prompts(session, cfg)
-    session.stream(cfg)  # budgets: --output-len-dist reference without reference answers fails here
-    drafter = session.drafter(cfg)
-    if cfg.schedule == "continuous" and drafter is not None and not callable(getattr(drafter, "reset_rows", None)):
-        raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
-                         f"--schedule static")
-    _check_context(session, cfg, prompts, drafter)
-    _acceptance_injection(cfg, session.device)
+    log.info("%s", injection_label(model))
+    k = cfg.k if cfg.spec_policy == "fixed" else None  # under a policy the model is cut to each step's K
+    return make_acceptance_fn(model, gen, k=k), injection_record(model), injection_label(model)
 
 
 def _prompts(session: Session, cfg: RunConfig) -> list[list[int]]:
@@ -113,6 +85,23 @@ def _check_context(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[
                          f"model's context of {ctx}; {fix}")
 
 
+def prepare_configuration(session: Session, cfg: RunConfig) -> None:
+    """Load what ``cfg`` needs (prompts, stream, drafter, injected model) so a bad setting fails before any run.
+
+    Raises:
+        UsageError, NoGPUError, DrafterError, AcceptanceModelError, CorpusError: what building them raises.
+    """
+    _ = session.meter  # a meter that cannot be built (zeus without a GPU) fails here
+    prompts = _prompts(session, cfg)
+    session.stream(cfg)  # budgets: --output-len-dist reference without reference answers fails here
+    drafter = session.drafter(cfg)
+    if cfg.schedule == "continuous" and drafter is not None and not callable(getattr(drafter, "reset_rows", None)):
+        raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
+                         f"--schedule static")
+    _check_context(session, cfg, prompts, drafter)
+    _injection(cfg, session.device)
+
+
 def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
     """``cfg`` with the draft model it will run written out, so the record names it (loads the target)."""
     if cfg.drafter != "draft-model" or "draft_model" in dict(cfg.drafter_options):
@@ -126,8 +115,10 @@ def resolve_defaults(session: Session, cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, drafter_options=tuple(sorted(options.items())))
 
 
-def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
-    """The engine of ``cfg``, every phase event going to ``ledger``."""
+# ---- serving ------------------------------------------------------------------------------------
+def build_engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, ledger: Any) -> Any:
+    """The engine of ``cfg`` (its sampling, policy, meter and verify callable), every phase event going to
+    ``ledger``; ``acceptance_fn`` is an injected acceptance model's (None: the drafter's own)."""
     from refspec.engine import Engine, EngineConfig
     from refspec.eval.policy_setup import build_policy
     from refspec.sampling import SamplingConfig
@@ -136,27 +127,21 @@ def _engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: Any, 
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     policy = build_policy(session, cfg, drafter)
     watch = [policy.on_event] if hasattr(policy, "on_event") else []  # a policy calibrating on measured phases
-    return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                  acceptance_fn=acceptance_fn, policy=policy)
+    return Engine(target.prepared, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
+                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, acceptance_fn=acceptance_fn,
+                  policy=policy)
 
 
-def _run_labels(cfg: RunConfig, batches: int, injection_label: str | None) -> list[dict[str, Any]]:
-    """The ledger header labels of each batch run."""
-    injected = {"acceptance_injected": True, "injection": injection_label} if injection_label else {}
-    return [{**cfg.identity(), "config_id": cfg.config_id, "batch_index": i, "batches": batches, **injected}
-            for i in range(batches)]
-
-
-def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, chunks: Sequence[Sequence[Any]],
-                   run_ids: Sequence[str], labels: Sequence[dict[str, Any]]) -> list[Any]:
+def serve_chunks(session: Session, cfg: RunConfig, engine: Any, ledger: Any, chunks: Sequence[Sequence[Any]],
+                 run_ids: Sequence[str], labels: Sequence[dict[str, Any]]) -> list[Any]:
     """Serve each chunk of requests (continuous: the whole stream; static: lockstep batches), each
     chunk a ledger run of its own (the first is open); returns the ``ServeResult`` of each."""
     from tqdm.auto import tqdm
 
+    continuous = cfg.schedule == "continuous"
     results = []
-    with tqdm(total=sum(q.max_new_tokens for c in chunks for q in c), unit="tok", desc=cfg.label, file=sys.stderr, dynamic_ncols=True,
-              disable=not session.progress, leave=False) as bar:
+    with tqdm(total=sum(q.max_new_tokens for c in chunks for q in c), unit="tok", desc=cfg.label, file=sys.stderr,
+              dynamic_ncols=True, disable=not session.progress, leave=False) as bar:
         for i, run_id in enumerate(run_ids):
             if i:
                 ledger.begin_run(run_id, labels=labels[i])
@@ -167,131 +152,143 @@ def _decode_batches(session: Session, cfg: RunConfig, engine: Any, ledger: Any, 
                 _counted[0] = emitted
 
             engine.on_step = on_step
-            gen = torch.Generator(device=session.device).manual_seed(cfg.seed + i)
-            continuous = cfg.schedule == "continuous"
             # a static chunk is a batch of its own size, as lockstep decoding ran it (a short last chunk too)
-            res = engine.serve(list(chunks[i]), batch=cfg.batch if continuous else len(chunks[i]), generator=gen,
-                               refill=continuous)
+            res = pipeline.serve(engine, chunks[i], batch=cfg.batch if continuous else len(chunks[i]),
+                                 seed=cfg.seed + i, device=session.device, refill=continuous)
             results.append(res)
             bar.update(sum(q.max_new_tokens for q in chunks[i]) - counted[0])
             bar.set_postfix_str(f"batch {i + 1}/{len(run_ids)}" if cfg.is_baseline else f"tau {res.tau:.2f}")
     return results
 
 
-def _record(session: Session, cfg: RunConfig, acc: Accounting, *, stream: Any, results: Sequence[Any],
-            ledger_path: Path, injection: dict[str, Any] | None) -> dict[str, Any]:
-    """The configuration's record: its identity, what ran, and the pooled accounting's figures."""
+# ---- the record ---------------------------------------------------------------------------------
+def _digest(rows: Sequence[Sequence[int]]) -> tuple[str, tuple[str, ...]]:
+    per_row = tuple(hashlib.sha256(json.dumps(list(r)).encode()).hexdigest()[:16] for r in rows)
+    return hashlib.sha256("".join(per_row).encode()).hexdigest(), per_row
+
+
+def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], ledger_records: Any, acc: Any,
+            *, ledger_path: Path, injection: dict[str, Any] | None, drafter: Any) -> RunRecord:
+    """The configuration's record: its identity, what ran, and the accounting's figures."""
     served = {r.id: r for res in results for r in res.requests}
-    outputs = [{"id": q.id, "prompt": list(q.prompt), "budget": q.max_new_tokens, "arrival_s": q.arrival_s,
-                "tokens": list(served[q.id].tokens)} for q in stream.requests]
-    output_digest, row_digests = _digest([o["tokens"] for o in outputs])
-    return {
-        "record_version": RECORD_VERSION, "status": "ok", "config_id": cfg.config_id, "config": cfg.identity(),
-        "baseline_config_id": cfg.baseline().config_id,
-        "model": cfg.model, "drafter": cfg.drafter, "k": cfg.k, "spec_policy": cfg.spec_policy, "tree": cfg.tree,
-        "batch": cfg.batch,
-        "corpus": cfg.corpus, "dtype": cfg.dtype, "device": cfg.device, "meter": cfg.meter,
-        "temperature": cfg.temperature, "greedy": cfg.greedy, "seed": cfg.seed, "cuda_graphs": cfg.cuda_graphs,
-        "compiled_step": bool(getattr(session, "compile_step", False)),
-        "schedule": cfg.schedule, "requests": len(stream.requests), "requests_unique": stream.unique,
-        "request_rate": cfg.request_rate, "prompts_unique": stream.unique, "rows": len(stream.requests),
-        "batches": len(acc.run_ids), "max_new_tokens": cfg.max_new_tokens, "output_lengths": stream.lengths,
-        "stream_digest": stream.digest, "run_ids": list(acc.run_ids),
-        "ledger": ledger_path.name, **accounting_fields(acc),
-        "time_source": session.time_source, "threads": torch.get_num_threads(),
-        "acceptance_injected": injection is not None, "injection": injection,
-        "output_digest": output_digest, "row_digests": row_digests, "request_outputs": outputs,
-    }
+    asked = [RequestOutput(id=q.id, prompt=tuple(q.prompt), budget=q.max_new_tokens, arrival_s=q.arrival_s,
+                           tokens=tuple(served[q.id].tokens)) for q in stream.requests]
+    per_request, outputs = request_figures(ledger_records, acc, results, asked, profile=session.roofline_profile)
+    output_digest, row_digests = _digest([o.tokens for o in outputs])
+    prompts = [q.prompt for q in stream.requests]
+    return RunRecord(
+        config_id=cfg.config_id, config=cfg.identity(), baseline_config_id=cfg.baseline().config_id,
+        model=cfg.model, drafter=cfg.drafter, k=cfg.k, spec_policy=cfg.spec_policy, tree=cfg.tree, batch=cfg.batch,
+        corpus=cfg.corpus, dtype=cfg.dtype, device=cfg.device, meter=cfg.meter, temperature=cfg.temperature,
+        greedy=cfg.greedy, seed=cfg.seed, cuda_graphs=cfg.cuda_graphs, compiled_step=session.compile_step,
+        threads=torch.get_num_threads(), time_source=session.time_source, acceptance_injected=injection is not None,
+        injection=injection, output_digest=output_digest, row_digests=row_digests, request_outputs=outputs,
+        stream=Stream(schedule=cfg.schedule, requests=len(stream.requests), requests_unique=stream.unique,
+                      request_rate=cfg.request_rate, max_new_tokens=cfg.max_new_tokens, output_lengths=stream.lengths,
+                      stream_digest=stream.digest, batches=len(acc.run_ids), run_ids=tuple(acc.run_ids),
+                      ledger=ledger_path.name),
+        work=work_section(ledger_records, acc.run_ids, [len(p) for p in prompts]), per_request=per_request,
+        roofline=roofline_prediction(session, cfg, drafter, prompts, acc.tau,
+                                     [q.max_new_tokens for q in stream.requests]),
+        versions=library_versions(), cpu_gemm_plan=gemm_plan_text(session.target.prepared.cpu_plan),
+        **accounting_sections(acc))
 
 
-def _phase_loops(session: Session, cfg: RunConfig, engine: Any, ledger: Any, results: Sequence[Any],
-                 prompts: Sequence[Sequence[int]]) -> None:
-    """Under a counter meter: end the last run (its end read), then each phase alone in a loop the
-    counter resolves, at the run's shapes (:mod:`refspec.phase_loops`), written as loop records."""
-    from refspec.energy.counter_log import CounterLedger
-    from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
+def configuration_record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], *,
+                         ledger_path: Path, start_offset: int, run_ids: Sequence[str], drafter: Any,
+                         injection: dict[str, Any] | None = None, baseline: RunRecord | None = None,
+                         started_s: float) -> RunRecord:
+    """The record of ``cfg`` whose ended ledger runs ``run_ids`` lie in ``ledger_path`` from byte ``start_offset``.
 
-    if not isinstance(ledger, CounterLedger) or session.phase_loops_s == 0:
-        return
-    ledger.end_run()  # the loops lie outside every window of the run
-    shapes = shapes_of([e for res in results for e in res.events], batch=cfg.batch, k=cfg.k, prompts=prompts)
-    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=engine.verify_fn,
-                        sampling=engine.config.sampling, kv_bucket=engine.config.kv_bucket, accept=engine.acceptance_fn)
-    loops = run_phase_loops(target, shapes, session.meter, min_s=session.phase_loops_s, seed=cfg.seed)
-    for phase, loop in loops.items():
-        ledger.write_loop(phase, loop, session.meter.source)
-    log.info("phase loops (%s): %s", session.meter.source,
-             ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
+    Its figures come from the ledger as written to disk (:func:`refspec.eval.pipeline.read_back`), never
+    from the engine's own counts; ``run`` and ``sweep`` build every record here, a server session too.
+
+    Args:
+        stream: the requests served (a :class:`~refspec.eval.requests.RequestStream`).
+        results: the engine's ``ServeResult`` of each run.
+        drafter: the drafter that ran (None for the baseline), for the roofline's prediction.
+        injection: the injected acceptance model's record, or None.
+        baseline: the baseline's record at the same batch, for the comparison section.
+        started_s: ``time.perf_counter()`` when the configuration started (the record's ``wall_s``).
+
+    Raises:
+        AccountingError: the runs cannot be accounted.
+    """
+    from refspec.eval.audit import margin_fn
+
+    records = pipeline.read_back(ledger_path, offset=start_offset)
+    acc = pipeline.account(records, run_ids)
+    record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
+                     drafter=drafter)
+    record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))
+    return dataclasses.replace(record, wall_s=time.perf_counter() - started_s, created_unix_s=time.time())
 
 
-def _margin_fn(session: Session) -> Any:
-    """The per-request audit's top-2 margin of the target (:mod:`refspec.eval.audit`), None without it."""
-    if importlib.util.find_spec("refspec.eval.audit") is None:
+def roofline_prediction(session: Session, cfg: RunConfig, drafter: Any, prompts: Sequence[Sequence[int]],
+                        tau: float | None, budgets: Sequence[int] | None = None) -> dict[str, Any] | None:
+    """The roofline's (modelled) prediction of a steady-state step of ``cfg``, or None: no hardware profile,
+    a tree, or a drafter without a ``roofline_model`` (a plug-in provides one the same way; None: a free
+    drafter). ``budgets``: the requests' budgets (default: the cap each)."""
+    profile = session.roofline_profile
+    provide = None if cfg.is_baseline else getattr(drafter, "roofline_model", None)
+    if profile is None or cfg.tree or (not cfg.is_baseline and provide is None):
         return None
-    from refspec.eval import audit
+    args = session.target.model.args
+    return roofline_figures(args, profile, batch=cfg.batch, k=cfg.k, drafter_model=provide and provide(args),
+                            prompts=prompts, tau=tau, budgets=budgets or [cfg.max_new_tokens],
+                            dtype_bytes=session.dtype_bytes)
 
-    make = getattr(audit, "margin_fn", None)
-    return None if make is None else make(session.target.model)
+
+def _g(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
-                      baseline: Mapping[str, Any] | None = None) -> ConfigResult:
+                      baseline: RunRecord | None = None) -> ConfigResult:
     """Run one configuration, append its ledger runs, and return its record.
 
     Args:
         session: the shared target, meter and caches.
         cfg: the configuration.
-        ledger_path: JSONL ledger to append to (one run per batch).
-        baseline: the baseline's record at the same batch, for the comparison fields.
-
-    Returns:
-        The record (see :data:`RECORD_FIELDS`) and the generations.
+        ledger_path: JSONL ledger to append to (one run per chunk).
+        baseline: the baseline's record at the same batch, for the comparison.
     """
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.ledger import Ledger, mark_aborted, read_ledger
-
     t_start = time.perf_counter()
     prompts = _prompts(session, cfg)
     stream = session.stream(cfg)  # the same requests, budgets and arrivals for every configuration
     chunks = [stream.requests] if cfg.schedule == "continuous" else stream.chunks(cfg.batch)
     drafter = session.drafter(cfg)
-    acceptance_fn, injection, inj_label = _acceptance_injection(cfg, session.device)
+    acceptance_fn, injection, label = _injection(cfg, session.device)
     attempt = uuid.uuid4().hex[:6]
     run_ids = [f"{cfg.config_id}.{attempt}.b{i}" for i in range(len(chunks))]
-    labels = _run_labels(cfg, len(chunks), inj_label)
-    # a counter meter's reads go into the ledger beside the phase records (refspec.energy.counter_log)
-    with counter_ledger(session.meter, Ledger(ledger_path, run_id=run_ids[0], labels=labels[0], mode="a",
-                                              meter_source=session.meter.source,
-                                              idle_w=getattr(session.meter, "idle_w", None))) as ledger:
-        engine = _engine(session, cfg, drafter, acceptance_fn, ledger)
+    injected = {"acceptance_injected": True, "injection": label} if label else {}
+    labels = [{**cfg.identity(), "config_id": cfg.config_id, "batch_index": i, "batches": len(chunks), **injected}
+              for i in range(len(chunks))]
+    with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
+        engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
-        results = _decode_batches(session, cfg, engine, ledger, chunks, run_ids, labels)
-        _phase_loops(session, cfg, engine, ledger, results, [q.prompt for q in stream.requests])
+        results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
+        if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
+            ledger.end_run()  # under a counter: the loops lie outside every window of the run
+            loops = pipeline.phase_loops(engine, session.meter, results, batch=cfg.batch, k=cfg.k,
+                                         prompts=[q.prompt for q in stream.requests], min_s=session.phase_loops_s,
+                                         seed=cfg.seed)
+            pipeline.write_loops(ledger, loops, session.meter.source)
+            log.info("phase loops (%s): %s", session.meter.source,
+                     ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
     try:
-        # the figures come from the ledger as written to disk, never from the engine's own counts
-        ledger_records = read_ledger(ledger_path, offset=ledger.start_offset)
-        acc = pool_runs(ledger_records, ledger.run_ids)
-        record = _record(session, cfg, acc, stream=stream, results=results, ledger_path=ledger_path,
-                         injection=injection)
-        record.update(experts_fields(ledger_records, ledger.run_ids))
-        record.update(prefill_fields(ledger_records, ledger.run_ids, [len(q.prompt) for q in stream.requests]))
-        record.update(k_fields(ledger_records, ledger.run_ids))
-        record.update(request_fields(ledger_records, ledger.run_ids, results, record["request_outputs"],
-                                     profile=session.roofline_profile))  # energy and acceptance per request
-        record["roofline"] = roofline_prediction(session, cfg, drafter, [q.prompt for q in stream.requests], acc.tau,
-                                                 budgets=[q.max_new_tokens for q in stream.requests])
-        compare_with_baseline(record, baseline, **({"margin_fn": m} if (m := _margin_fn(session)) else {}))
-        record.update(versions=library_versions(), cpu_gemm_plan=gemm_plan_text(),
-                      wall_s=time.perf_counter() - t_start, created_unix_s=time.time())
+        record = configuration_record(session, cfg, stream, results, ledger_path=ledger_path,
+                                      start_offset=ledger.start_offset, run_ids=ledger.run_ids, injection=injection,
+                                      drafter=drafter, baseline=baseline, started_s=t_start)
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise
-    log.info("%s: tau %s, %.2f tok/s, J/token %s (%s)", cfg.label, "n/a" if acc.tau is None else f"{acc.tau:.3f}",
-             acc.tokens_per_s or 0.0, "n/a" if acc.j_per_token is None else f"{acc.j_per_token:.4g}",
-             record["energy_source_text"])
+    window = record.window.j_per_token if record.window is not None else None
+    log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(record.counts.tau, ".3f"),
+             record.run.tokens_per_s or 0.0, _g(window, ".4g"), _g(record.run.j_per_token, ".4g"),
+             record.energy.energy_source_text)
     return ConfigResult(record=record, generations=results)
 
 
-__all__ = ["RunConfig", "Session", "ConfigResult", "run_configuration", "prepare_configuration", "resolve_defaults",
-           "compare_with_baseline", "auto_dtype", "cpu_has_fast_bf16", "describe_source", "library_versions",
-           "acceptance_from_tau", "ensure_line_end", "RECORD_FIELDS"]
+__all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "build_engine", "serve_chunks",
+           "configuration_record", "roofline_prediction", "run_configuration"]

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from refspec.eval.runtime import UsageError
+from refspec.eval.flags import UsageError
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:

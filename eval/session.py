@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from refspec.eval.records import describe_source
-from refspec.eval.runtime import LoadedTarget, UsageError, load_target
+from refspec.eval.record_figures import describe_source
+from refspec.eval.flags import UsageError
+from refspec.eval.runtime import LoadedTarget, load_target
 
 if TYPE_CHECKING:
-    from refspec.eval.run import RunConfig
+    from refspec.eval.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,10 @@ class Session:
         model: model id or directory.
         dtype: resolved dtype name.
         device: torch device.
-        meter: meter kind (see :class:`~refspec.eval.run.RunConfig`).
+        meter: meter kind (see :class:`~refspec.eval.run_config.RunConfig`).
         cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
-        compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`.
+        compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`
+            (where CUDA graphs do not run).
         phase_loops_s: seconds of each phase-isolated loop after a run metered by a counter
             (:mod:`refspec.phase_loops`): None ten counter periods (at least 1 s), 0 none.
         warmup: run a short unrecorded generation before the first measurement of each
@@ -61,7 +63,6 @@ class Session:
         self.progress = progress
         self._target: LoadedTarget | None = None
         self._meter: Any = None
-        self._verify_fn: Any = None
         self._cuda_graphs: bool | None = None
         self._drafters: dict[tuple, Any] = {}
         self._prompts: dict[tuple, Any] = {}
@@ -75,7 +76,8 @@ class Session:
         if self._target is None:
             t0 = time.perf_counter()
             target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress,
-                                 tp=self.tp)
+                                 tp=self.tp, compile=self.compile_step and not self.cuda_graphs,
+                                 cuda_graphs=self.cuda_graphs)
             if target.tokenizer is None:
                 raise UsageError(f"{target.path} has no tokenizer.json; the evaluation encodes corpus prompts and "
                                  f"needs one")
@@ -92,7 +94,7 @@ class Session:
     def meter(self) -> Any:
         """The energy meter every configuration is metered with."""
         if self._meter is None:
-            from refspec.energy.meters import make_meter
+            from refspec.energy.meters.make import make_meter
 
             try:  # the whole --meter spec (refspec.energy.meter_spec) goes through
                 if self.tp > 1:  # each rank its own device, every rank's figures in the ledger
@@ -120,7 +122,7 @@ class Session:
         if prof is not None:
             return prof
         if self.device.type == "cuda":
-            from refspec.energy.roofline import GPU_PROFILES
+            from refspec.energy.model.hardware import GPU_PROFILES
 
             name = torch.cuda.get_device_name(self.device).lower()
             return next((p for key, p in GPU_PROFILES.items() if key in name), None)
@@ -139,22 +141,6 @@ class Session:
 
                 self._cuda_graphs = cuda_graphs_enabled(self.cuda_graphs_flag, self.device)
         return self._cuda_graphs
-
-    @property
-    def verify_fn(self) -> Any:
-        """The verify callable: a CUDA-graph runner when enabled, else the eager target."""
-        if self._verify_fn is None:
-            if self.cuda_graphs:
-                from refspec.cuda_graphs import make_verify_fn
-
-                self._verify_fn = make_verify_fn(self.target.model, self.device, True)
-            elif self.compile_step:
-                from refspec.models.compiled import CompiledStep
-
-                self._verify_fn = CompiledStep(self.target.model)
-            else:
-                self._verify_fn = self.target.model
-        return self._verify_fn
 
     def drafter(self, cfg: RunConfig) -> Any:
         """The drafter of ``cfg`` (built once per name, tree flag and options), or None."""
@@ -177,10 +163,10 @@ class Session:
 
     def prompt_set(self, corpus: str, wanted: int, cap: int | None = None) -> Any:
         """Up to ``min(wanted, cap)`` distinct eval prompts of ``corpus`` with their reference answers'
-        lengths (:func:`refspec.eval.requests.corpus_prompt_set`)."""
+        lengths (:func:`refspec.eval.prompt_sets.corpus_prompt_set`)."""
         key = (corpus, wanted, cap)
         if key not in self._prompts:
-            from refspec.eval.requests import corpus_prompt_set
+            from refspec.eval.prompt_sets import corpus_prompt_set
 
             tok = self.target.tokenizer
             chat = self.chat and bool(getattr(tok, "has_chat_template", False))
@@ -227,8 +213,7 @@ class Session:
         from refspec.engine import Engine
         from refspec.serving import Request
 
-        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=(),
-                       verify_fn=engine.verify_fn)
+        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=())
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(0)
         budget = min(4, cfg.max_new_tokens)

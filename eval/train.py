@@ -62,7 +62,8 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--patience", type=int, default=0,
                    help="stop after this many held-out evaluations without a new best (0: never)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="drafter-specific training option (repeatable), e.g. ttt_steps=3, draft_vocab_size=8192 or soft_labels=1")
+                   help="drafter-specific training option (repeatable), e.g. ttt_steps=3, draft_vocab_size=8192 or "
+                        "soft_labels=1")
     p.add_argument("--dtype", default="fp32",
                    help="target dtype for self-distillation and features (bf16 is emulated, hence slower than fp32, "
                         "on CPUs without bf16 instructions; `bench decode` shows both on this machine)")

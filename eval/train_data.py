@@ -2,7 +2,7 @@
 
 Training text is disjoint from every evaluation prompt: it comes only from the ``train`` split
 of refspec's corpora (``refspec.eval.corpora``; the split is decided by a salted hash of each
-record, and :func:`~refspec.eval.corpora.assert_disjoint` is checked here again):
+record, and :func:`~refspec.eval.corpora.catalog.assert_disjoint` is checked here again):
 
 - the target's own greedy replies (self-distillation) to ``conversation``, ``math`` and
   ``code`` training prompts, generated with the engine;
@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.eval.corpora.sources import write_atomic
+from refspec.eval.outputs import write_atomic
 
 SOURCES = ("conversation", "math", "code")
 
@@ -150,7 +150,7 @@ def _shuffled(rows: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
 
 def _train_rows(seed: int) -> tuple[dict[str, list[dict[str, str]]], list[str]]:
     """Shuffled train rows per source and the prose documents, checked disjoint from every eval split."""
-    from refspec.eval import corpora
+    from refspec.eval.corpora import catalog as corpora
 
     rows = {name: _shuffled([dict(r) for r in corpora.load_corpus(name, split="train")], seed) for name in SOURCES}
     prose_docs = corpora.training_texts("english-sotu")
@@ -184,7 +184,9 @@ def build_sequences(target, tokenizer, spec: DataSpec, *, replies: ReplyCache | 
     replies = replies if replies is not None else ReplyCache(None)
 
     def prompt_ids(source: str, text: str) -> list[int]:
-        return tokenizer.encode(text) if source == "code" else tokenizer.encode_chat([{"role": "user", "content": text}])
+        if source == "code":
+            return tokenizer.encode(text)
+        return tokenizer.encode_chat([{"role": "user", "content": text}])
 
     def reference(source: str, row: dict[str, str]) -> TrainingSequence:
         p = prompt_ids(source, row["prompt"])

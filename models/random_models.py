@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from refspec.config import ModelArgs
-from refspec.energy.architectures import ARCHS
+from refspec.energy.model.architectures import ARCHS
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from refspec.cache import StaticKVCache, causal_mask
 from refspec.config import ModelArgs
-from refspec.energy.phases import ForwardShape, record_forward, recording
+from refspec.energy.model.work import ForwardShape, record_forward, recording
 from refspec.models.attention import CacheAttention, PackedAttention
 from refspec.models.layers import Block, Linear, RMSNorm
 from refspec.models.moe import DISPATCH, MoE
@@ -123,10 +123,10 @@ class Transformer(nn.Module):
         """Bytes per element the matrices stream in products of 2 or more rows (of ``rows`` rows,
         when given) when that differs from the parameter size, else None; for
         :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`. A plain model streams its
-        parameters; an LM head swapped in by a speed-up that multiplies through copies of
-        another dtype says so (``multirow_element_bytes``, :mod:`refspec.models.cpu_speed`)."""
-        report = getattr(self.lm_head, "multirow_element_bytes", None)
-        return None if report is None else report(rows)
+        parameters; a CPU GEMM plan that multiplies through copies of another dtype says so
+        (:meth:`~refspec.models.gemm_forms.GemmChoice.multirow_element_bytes`, read off the LM head)."""
+        gemm = self.lm_head.gemm
+        return None if gemm is None else gemm.multirow_element_bytes(self.lm_head.weight, rows)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""

@@ -15,12 +15,13 @@ steps in :mod:`refspec.step`):
    prefilled together in one packed forward (the slot, queue and clock bookkeeping is
    :mod:`refspec.scheduler`).
 
-:meth:`Engine.serve` runs the loop over a stream of :class:`~refspec.serving.Request` on B
-slots (continuous batching; ``refill=False`` is the static schedule, a lockstep batch that
-drains); :meth:`Engine.generate` is one static batch. Rejected KV entries stay in the cache but
-are never attended and are overwritten next step. Finished rows and empty slots keep riding
-along (static shapes) but emit nothing and are not counted active. Every phase is bracketed
-by an :class:`~refspec.energy.phases.EnergyMeter` through a
+:meth:`Engine.serve` runs the loop over a stream of :class:`~refspec.serving.Request` on B slots
+(continuous batching; ``refill=False`` is the static schedule, a lockstep batch that drains; a
+:class:`~refspec.serving.RequestSource` feeds a server's requests as they arrive, and the engine
+waits on it while every slot is empty); :meth:`Engine.generate` is one static batch. Rejected KV
+entries stay in the cache but are never attended and are overwritten next step. Finished rows
+and empty slots keep riding along (static shapes) but emit nothing and are not counted active.
+Every phase is bracketed by an :class:`~refspec.energy.phases.EnergyMeter` through a
 :class:`~refspec.energy.phases.MeteredPhase` and reported to observers as a
 :class:`~refspec.energy.phases.PhaseEvent`; the work a phase is billed is what the forwards run
 inside it recorded (target, draft model, drafter heads), never a declaration beside them.
@@ -35,13 +36,16 @@ import torch
 
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
-from refspec.energy.meters import TimeMeter
-from refspec.energy.phases import EnergyMeter, MeteredPhase, PhaseEvent, PhaseObserver
-from refspec.policy import FixedK, SpeculationPolicy, StepView
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent, PhaseObserver
+from refspec.energy.meters.direct import TimeMeter
+from refspec.energy.meters.measurement import EnergyMeter
+from refspec.policy import FixedK
+from refspec.policy_protocol import SpeculationPolicy, StepView
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
-from refspec.serving import DecodeFigures, Request, ServeResult
+from refspec.serving import DecodeFigures, Request, RequestSource, ServeResult
 from refspec.step import AcceptFn, Batch, Committed, accept_chain, commit, decide, new_batch, prefill, verify_forward
+from refspec.target import TargetForward
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +107,15 @@ class Engine:
     """Plain and speculative decoding over a static KV cache.
 
     Args:
-        target: a ``refspec.models.Transformer`` (anything with its ``forward`` and ``prefill``).
+        target: what runs the verify forwards and the prefills and makes the cache
+            (:class:`~refspec.target.TargetForward`): a ``refspec.models.Transformer``, or one
+            readied for a run by ``refspec.models.prepare_target`` (its steps through a compiled
+            step or CUDA graphs, its cache from the graphs' pool).
         drafter: the drafter, or None for plain decoding.
         config: engine settings.
         meter: energy meter bracketing every phase (default: wall time, synchronising CUDA).
         observers: called with every :class:`PhaseEvent` (the ledger is one).
         eos_token_ids: tokens that end a row.
-        verify_fn: callable with the target forward's signature used for verify steps
-            (a CUDA-graph runner may replace the eager target here); when it has a
-            ``new_cache`` method, the engine's cache comes from it.
         acceptance_fn: decides a chain, ``(draft, logits, sampling, generator) -> Acceptance``
             (:data:`refspec.step.AcceptFn`); default :func:`refspec.step.accept_chain`. Timing
             large random-weight targets wraps it to inject a recorded acceptance distribution
@@ -119,13 +123,16 @@ class Engine:
         policy: K per step (default :class:`~refspec.policy.FixedK` of ``config.k``); every K
             it may return is at most ``config.k``.
         on_step: called after every step with ``(step, tokens_emitted_so_far)`` (progress bars).
+        on_tokens: called after every step's commit and every prefill with each request's tokens
+            emitted since the previous call, ``{request id: [token ids]}`` (a server streams them);
+            a request's last tokens come after every phase it took part in was reported.
     """
 
-    def __init__(self, target, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
+    def __init__(self, target: TargetForward, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
                  meter: EnergyMeter | None = None, observers: Sequence[PhaseObserver] = (),
-                 eos_token_ids: Sequence[int] = (), verify_fn: Callable | None = None,
-                 acceptance_fn: AcceptFn | None = None, policy: SpeculationPolicy | None = None,
-                 on_step: Callable[[int, int], None] | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), acceptance_fn: AcceptFn | None = None,
+                 policy: SpeculationPolicy | None = None, on_step: Callable[[int, int], None] | None = None,
+                 on_tokens: Callable[[dict[int, list[int]]], None] | None = None) -> None:
         if drafter is None and config.k:
             raise GenerationError(f"k = {config.k} needs a drafter; plain decoding is k = 0")
         if drafter is not None and config.k == 0:
@@ -140,9 +147,9 @@ class Engine:
         self.meter = meter if meter is not None else TimeMeter(sync=sync)
         self.observers = list(observers)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=target.device)
-        self.verify_fn = verify_fn if verify_fn is not None else target
         self.acceptance_fn = acceptance_fn if acceptance_fn is not None else accept_chain
         self.on_step = on_step
+        self.on_tokens = on_tokens
         self._cache = None
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -153,9 +160,7 @@ class Engine:
     def _cache_for(self, batch: int, max_len: int):
         c = self._cache
         if c is None or c.batch != batch or c.max_len < max_len:
-            # a verify_fn that owns the cache (a CUDA-graph runner's KV pool) provides it
-            new_cache = getattr(self.verify_fn, "new_cache", None) or self.target.new_cache
-            self._cache = c = new_cache(batch, max_len)
+            self._cache = c = self.target.new_cache(batch, max_len)
         c.reset()
         return c
 
@@ -220,7 +225,7 @@ class Engine:
 
     @torch.inference_mode()
     def serve(self, requests: Sequence[Request], *, batch: int, generator: torch.Generator | None = None,
-              max_len: int | None = None, refill: bool = True) -> ServeResult:
+              max_len: int | None = None, refill: bool = True, source: RequestSource | None = None) -> ServeResult:
         """Serve a stream of requests on ``batch`` static slots (continuous batching).
 
         Args:
@@ -232,6 +237,9 @@ class Engine:
             refill: refill freed slots (continuous); False is the static schedule: one lockstep
                 batch of at most ``batch`` requests that drains, started when its last request
                 has arrived.
+            source: online serving: requests also arrive from here while the engine runs (each
+                must fit ``max_len``, which is then required), and the engine waits on it while
+                every slot is empty, until it closes; ``requests`` may then be empty.
 
         Returns:
             Per request its tokens and token times on the engine clock, per step the slots'
@@ -240,10 +248,12 @@ class Engine:
         requests = list(requests)
         if batch < 1:
             raise GenerationError(f"batch must be >= 1, got {batch}")
-        if not requests:
+        if source is not None and (max_len is None or not refill):
+            raise GenerationError("serving from a source needs max_len (every request must fit) and refill")
+        if not requests and source is None:
             raise GenerationError("no requests given")
         ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids) or min(ids) < 0:
+        if len(set(ids)) != len(ids) or min(ids, default=0) < 0:
             raise GenerationError("request ids must be unique and >= 0")
         if any(r.arrival_s is not None and not 0 <= r.arrival_s < float("inf") for r in requests):
             raise GenerationError("arrival_s must be a finite time >= 0 (or None: closed loop)")
@@ -252,28 +262,33 @@ class Engine:
                                   f"chunk the stream into batches")
         if self.drafter is not None and not hasattr(self.drafter, "reset_rows") and (refill or len(requests) < batch):
             raise GenerationError(f"drafter {self.drafter.name} has no reset_rows; use --schedule static")
-        t_slots = self._validate([r.prompt for r in requests], [r.max_new_tokens for r in requests], max_len)
-        return self._serve(Scheduler(requests, batch, refill=refill), t_slots, generator)
+        t_slots = (self._validate([r.prompt for r in requests], [r.max_new_tokens for r in requests], max_len)
+                   if requests else max_len)
+        return self._serve(Scheduler(requests, batch, refill=refill, source=source), t_slots, generator)
 
     # ---- the loop -----------------------------------------------------------------------------
     def _serve(self, sched: Scheduler, t_slots: int, generator: torch.Generator | None) -> ServeResult:
         """Fill the slots, then step (1 draft, 2 verify, 3 accept, 4 commit, 5 refill) until no
         row generates and nothing is left to admit; every phase is metered and reported."""
         cfg, drafter, meter = self.config, self.drafter, self.meter
-        run = new_batch(self._cache_for(sched.batch, t_slots), sched.batch, t_slots,
-                        max(r.max_new_tokens for r in sched.queue), cfg.k, sampling=cfg.sampling,
-                        target_args=self.target.args, dtype_bytes=self.dtype_bytes)
+        budget = t_slots if sched.source is not None else max(r.max_new_tokens for r in sched.queue)
+        run = new_batch(self._cache_for(sched.batch, t_slots), sched.batch, t_slots, budget, cfg.k,
+                        sampling=cfg.sampling, target_args=self.target.args, dtype_bytes=self.dtype_bytes)
         hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         window = getattr(self.target.args, "sliding_window", None)
         state, events = run.state, []
         step, emitted_total = 0, 0
         while True:
-            if all(run.done_host):  # no row generating: refill (the first fill at step -1), else stop
+            if sched.source is not None:  # online: take what arrived, stop what was cancelled
+                self._intake(run, sched, t_slots, wait=False)
+            if all(run.done_host):  # no row generating: refill (the first fill at step -1), else wait or stop
                 admitted = self._refill(run, sched, step - 1, generator, events)
-                if not admitted:
-                    break
-                emitted_total += admitted  # one token each from its prefill
-                continue
+                if admitted:
+                    emitted_total += admitted  # one token each from its prefill
+                    continue
+                if sched.source is not None and self._intake(run, sched, t_slots, wait=True):
+                    continue
+                break
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 log.warning("stopping after max_steps=%d with unfinished rows", cfg.max_steps)
                 break
@@ -291,7 +306,7 @@ class Engine:
             # 2. verify: the pending token and the drafts of every row, one target forward
             with MeteredPhase(meter, "verify") as verify_phase:
                 base = run.cache.lengths.clone()  # [B] committed length before the step
-                logits, hidden = verify_forward(self.verify_fn, run, draft, base, kv_bucket=cfg.kv_bucket,
+                logits, hidden = verify_forward(self.target, run, draft, base, kv_bucket=cfg.kv_bucket,
                                                 hidden_layers=hidden_layers, sliding_window=window)  # [B, N+1, V]
 
             with MeteredPhase(meter, "commit") as commit_phase:
@@ -306,6 +321,7 @@ class Engine:
             self.policy.observe(k, outcome.accepted, slot_req)
             emitted_total += self._record_step(sched, step, k, n, slot_req, before, outcome,
                                                (draft_phase, verify_phase, commit_phase), events)
+            self._stream(run, sched)
 
             # 5. refill: slots freed by this step take the next admissible requests, prefilled together
             if sched.refill:
@@ -354,7 +370,8 @@ class Engine:
         rows, reqs = [slot for slot, _ in pairs], [q for _, q in pairs]
         with MeteredPhase(self.meter, "prefill") as phase:
             prefill(self.target, run, rows, [q.prompt for q in reqs], [q.max_new_tokens for q in reqs],
-                    drafter=self.drafter, sampling=self.config.sampling, eos=self.eos, generator=generator)
+                    drafter=self.drafter, sampling=self.config.sampling, eos=self.eos, generator=generator,
+                    ignore_eos=[q.ignore_eos for q in reqs])
         clock_s = sched.advance(phase.measurement.time_s)
         sched.first_tokens(pairs)
         b = sched.batch
@@ -366,7 +383,42 @@ class Engine:
                               emitted_per_row=tuple(int(x > 0) for x in per_slot),
                               slot_requests=Scheduler.prefill_slots(b, pairs), arrivals_s=sched.arrivals(pairs),
                               queued=sched.queued, clock_s=clock_s, row_lengths=tuple(per_slot)), events)
+        self._stream(run, sched)
         return len(pairs)
+
+    def _intake(self, run: Batch, sched: Scheduler, t_slots: int, *, wait: bool) -> bool:
+        """Queue what the source has (``wait``: block until something arrives), and stop the rows
+        of cancelled requests, freeing their slots now. Returns False once the source has closed."""
+        new = sched.source.take(wait=wait)
+        if new:
+            self._validate([r.prompt for r in new], [r.max_new_tokens for r in new], t_slots)
+            sched.enqueue(new)
+        slots = sched.cancel(sched.source.cancelled(), run.done_host)
+        if slots:
+            run.state.done[torch.tensor(slots, dtype=torch.long, device=run.out.device)] = True
+            for slot in slots:
+                run.done_host[slot] = True
+            self._release(run, sched)
+        return new is not None
+
+    def _stream(self, run: Batch, sched: Scheduler) -> None:
+        """Hand ``on_tokens`` each request's tokens emitted since the last call (one host copy)."""
+        if self.on_tokens is None:
+            return
+        marks = sched.unstreamed()
+        if not marks:
+            return
+        idx = torch.tensor([slot for slot, _, _ in marks], dtype=torch.long, device=run.out.device)
+        counts = run.n_out[idx].tolist()
+        lo, hi = min(sent for _, _, sent in marks), max(counts)
+        rows = run.out[idx, lo:hi].tolist()
+        new = {}
+        for (_, rid, sent), n, row in zip(marks, counts, rows):
+            if n > sent:
+                new[rid] = row[sent - lo:n - lo]
+                sched.streamed(rid, n)
+        if new:
+            self.on_tokens(new)
 
     def _release(self, run: Batch, sched: Scheduler, *, unfinished: bool = False) -> None:
         """Free every slot whose request finished (and, with ``unfinished``, every busy slot: the

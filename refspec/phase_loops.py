@@ -2,12 +2,12 @@
 the whole step interleaved as the run ran it.
 
 A counter that updates every 20-100 ms cannot see a phase of a few milliseconds, so a measured
-run's per-phase split needs another source (:mod:`refspec.energy.attribution`, method A): after
+run's per-phase split needs another source (:mod:`refspec.energy.accounting.attribution`, method A): after
 the run, each phase is repeated alone at the run's own shapes (B rows, K drafts, the keys the
 run's verifies attended, its refill group) for at least ten counter periods and one second
-(:data:`refspec.energy.split_gate.GATE`), and the counter is read only at each loop's bounds.
+(:data:`refspec.energy.accounting.split_gate.GATE`), and the counter is read only at each loop's bounds.
 The accounting prices each phase of the run at its loop's power, and checks the split
-(:mod:`refspec.energy.phase_energy`).
+(:mod:`refspec.energy.accounting.phase_energy`).
 
 The loops use the step functions of :mod:`refspec.step` on a batch of their own, and each call
 does the work the run's phase does (``tests/test_phase_loops.py`` compares them forward by
@@ -46,9 +46,9 @@ import torch
 
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
-from refspec.energy.attribution import Loop
-from refspec.energy.split_gate import GATE
-from refspec.energy.phases import MeteredPhase, PhaseEvent
+from refspec.energy.accounting.attribution import Loop
+from refspec.energy.accounting.split_gate import GATE
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
 from refspec.sampling import SamplingConfig
 from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batch, prefill, verify_forward
 
@@ -264,7 +264,7 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
         seed: the sampling generator's seed.
 
     Returns:
-        phase -> :class:`~refspec.energy.attribution.Loop` (energy over the loop, its duration,
+        phase -> :class:`~refspec.energy.accounting.attribution.Loop` (energy over the loop, its duration,
         iterations; the ``step`` loop also its phases' times).
     """
     if len(shapes.prompts) < shapes.batch or not 1 <= shapes.refill <= shapes.batch:

@@ -1,8 +1,9 @@
 """Speculation policies: how many tokens to draft in the coming step.
 
-The engine asks its policy once per decode step, before drafting, with a :class:`StepView` of
-the batch, and tells it what the step accepted afterwards. A policy returns K from a small set
-(:attr:`SpeculationPolicy.ks`) so step shapes stay static: one verify shape, and on a GPU one
+The engine asks its policy once per decode step, before drafting, with a
+:class:`~refspec.policy_protocol.StepView` of the batch, and tells it what the step accepted
+afterwards (the protocol: :class:`~refspec.policy_protocol.SpeculationPolicy`). A policy returns
+K from a small set (its ``ks``) so step shapes stay static: one verify shape, and on a GPU one
 CUDA graph, per K. K = 0 makes a plain decoding step (the drafter is not asked; it still sees
 the step's ``commit``). Whatever K a step takes, greedy output equals plain decoding and
 sampling stays lossless: verification decides every drafted token.
@@ -20,46 +21,10 @@ Policies, by their spec (:func:`parse_policy`; the CLI's ``--spec-policy``):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepView:
-    """What a policy may read before a step (host values, no device sync).
-
-    Attributes:
-        step: index of the step about to run.
-        batch: B static slots.
-        active: slots with a generating request.
-        max_k: the engine's K, the largest draft the cache has room for.
-        length_bound: the longest committed row + 1 (keys the verify will attend, before bucketing).
-        slot_requests: request id in each slot, -1 empty.
-    """
-
-    step: int
-    batch: int
-    active: int
-    max_k: int
-    length_bound: int
-    slot_requests: tuple[int, ...]
-
-
-class SpeculationPolicy(Protocol):
-    """Chooses K per step.
-
-    Attributes:
-        name: how records and reports name the policy (``fixed``, ``off-above:32``, ...).
-        ks: every K it may return (each <= the engine's K).
-    """
-
-    name: str
-    ks: tuple[int, ...]
-
-    def choose(self, view: StepView) -> int: ...
-
-    def observe(self, k: int, accepted: Sequence[int], slot_requests: Sequence[int]) -> None:
-        """After the step: ``accepted`` drafts per slot (-1: no generating request there)."""
-        ...
+from refspec.policy_energy import EnergyPolicy
+from refspec.policy_protocol import SpeculationPolicy, StepView
 
 
 class FixedK:
@@ -182,8 +147,6 @@ class PolicySpec:
             return OffAbove(k, self.rows)
         if self.kind == "k-by-batch":
             return KByBatch(self.table)
-        from refspec.policy_energy import EnergyPolicy
-
         return EnergyPolicy(k=k, tpot_ms=self.tpot_ms, **energy)
 
 
@@ -236,5 +199,4 @@ def parse_policy(spec: str) -> PolicySpec:
     raise PolicySpecError(f"--spec-policy {spec!r} is unknown; use {SPEC_HELP}")
 
 
-__all__ = ["FixedK", "KByBatch", "OffAbove", "PolicySpec", "PolicySpecError", "SPEC_HELP", "SpeculationPolicy",
-           "StepView", "parse_policy"]
+__all__ = ["FixedK", "KByBatch", "OffAbove", "PolicySpec", "PolicySpecError", "SPEC_HELP", "parse_policy"]

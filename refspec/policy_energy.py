@@ -2,7 +2,7 @@
 
 For every K of its set, :class:`EnergyPolicy` predicts, before the step:
 
-* the step's **time and energy**, from the roofline (:mod:`refspec.energy.roofline`) priced by
+* the step's **time and energy**, from the roofline (:mod:`refspec.energy.model.roofline`) priced by
   the hardware profile of the run (:class:`RooflineStepCost`): the drafter's K forwards (its
   ``roofline_model``; none for a free drafter) and the target's verify forward of K + 1 tokens
   in every slot over the keys it will attend. The profile is the one the run's meter models or
@@ -46,10 +46,10 @@ import math
 from typing import Callable, Sequence
 
 from refspec.config import ModelArgs, round_up
-from refspec.energy.hardware import HardwareProfile
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import DrafterModel, forward_cost
-from refspec.policy import StepView
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import DrafterModel, forward_cost
+from refspec.energy.model.work import ForwardShape
+from refspec.policy_protocol import StepView
 
 PRIOR_WEIGHT = 8.0
 """Observations the drafter's prior counts as, per draft position, in the running estimate."""

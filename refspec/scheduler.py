@@ -11,6 +11,10 @@ empty and the next request has not arrived, :meth:`Scheduler.jump` moves it to t
 (no phase, no energy); the static schedule's one batch starts at its last arrival. A request
 is admissible when ``arrival_s is None or arrival_s <= clock``; a closed-loop request
 (``arrival_s`` None) counts as arriving at its admission.
+
+Online (a :class:`~refspec.serving.RequestSource`): the engine hands the scheduler the requests
+it takes from the source (:meth:`Scheduler.enqueue`, each arriving at the clock it is taken at)
+and the ids the source cancelled (:meth:`Scheduler.cancel`).
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from refspec.energy.phases import PhaseEvent
-from refspec.serving import Request, RequestResult, ServeResult
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.serving import Request, RequestResult, RequestSource, ServeResult
 
 
 @dataclasses.dataclass
@@ -32,6 +36,8 @@ class _Live:
     admitted_s: float
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     accepted_per_step: list[int] = dataclasses.field(default_factory=list)
+    streamed: int = 0  # tokens already handed to the engine's on_tokens listener
+    cancelled: bool = False
 
 
 class Scheduler:
@@ -41,10 +47,12 @@ class Scheduler:
         requests: the stream (any order; admitted by id).
         batch: B slots.
         refill: refill freed slots (continuous batching); False admits once (static).
+        source: where further requests arrive while the engine runs (None: ``requests`` is the stream).
     """
 
-    def __init__(self, requests: Sequence[Request], batch: int, *, refill: bool) -> None:
-        self.batch, self.refill = batch, refill
+    def __init__(self, requests: Sequence[Request], batch: int, *, refill: bool,
+                 source: RequestSource | None = None) -> None:
+        self.batch, self.refill, self.source = batch, refill, source
         self.queue = collections.deque(sorted(requests, key=lambda r: r.id))
         self.slot_req = [-1] * batch  # request id per slot, -1 empty
         self.clock = 0.0
@@ -84,6 +92,31 @@ class Scheduler:
             self._live[req.id] = _Live(request=req, slot=slot, arrival_s=arrival, admitted_s=self.clock)
             pairs.append((slot, req))
         return pairs
+
+    def enqueue(self, requests: Sequence[Request]) -> None:
+        """Requests taken from the source now: queued after the others, arriving at the clock."""
+        self.queue.extend(r if r.arrival_s is not None else dataclasses.replace(r, arrival_s=self.clock)
+                          for r in requests)
+
+    def cancel(self, ids: Sequence[int], done: Sequence[bool]) -> list[int]:
+        """Drop the queued requests of ``ids`` and mark the running ones cancelled.
+
+        Args:
+            ids: request ids to cancel (unknown or finished ones are ignored).
+            done: per slot, its row has stopped generating (a request that finished is not cancelled).
+
+        Returns:
+            The slots of the running ones, whose rows the engine stops.
+        """
+        drop = set(ids)
+        self.queue = collections.deque(r for r in self.queue if r.id not in drop)
+        slots = []
+        for rid in drop & set(self._live):
+            live = self._live[rid]
+            if not done[live.slot]:
+                live.cancelled = True
+                slots.append(live.slot)
+        return sorted(slots)
 
     def arrivals(self, pairs: Sequence[tuple[int, Request]]) -> tuple[float, ...]:
         """Per slot: arrival of the request being prefilled there, -1.0 elsewhere (a prefill event's)."""
@@ -125,16 +158,25 @@ class Scheduler:
             if accepted[slot] >= 0:
                 live.accepted_per_step.append(accepted[slot])
 
+    def unstreamed(self) -> list[tuple[int, int, int]]:
+        """``(slot, request id, tokens handed to the listener so far)`` of every slot holding a request."""
+        return [(slot, rid, self._live[rid].streamed) for slot, rid in enumerate(self.slot_req) if rid >= 0]
+
+    def streamed(self, rid: int, n: int) -> None:
+        """The listener has got the first ``n`` tokens of request ``rid``."""
+        self._live[rid].streamed = n
+
     def finish(self, slot: int, tokens: list[int], eos: set[int]) -> None:
         """The request in ``slot`` is done with ``tokens``: record it and free the slot."""
         live = self._live.pop(self.slot_req[slot])
         self.slot_req[slot] = -1
         req = live.request
+        by_eos = bool(tokens) and tokens[-1] in eos and not req.ignore_eos and not live.cancelled
         self._done[req.id] = RequestResult(
             id=req.id, slot=slot, prompt_length=len(req.prompt), tokens=tokens,
-            finished_by_eos=bool(tokens) and tokens[-1] in eos, arrival_s=live.arrival_s,
+            finished_by_eos=by_eos, arrival_s=live.arrival_s,
             admitted_s=live.admitted_s, token_times_s=live.token_times_s[: len(tokens)],
-            accepted_per_step=live.accepted_per_step)
+            accepted_per_step=live.accepted_per_step, cancelled=live.cancelled)
 
     def result(self, events: list[PhaseEvent]) -> ServeResult:
         """The served run (every slot must have been finished)."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
-from refspec.energy.phases import PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
 
 
 class DecodeFigures:
@@ -30,7 +30,7 @@ class DecodeFigures:
     def tau(self) -> float:
         """Mean accepted + 1 over the slot-steps that carried a live request (NaN without one), as the
         accounting defines it."""
-        from refspec.energy.accounting import tau_of_steps
+        from refspec.energy.accounting.headline import tau_of_steps
 
         return tau_of_steps(self.accepted_per_step)  # type: ignore[attr-defined]
 
@@ -49,13 +49,39 @@ class Request:
         prompt: prompt token ids (at least one).
         max_new_tokens: budget, including the first token from prefill.
         arrival_s: engine-clock arrival (open loop); None = closed loop: the request arrives
-            when a slot frees for it (its admission).
+            when a slot frees for it (its admission), or, from a :class:`RequestSource`, when
+            the engine takes it.
+        ignore_eos: keep generating past an end-of-sequence token until the budget (a
+            benchmark client asking for a fixed output length).
     """
 
     id: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     arrival_s: float | None = None
+    ignore_eos: bool = False
+
+
+class RequestSource(Protocol):
+    """Requests that arrive while the engine runs (a server's queue): the engine takes them
+    between steps and waits on it when every slot is empty."""
+
+    def take(self, *, wait: bool) -> list[Request] | None:
+        """The requests that arrived since the last call, in increasing id order.
+
+        Args:
+            wait: block until at least one arrives or the source closes.
+
+        Returns:
+            The new requests (possibly none without ``wait``); None once the source is closed
+            and holds nothing more.
+        """
+        ...
+
+    def cancelled(self) -> list[int]:
+        """Ids of requests whose client no longer wants them, since the last call (queued ones
+        are dropped, running ones freed before the next step)."""
+        ...
 
 
 @dataclasses.dataclass
@@ -74,6 +100,7 @@ class RequestResult:
             prefill for the first, end of the commit phase of the step that emitted it for
             the others); ``len(token_times_s) == len(tokens)``.
         accepted_per_step: its accepted drafts in each decode step it rode.
+        cancelled: its source cancelled it while it ran (``tokens`` are what it got until then).
     """
 
     id: int
@@ -85,6 +112,7 @@ class RequestResult:
     admitted_s: float
     token_times_s: list[float]
     accepted_per_step: list[int]
+    cancelled: bool = False
 
     @property
     def ttft_s(self) -> float:
@@ -130,4 +158,4 @@ class ServeResult(DecodeFigures):
         return (r.tokens for r in self.requests)
 
 
-__all__ = ["DecodeFigures", "Request", "RequestResult", "ServeResult"]
+__all__ = ["DecodeFigures", "Request", "RequestResult", "RequestSource", "ServeResult"]

@@ -24,6 +24,7 @@ from refspec.cache import tree_mask
 from refspec.config import round_up
 from refspec.drafting import DecodeState, Draft, Drafter
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
+from refspec.target import TargetForward
 from refspec.verify import Acceptance, emitted_tokens, greedy_accept, speculative_sample
 from refspec.verify_tree import tree_ancestors, tree_greedy_accept, tree_speculative_sample
 
@@ -42,6 +43,7 @@ class Batch:
         out: ``[B, max budget + K + 1]`` tokens emitted per slot.
         n_out: ``[B]`` tokens emitted so far.
         budget: ``[B]`` each slot's request budget (max_new_tokens).
+        eos_on: ``[B]`` an end-of-sequence token ends the slot's request (False: it ignores EOS).
         done_host: per slot, no live request is generating in it.
         lengths_host: per slot, committed cache length.
     """
@@ -52,6 +54,7 @@ class Batch:
     out: torch.Tensor
     n_out: torch.Tensor
     budget: torch.Tensor
+    eos_on: torch.Tensor
     done_host: list[bool]
     lengths_host: list[int]
 
@@ -61,13 +64,13 @@ class Batch:
         return len(self.done_host) - sum(self.done_host)
 
 
-def verify_forward(forward: Callable, run: Batch, draft: Draft, base: torch.Tensor, *, kv_bucket: int,
+def verify_forward(forward: TargetForward, run: Batch, draft: Draft, base: torch.Tensor, *, kv_bucket: int,
                    hidden_layers: tuple[int, ...], sliding_window: int | None
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One target forward over ``[pending, drafts]`` of every row, at slots ``base + i``.
 
     Args:
-        forward: the target forward (the model, a CUDA-graph runner, a compiled step).
+        forward: the target (its steps run eagerly, compiled or through CUDA graphs).
         run: the batch; its cache receives the N+1 new entries of every row.
         draft: the step's chain ``[B, K]`` or tree of N nodes.
         base: ``[B]`` committed cache length of each row before the step.
@@ -157,7 +160,7 @@ def commit(run: Batch, acc: Acceptance, chain: torch.Tensor, hidden: list[torch.
     state, cache = run.state, run.cache
     emit = emitted_tokens(chain, acc)  # [B, P+1]: accepted drafts, then the bonus/recovered token
     idx = torch.arange(emit.shape[1], device=emit.device)[None]  # [1, P+1]
-    is_eos = torch.isin(emit, eos) & (idx <= acc.num_accepted[:, None])
+    is_eos = torch.isin(emit, eos) & (idx <= acc.num_accepted[:, None]) & run.eos_on[:, None]
     first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(acc.num_accepted, emit.shape[1]))
     n_emit = torch.minimum(torch.minimum(acc.num_accepted + 1, first_eos + 1), run.budget - run.n_out)
     done = state.done  # finished rows and empty slots emit nothing and keep their cache
@@ -194,24 +197,26 @@ def new_batch(cache, batch: int, t_slots: int, max_budget: int, k: int, *, sampl
                         target_args=target_args, dtype_bytes=dtype_bytes)
     out = torch.zeros(batch, max_budget + k + 1, dtype=torch.long, device=dev)
     return Batch(state=state, cache=cache, slots=t_slots, out=out, n_out=zeros.clone(), budget=zeros.clone(),
-                 done_host=[True] * batch, lengths_host=[0] * batch)
+                 eos_on=torch.ones(batch, dtype=torch.bool, device=dev), done_host=[True] * batch,
+                 lengths_host=[0] * batch)
 
 
-def prefill(target, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]], budgets: Sequence[int], *,
-            drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
-            generator: torch.Generator | None) -> None:
+def prefill(target: TargetForward, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+            budgets: Sequence[int], *, drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
+            generator: torch.Generator | None, ignore_eos: Sequence[bool] = ()) -> None:
     """Fill slots ``rows`` (ascending) with new requests: one packed target forward over only
     their prompts' tokens (each written into its slot's cache row, the first token from each
     prompt's last logits), then the drafter forgets those rows and reads their prompts.
 
     Args:
-        target: the model (:meth:`~refspec.models.transformer.Transformer.prefill`).
+        target: the target (:meth:`~refspec.target.TargetForward.prefill`).
         run: the batch, updated in place (``done_host`` and ``lengths_host`` included).
         rows: the R slots.
         prompts: R prompts (token ids).
         budgets: R budgets (max_new_tokens, the first token included).
         drafter: reset for those rows (``reset(state)`` when every slot fills at once).
         sampling / eos / generator: how the first token is chosen, and what ends a request.
+        ignore_eos: R flags, True where the request generates past EOS to its budget (empty: none).
     """
     state, dev, b, r = run.state, run.cache.lengths.device, run.state.batch, len(rows)
     idx = torch.tensor(rows, dtype=torch.long, device=dev)  # [R]
@@ -233,7 +238,8 @@ def prefill(target, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[
     state.prompt_lengths[idx] = plens
     state.pending[idx] = first
     state.num_accepted[idx] = 0
-    state.done[idx] = torch.isin(first, eos) | (torch.tensor(budgets, device=dev) <= 1)
+    run.eos_on[idx] = ~torch.tensor(list(ignore_eos) or [False] * r, dtype=torch.bool, device=dev)
+    state.done[idx] = (torch.isin(first, eos) & run.eos_on[idx]) | (torch.tensor(budgets, device=dev) <= 1)
     run.out.index_fill_(0, idx, 0)
     run.out[idx, 0] = first
     run.n_out[idx] = 1

@@ -30,14 +30,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from refspec.energy.attribution import Loop
-from refspec.energy.hardware import HardwareProfile
-from refspec.energy.ledger import read_ledger
-from refspec.energy.phase_energy import phase_energy, shares
-from refspec.energy.per_request import split_energy, split_profile
-from refspec.energy.phases import MeteredPhase
-from refspec.energy.roofline import total_cost
-from refspec.energy.ledger_format import phase_work, run_models
+from refspec.energy.accounting.attribution import Loop
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.accounting.phase_energy import phase_energy, shares
+from refspec.energy.accounting.per_request import split_energy, split_profile
+from refspec.energy.ledger.events import MeteredPhase
+from refspec.energy.model.roofline import total_cost
+from refspec.energy.ledger.format import phase_work, run_models
 from refspec.phase_loops import LoopShapes, LoopTarget, set_up_batch, shapes_of
 from refspec.sampling import SamplingConfig
 from refspec.step import commit, decide, verify_forward

@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _corpus_prompts(names: Sequence[str], count: int, tokenizer) -> dict[str, list[list[int]]]:
     """The first ``count`` eval prompts of each corpus (all of them for 0), as token ids."""
-    from refspec.eval.corpora import build_prompts, load_corpus
+    from refspec.eval.corpora.catalog import load_corpus
+    from refspec.eval.corpora.prompts import build_prompts
 
     prompts: dict[str, list[list[int]]] = {}
     for name in names:

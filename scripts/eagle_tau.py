@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from refspec.drafters.eagle import TreeConfig, find_head, load_head
-    from refspec.eval import corpora
+    from refspec.eval.corpora.catalog import load_corpus
+    from refspec.eval.corpora.prompts import build_prompts
     from refspec.eval.runtime import load_target, parse_dtype, set_threads
 
     set_threads()
@@ -75,12 +76,12 @@ def main(argv=None) -> int:
     configs = {name: configs[name] for name in args.configs.split(",")}
     engine = _engine_factory(m, target.eos_token_ids, heads, configs, args.k)
     prompts = {} if args.skip_tau else {
-        name: corpora.build_prompts(corpora.load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
+        name: build_prompts(load_corpus(name, split="eval"), tok, chat=True)[: args.prompts]
         for name in args.corpora.split(",")}
     tau = _taus(engine, configs, prompts, args.new_tokens)
     speed: dict[str, dict[str, float]] = {}
     if not args.skip_speed:
-        conv = corpora.build_prompts(corpora.load_corpus("conversation", split="eval"), tok, chat=True)
+        conv = build_prompts(load_corpus("conversation", split="eval"), tok, chat=True)
         speed = _speed(engine, configs, conv, [int(x) for x in args.speed_batches.split(",")], args.speed_tokens)
     checks = {name: {"conversation<code": tau["conversation"][name] < tau["code"][name],
                      "romansh<english": tau["romansh"][name] < tau["english"][name]}

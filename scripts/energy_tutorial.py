@@ -8,12 +8,12 @@ takes seconds on a laptop and needs no GPU: each step is a draft phase (K forwar
 EAGLE-style head), a verify phase (one forward of K + 1 tokens per row) and a commit, with the
 shapes a Llama-3.1-8B target would run on an H200; finished requests are refilled by a prefill.
 Each phase goes through the same path as under the engine: a
-:class:`~refspec.energy.phases.MeteredPhase` of the meter, the forwards recorded inside it, a
-:class:`~refspec.energy.phases.PhaseEvent` to the ledger (wrapped so counter reads are recorded),
+:class:`~refspec.energy.ledger.events.MeteredPhase` of the meter, the forwards recorded inside it, a
+:class:`~refspec.energy.ledger.events.PhaseEvent` to the ledger (wrapped so counter reads are recorded),
 then :func:`refspec.energy.accounting.account` and
-:func:`refspec.energy.per_request.split_energy` on the ledger as read back from disk. The
-meter is a :class:`~refspec.energy.simulated.SimulatedMeter`: an H200-like device law of its own
-(:mod:`refspec.energy.device_law`) on the roofline's modelled clock.
+:func:`refspec.energy.accounting.per_request.split_energy` on the ledger as read back from disk. The
+meter is a :class:`~refspec.energy.meters.simulated.SimulatedMeter`: an H200-like device law of its own
+(:mod:`refspec.energy.meters.device_law`) on the roofline's modelled clock.
 """
 from __future__ import annotations
 
@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import Callable
 
 from refspec.config import ModelArgs
-from refspec.energy.accounting import Accounting, account
-from refspec.energy.architectures import arch
-from refspec.energy.attribution import Loop
-from refspec.energy.counter_log import counter_ledger
-from refspec.energy.device_law import DeviceLaw, gpu_law
-from refspec.energy.hardware import H200_SXM
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.per_request import split_energy
-from refspec.energy.phases import ForwardShape, MeteredPhase, PhaseEvent, record_forward
-from refspec.energy.roofline import work_time_s
-from refspec.energy.simulated import SimulatedMeter
+from refspec.energy.accounting.headline import Accounting, account
+from refspec.energy.model.architectures import arch
+from refspec.energy.accounting.attribution import Loop
+from refspec.energy.ledger.counter_records import counter_ledger
+from refspec.energy.meters.device_law import DeviceLaw, gpu_law
+from refspec.energy.model.hardware import H200_SXM
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.accounting.per_request import split_energy
+from refspec.energy.model.work import ForwardShape, record_forward
+from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
+from refspec.energy.model.roofline import work_time_s
+from refspec.energy.meters.simulated import SimulatedMeter
 
 TARGET: ModelArgs = arch("llama-3.1-8b")
 BATCH, PROMPT, BUDGET, ACCEPT = 16, 256, 128, 0.7

@@ -6,16 +6,17 @@ Every meter brackets the same engine steps (n-gram drafter, greedy). Each one's 
 The counter is a RAPL-like one over a powercap tree in a temporary directory (two zones, each
 read a sysfs-style file read), so a read costs what reading ``energy_uj`` costs:
 
-* ``time``: :class:`~refspec.energy.meters.TimeMeter`, the clock only (no counter at all);
-* ``windowed``: :class:`~refspec.energy.windowed.WindowedMeter`, the clock per phase, the counter
-  at the run's start, its end and every sub-window (ten periods, here 0.1 s);
-* ``fake-phase``: :class:`~refspec.energy.meters.FakeMeter`, a free counter (a Python
+* ``time``: :class:`~refspec.energy.meters.direct.TimeMeter`, the clock only (no counter at all);
+* ``windowed``: :class:`~refspec.energy.meters.windowed.WindowedMeter`, the clock per phase, the
+  counter at the run's start, its end and every sub-window (ten periods, here 0.1 s);
+* ``fake-phase``: :class:`~refspec.energy.meters.direct.FakeMeter`, a free counter (a Python
   callable) read at every phase's begin and end: the per-phase bookkeeping alone;
-* ``per-phase``: :class:`~refspec.energy.nvml_meter.CounterMeter`, the RAPL-like counter at every
-  phase's begin and end (what ``--meter zeus|nvml`` did before; no CUDA sync on a CPU);
-* ``roofline``: :class:`~refspec.energy.meters.RooflineMeter` in wall-time mode (the CPU's
+* ``per-phase``: the same :class:`~refspec.energy.meters.direct.FakeMeter` over the RAPL-like
+  counter, read at every phase's begin and end (what ``--meter zeus|nvml`` did before the
+  windowed meter; no CUDA sync on a CPU);
+* ``roofline``: :class:`~refspec.energy.meters.direct.RooflineMeter` in wall-time mode (the CPU's
   ``auto``), which prices every phase's forwards;
-* ``simulated``: :class:`~refspec.energy.simulated.SimulatedMeter` on the CPU profile.
+* ``simulated``: :class:`~refspec.energy.meters.simulated.SimulatedMeter` on the CPU profile.
 
 Usage::
 
@@ -25,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 import tempfile
@@ -38,10 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from refspec.drafters.ngram import NgramDrafter  # noqa: E402
-from refspec.energy.meters import FakeMeter, RooflineMeter, TimeMeter, make_meter  # noqa: E402
-from refspec.energy.nvml_meter import CounterMeter  # noqa: E402
-from refspec.energy.rapl import rapl_counter  # noqa: E402
-from refspec.energy.windowed import ClockTimer, WindowedMeter  # noqa: E402
+from refspec.energy.meters.direct import FakeMeter, RooflineMeter, TimeMeter  # noqa: E402
+from refspec.energy.meters.make import make_meter  # noqa: E402
+from refspec.energy.meters.rapl import rapl_counter  # noqa: E402
+from refspec.energy.meters.timers import ClockTimer  # noqa: E402
+from refspec.energy.meters.windowed import WindowedMeter  # noqa: E402
 from refspec.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -79,8 +80,8 @@ def meters(root: Path) -> dict:
         "time": lambda: TimeMeter(),
         "windowed": lambda: WindowedMeter(rapl(), timer=ClockTimer(), sub_window_s=0.1),
         "fake-phase": lambda: FakeMeter(time.perf_counter, lambda: 0.0),
-        "per-phase": lambda: CounterMeter(lambda: per_phase_counter.read().energy_j, source="measured:rapl",
-                                          counter_period_s=0.0),
+        "per-phase": lambda: FakeMeter(time.perf_counter, lambda: per_phase_counter.read().energy_j,
+                                       source="measured:rapl"),
         "roofline": lambda: RooflineMeter(make_meter("roofline:cpu", dtype_bytes=4).profile, time_source="wall_time"),
         "simulated": lambda: make_meter("simulated:cpu:period_ms=10:sample_ms=2.5", dtype_bytes=4),
     }
@@ -105,7 +106,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
-    logging.getLogger("refspec.energy.meters").setLevel(logging.ERROR)  # the per-phase meter's 0 J warnings
     model = load(a.model)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, model.args.vocab_size, (a.batch, 24), generator=g).tolist()

@@ -5,7 +5,7 @@ determined, and a shift of power between phases that leaves the total unchanged 
 check the loops have. This script serves an EAGLE-drafting, random-weight target of a real
 architecture at several K x batch mixes, each followed by its phase loops (:mod:`refspec.phase_loops`),
 then fits one power per phase over the sub-windows of all the mixes and holds each mix's loops
-against it (:func:`refspec.energy.mix_check.mix_check`). Prompts are random token ids: what
+against it (:func:`refspec.energy.accounting.mix_check.mix_check`). Prompts are random token ids: what
 the forwards cost does not depend on what they say.
 
     python3 scripts/mix_check.py --device cuda --meter nvml --out DIR          # on a GPU
@@ -26,11 +26,12 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.energy.counter_log import counter_ledger
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meters import make_meter
-from refspec.energy.mix_check import mix_check
-from refspec.energy.phase_energy import phase_energy
+from refspec.energy.ledger.counter_records import counter_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.meters.make import make_meter
+from refspec.energy.accounting.mix_check import mix_check
+from refspec.energy.accounting.phase_energy import phase_energy
 from refspec.engine import Engine, EngineConfig
 from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
 from refspec.sampling import SamplingConfig

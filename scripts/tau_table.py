@@ -41,7 +41,8 @@ def _drafter(name: str, target, heads: dict[str, str], tree: dict[str, int]):
 
 def main(argv=None) -> int:
     from refspec.engine import Engine, EngineConfig
-    from refspec.eval import corpora
+    from refspec.eval.corpora.catalog import load_corpus
+    from refspec.eval.corpora.prompts import build_prompts
     from refspec.eval.runtime import load_target, parse_dtype
     from refspec.sampling import SamplingConfig
 
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     chain_k = {"block": args.block_k or args.k}
     rows = []
     for corpus in args.corpora.split(","):
-        prompts = corpora.build_prompts(corpora.load_corpus(corpus, split="eval"), target.tokenizer,
+        prompts = build_prompts(load_corpus(corpus, split="eval"), target.tokenizer,
                                         chat=True)[: args.prompts]  # as the eval CLI renders them
         for temp in (float(t) for t in args.temperatures.split(",")):
             for name, drafter in drafters.items():

@@ -10,16 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import (AccountingError, account, acceptance_length, energy_saving, pool_runs, speedup,
-                                       tau_of_steps)
-from refspec.energy.accounting_text import format_accounting, format_closure
-from refspec.energy.attribution import Loop, additivity_check, nnls_phase_power
 from refspec.config import ModelArgs
-from refspec.energy.ledger import SCHEMA, Ledger, LedgerError, RepeatedPhaseError, read_ledger
-from refspec.energy.ledger_format import LEDGER_VERSION, MODEL_SCHEMA, experts_touched, phase_work, run_models
-from refspec.energy.meters import FakeMeter
-from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
-from refspec.energy.roofline import forward_cost, total_cost
+from refspec.energy.accounting.headline import (acceptance_length, account, energy_saving, pool_runs, speedup,
+                                                tau_of_steps)
+from refspec.energy.accounting.text import format_accounting, format_closure
+from refspec.energy.accounting.attribution import Loop, additivity_check, nnls_phase_power
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.ledger.format import (LEDGER_VERSION, MODEL_SCHEMA, SCHEMA, LedgerError, experts_touched,
+                                          phase_work, run_models)
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.step_groups import AccountingError
+from refspec.energy.ledger.writer import Ledger, RepeatedPhaseError
+from refspec.energy.meters.direct import FakeMeter
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.model.roofline import forward_cost, total_cost
+from refspec.energy.model.work import ForwardShape
 
 # The run of docs/accounting.md: batch 2, k = 3, requests 0 and 1 in slots 0 and 1. Per phase:
 # (step, phase, seconds, joules, counts). Row 0 accepts 3, 2, 1 drafts in steps 0-2; row 1
@@ -174,7 +179,7 @@ def test_the_documented_path_names_files_that_exist_at_about_their_length():
     import re
 
     rows = re.findall(r"^\| \d+ \| `([^`]+)` \| (\d+) \|", DOCS.read_text(), re.M)
-    assert len(rows) >= 20 and "refspec/energy/phase_energy.py" in dict(rows)
+    assert len(rows) >= 20 and "refspec/energy/accounting/phase_energy.py" in dict(rows)
     root = DOCS.parents[1]
     for path, lines in rows:
         actual = len((root / path).read_text().splitlines())

@@ -12,11 +12,13 @@ import math
 
 import pytest
 
-from refspec.energy.accounting import AccountingError, account
-from refspec.energy.accounting_text import format_accounting
-from refspec.energy.ledger import LEDGER_VERSION, read_ledger
-from refspec.energy.phase_energy import phase_energy, sub_windows
-from refspec.energy.serving_window import Window, WindowRule, window_validity
+from refspec.energy.accounting.headline import account
+from refspec.energy.accounting.serving_window import Window, WindowRule, window_validity
+from refspec.energy.accounting.text import format_accounting
+from refspec.energy.ledger.format import LEDGER_VERSION
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.step_groups import AccountingError
+from refspec.energy.accounting.phase_energy import phase_energy, sub_windows
 
 POWER = {"prefill": 300.0, "draft": 100.0, "verify": 250.0, "commit": 50.0}
 HOST_W = 40.0
@@ -250,7 +252,7 @@ def test_a_loop_shorter_than_ten_periods_or_a_second_fails_the_gate(tmp_path):
     assert len(slow["reasons"]) == 4 and all("= 5 counter periods" in r for r in slow["reasons"])
     # the fit's sub-windows merge to the floor: 8 windows of 1.8-3.1 s on a 2 s counter are 3 of 20 s
     records = _read(tmp_path, built(period_s=2.0)[0])
-    from refspec.energy.phase_energy import phase_energy
+    from refspec.energy.accounting.phase_energy import phase_energy
 
     pe = phase_energy([(phases_of(records), [r for r in records if r["kind"] == "counter"], [])])
     assert len(pe.sub_windows) == 1 and pe.method == "measured-total-only"
@@ -373,11 +375,11 @@ def test_an_engine_run_under_the_simulated_counter_closes_on_the_counter_and_ref
     from tiny import TINY_HF
 
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.ledger import Ledger
-    from refspec.energy.meters import make_meter
-    from refspec.energy.phase_energy import phase_energy
-    from refspec.energy.split_gate import GateRule
+    from refspec.energy.ledger.counter_records import counter_ledger
+    from refspec.energy.ledger.writer import Ledger
+    from refspec.energy.meters.make import make_meter
+    from refspec.energy.accounting.phase_energy import phase_energy
+    from refspec.energy.accounting.split_gate import GateRule
     from refspec.engine import Engine, EngineConfig
     from refspec.models.random_models import random_model
     from refspec.serving import Request
@@ -413,7 +415,7 @@ def test_an_engine_run_under_the_simulated_counter_closes_on_the_counter_and_ref
 
 
 def test_more_mixes_determine_the_fit_and_catch_what_one_mix_cannot(tmp_path):
-    from refspec.energy.mix_check import mix_check
+    from refspec.energy.accounting.mix_check import mix_check
 
     def runs(loops, **kw):
         records = _read(tmp_path, built(steady=True, idle_w=HOST_W, loops=loops, **kw)[0])

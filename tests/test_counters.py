@@ -12,16 +12,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from refspec.energy import meters
-from refspec.energy.counter_log import COUNTER_SCHEMA, CounterLedger, counter_ledger
-from refspec.energy.counters import Unwrap, callable_counter, combine
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meter_spec import MeterSpecError, parse_meter_spec
-from refspec.energy.nvml_meter import nvml_counter
-from refspec.energy.rapl import rapl_available, rapl_counter, rapl_zones
-from refspec.energy.windowed import ClockTimer, CounterMark, PhaseMeasurement, WindowedMeter
-from refspec.energy.windows import NoCounterError, NoGPUError
-from refspec.energy.zeus_meter import ZeusCounter
+from refspec.energy.ledger.counter_records import COUNTER_SCHEMA, CounterLedger, counter_ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.meters import make
+from refspec.energy.meters.counters import CounterMark, Unwrap, callable_counter, combine
+from refspec.energy.meters.direct import RooflineMeter
+from refspec.energy.meters.errors import NoCounterError, NoGPUError
+from refspec.energy.meters.make import make_meter
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.meters.nvml import nvml_counter
+from refspec.energy.meters.rapl import rapl_available, rapl_counter, rapl_zones
+from refspec.energy.meters.spec import MeterSpecError, parse_meter_spec
+from refspec.energy.meters.timers import ClockTimer, CudaEventTimer
+from refspec.energy.meters.windowed import WindowedMeter
+from refspec.energy.meters.zeus import ZeusCounter
 from fakes import World
 
 
@@ -99,12 +104,12 @@ def test_unwrap_counts_each_wrap_once():
 
 def test_make_meter_rapl_and_auto_pick_rapl_on_a_cpu(tmp_path, monkeypatch):
     root = powercap(tmp_path, TREE)
-    m = meters.make_meter(f"rapl:domains=package:root={root}")
+    m = make_meter(f"rapl:domains=package:root={root}")
     assert isinstance(m, WindowedMeter) and m.source == "measured:rapl(package-0,package-1)"
-    monkeypatch.setattr(meters, "_cuda_sync", lambda: None)
-    auto = meters.make_meter("auto", powercap_root=root)
+    monkeypatch.setattr(make, "_cuda_sync", lambda: None)
+    auto = make_meter("auto", powercap_root=root)
     assert isinstance(auto, WindowedMeter) and auto.source.startswith("measured:rapl(package-0,dram-0")
-    assert isinstance(meters.make_meter("auto", powercap_root=tmp_path / "none"), meters.RooflineMeter)
+    assert isinstance(make_meter("auto", powercap_root=tmp_path / "none"), RooflineMeter)
 
 
 # ---- several GPUs: pynvml and Zeus -------------------------------------------------------------
@@ -295,7 +300,7 @@ def test_windowed_meter_resolves_time_lazily_and_refuses_short_sub_windows():
     timer = CountingTimer(w)
     m = windowed(w, timer=timer)
     draft = step(m, w)[0]
-    assert timer.resolved == 0 and isinstance(draft, PhaseMeasurement)
+    assert timer.resolved == 0 and isinstance(draft, Measurement)
     assert draft.time_s == pytest.approx(0.003) and draft.time_s == pytest.approx(0.003) and timer.resolved == 1
     with pytest.raises(ValueError, match="shorter than 10 periods"):
         windowed(w, sub_window_s=0.5)
@@ -380,13 +385,13 @@ def test_aborted_run_writes_no_end_read_and_plain_meters_keep_the_bare_ledger(tm
     assert [r["kind"] for r in recs] == ["run", "end"] and recs[-1]["status"] == "aborted"
     assert meter.finish_run() is None  # re-armed
     bare = Ledger(tmp_path / "b.jsonl")
-    assert counter_ledger(meters.make_meter("roofline:h200"), bare) is bare
+    assert counter_ledger(make_meter("roofline:h200"), bare) is bare
     bare.close()
 
 
 def test_marks_ride_on_measurements():
     read = callable_counter(lambda: 1.0, source="measured:x").read()
-    m = PhaseMeasurement(0.5, source="measured:x", marks=[CounterMark(read, "start", at_end=False)])
+    m = Measurement(0.5, None, "measured:x", marks=[CounterMark(read, "start", at_end=False)])
     assert (m.time_s, m.energy_j, m.marks[0].reason, m.extra) == (0.5, None, "start", ())
 
 
@@ -414,11 +419,11 @@ def test_meter_spec_errors_say_what_fits(spec, match):
 
 def test_make_meter_nvml_with_several_gpus(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml({0: [0] * 4, 1: [0] * 4}))
-    m = meters.make_meter("nvml:gpus=0,1:sub_window_s=3")
+    m = make_meter("nvml:gpus=0,1:sub_window_s=3")
     assert isinstance(m, WindowedMeter) and m.source == "measured:nvml-total-energy(gpu0,gpu1)"
     assert m.sub_window_s == 3.0
     with pytest.raises(ValueError, match="shorter than 10 periods"):
-        meters.make_meter("nvml:gpus=0:sub_window_s=0.5")
+        make_meter("nvml:gpus=0:sub_window_s=0.5")
 
 
 def test_cli_checks_the_spec_and_the_session_passes_it_through():
@@ -441,8 +446,6 @@ def test_cli_checks_the_spec_and_the_session_passes_it_through():
 
 
 def test_cuda_event_timer_records_without_sync_and_resolves_when_read(monkeypatch):
-    from refspec.energy.windowed import CudaEventTimer
-
     log = []
 
     class FakeEvent:  # torch.cuda.Event's timing API: record, synchronize, elapsed_time in ms

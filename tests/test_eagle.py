@@ -369,15 +369,9 @@ def test_registry_finds_heads_in_refspec_home_and_reads_tree_options(target, hea
 
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])  # the shipped heads
-def test_smollm2_heads_are_lossless_and_accepted(kind):
+def test_smollm2_heads_are_lossless_and_accepted(smollm2, smollm2_plain, kind):
     """The shipped SmolLM2 heads in fp32: greedy equality at batch 1 and a ragged batch, chain and tree."""
-    from refspec.assets import resolve_model
-    from refspec.models import load_model
-    from refspec.assets.tokenizer import load_tokenizer
-
-    path = resolve_model("smollm2-135m")
-    m = load_model(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
+    m, tok = smollm2.model, smollm2.tokenizer
     texts = ["What are three tips for staying healthy?", "Write a short poem about the sea.",
              "Explain what a binary search does.", "How do I boil an egg?"]
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
@@ -385,9 +379,8 @@ def test_smollm2_heads_are_lossless_and_accepted(kind):
     head, _ = load_head(find_head("smollm2-135m", kind), m.args)
     for tree in (None, TreeConfig()):
         for batch in (prompts[:1], prompts):
-            plain = Engine(m, eos_token_ids=eos).generate(batch, max_new_tokens=48)
             spec = Engine(m, EagleDrafter(head, m, tree=tree), config=EngineConfig(k=4),
                           eos_token_ids=eos).generate(batch, max_new_tokens=48)
-            assert spec.tokens == plain.tokens
+            assert spec.tokens == smollm2_plain(batch, 48, eos)
         # losslessness is the property; the head's quality (tau) is a measured figure, not a test
         assert spec.tau > 1.0, f"{kind} {'tree' if tree else 'chain'}: nothing accepted (tau {spec.tau:.2f})"

@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 from refspec.eval import cli
-from refspec.eval.run import RECORD_FIELDS, auto_dtype, cpu_has_fast_bf16
-from refspec.eval.sweep import read_records
-from refspec.energy.accounting import pool_runs
-from refspec.energy.accounting_text import format_closure
-from refspec.energy.ledger import read_ledger
+from refspec.eval.machine import auto_dtype, cpu_has_fast_bf16
+from refspec.eval.record import RunRecord, fields_of_json
+from refspec.eval.record_files import read_records
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.accounting.text import format_closure
+from refspec.energy.ledger.read import read_ledger
 
-REQUIRED = ("model", "drafter", "k", "batch", "corpus", "dtype", "device", "tau", "tokens_per_s", "tpot_p50_s",
-            "tpot_p99_s", "energy_per_token_j", "energy_source", "phase_energy_j", "baseline",
-            "greedy_match_baseline", "versions", "prompts_unique", "rows", "run_ids", "config_id")
+REQUIRED = ("model", "drafter", "k", "batch", "corpus", "dtype", "device", "tau", "run_tokens_per_s", "tpot_p50_s",
+            "tpot_p99_s", "window_j_per_token", "run_j_per_token", "energy_source", "phase_energy_j", "baseline",
+            "greedy_match_baseline", "versions", "requests_unique", "requests", "run_ids", "config_id")
 QUIET = ["--no-progress", "--no-warmup"]
 
 
@@ -105,10 +106,10 @@ def test_summary_has_one_object_per_configuration_with_the_required_fields(run_d
     for r in summary:
         missing = [f for f in REQUIRED if f not in r]
         assert not missing, f"{r['config_id']} lacks {missing}"
-        assert set(r) <= set(RECORD_FIELDS), f"undocumented record fields {sorted(set(r) - set(RECORD_FIELDS))}"
+        assert set(r) <= set(fields_of_json()), f"unknown record fields {sorted(set(r) - set(fields_of_json()))}"
     spec = summary[1]
-    assert spec["prompts_unique"] == 5 and spec["rows"] == 8 and spec["batches"] == 1, "8 requests, one continuous run"
-    assert spec["schedule"] == "continuous" and spec["requests"] == 8 and spec["requests_unique"] == 5
+    assert spec["requests_unique"] == 5 and spec["requests"] == 8 and spec["batches"] == 1, "8 requests, one run"
+    assert spec["schedule"] == "continuous"
     assert spec["energy_source"].startswith("modelled:roofline(") and spec["energy_measured"] is False
     assert "modelled" in spec["energy_source_text"] and "not measured" in spec["energy_source_text"]
     assert spec["greedy_match_baseline"] is True, "fp32 greedy speculation must reproduce the baseline"
@@ -125,8 +126,8 @@ def test_record_figures_come_from_its_own_ledger_runs(run_dir):
     for rec in summary:
         assert set(rec["run_ids"]) <= all_ids, "every run id of a record is in the ledger"
         phases = [r for r in ledger if r.get("kind") == "phase" and r["run_id"] in rec["run_ids"]]
-        assert sum(r["energy_j"] for r in phases) == pytest.approx(rec["total_energy_j"], rel=1e-12)
-        assert sum(r["emitted"] for r in phases) == rec["emitted"] <= rec["rows"] * 6
+        assert sum(r["energy_j"] for r in phases) == pytest.approx(rec["run_energy_j"], rel=1e-12)
+        assert sum(r["emitted"] for r in phases) == rec["run_tokens"] <= rec["requests"] * 6
 
 
 def test_record_figures_are_the_pooled_accounting_of_its_ledger_runs(run_dir):
@@ -135,16 +136,16 @@ def test_record_figures_are_the_pooled_accounting_of_its_ledger_runs(run_dir):
     spec = summary[1]
     assert len(spec["run_ids"]) == 1, "a continuous stream is one ledger run"
     acc = pool_runs(ledger, spec["run_ids"])
-    pairs = {"energy_per_token_j": acc.window_j_per_token, "energy_per_token_j_run": acc.j_per_token,
+    pairs = {"window_j_per_token": acc.window_j_per_token, "run_j_per_token": acc.j_per_token,
              "tau": acc.tau, "tpot_p50_s": acc.tpot_p50_s, "ttft_p99_s": acc.ttft_p99_s,
-             "mean_active_rows": acc.mean_active_rows, "window_tokens": acc.window.tokens,
-             "tpot_p99_s": acc.tpot_p99_s, "tokens_per_s": acc.tokens_per_s, "phase_share": acc.phase_share,
-             "line_items_j": acc.line_items_j, "closes": acc.closes, "emitted": acc.emitted}
+             "run_mean_active_rows": acc.mean_active_rows, "window_tokens": acc.window.tokens,
+             "tpot_p99_s": acc.tpot_p99_s, "run_tokens_per_s": acc.tokens_per_s, "phase_share": acc.phase_share,
+             "line_items_j": acc.line_items_j, "closes": acc.closes, "run_tokens": acc.emitted}
     for field, value in pairs.items():
         assert spec[field] == value, field
     # and directly from the raw phase records of the run
     phases = [r for r in ledger if r.get("kind") == "phase" and r["run_id"] in spec["run_ids"]]
-    assert spec["energy_per_token_j_run"] == pytest.approx(sum(r["energy_j"] for r in phases)
+    assert spec["run_j_per_token"] == pytest.approx(sum(r["energy_j"] for r in phases)
                                                        / sum(r["emitted"] for r in phases), rel=1e-12)
 
 
@@ -155,8 +156,8 @@ def test_report_prints_the_closure_line_of_every_configuration(run_dir):
     for r in summary:
         assert r["closes"] is True
         assert r["line_items_sum_j"] == pytest.approx(sum(r["line_items_j"].values()), rel=1e-12)
-        assert r["line_items_sum_j"] == pytest.approx(r["total_energy_j"], rel=1e-9)
-        line = format_closure(r["line_items_j"], r["line_items_sum_j"], r["total_energy_j"], r["closure_error_j"],
+        assert r["line_items_sum_j"] == pytest.approx(r["run_energy_j"], rel=1e-9)
+        line = format_closure(r["line_items_j"], r["line_items_sum_j"], r["run_energy_j"], r["closure_error_j"],
                               r["closes"], method=r.get("phase_energy_method"))
         assert line.endswith("-> OK") and f"`{line}`" in md, f"{r['config_id']}: closure line missing from report.md"
 
@@ -223,7 +224,7 @@ def test_sweep_resume_after_corruption_loses_and_duplicates_nothing(tiny, tmp_pa
     assert "corrupt" in captured.err, "corrupt lines are reported"
     assert "3 configuration(s) were already done" in captured.out
     loaded = read_records([records])
-    assert sorted(r["config_id"] for r in loaded.records) == sorted(first), "nothing lost"
+    assert sorted(r.config_id for r in loaded.records) == sorted(first), "nothing lost"
     assert loaded.duplicates == 0, "nothing duplicated"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary) == 4
@@ -332,10 +333,18 @@ def test_drafter_without_a_trained_head_is_a_clear_error_before_any_run(tiny, tm
     assert not (tmp_path / "o" / "records.jsonl").exists(), "nothing ran: no silent fallback, no wasted baseline"
 
 
-def test_help_shows_licences_and_caveat(capsys):
+def test_help_starts_with_every_command_one_line_each_and_run_has_its_own_help(capsys):
+    from refspec.eval.cli_args import COMMANDS, PARSED, TOOLS
+
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "--drafter" in out and "CC-BY-NC-4.0" in out and "memorised" in out and "sweep" in out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert listed == list(COMMANDS), "every command, in order, one line each"
+    assert set(COMMANDS) == set(PARSED) | set(TOOLS), "every listed command is dispatched"
+    assert len(out.splitlines()) < 30 and "docs/fields.md" in out and "docs/corpora.md" in out
+    assert cli.main(["run", "--help"]) == 0
+    run_help = capsys.readouterr().out
+    assert "--drafter" in run_help and "--batch" in run_help and "CC-BY-NC-4.0" not in run_help
 
 
 # ---- dtype ------------------------------------------------------------------------------------------
@@ -373,7 +382,7 @@ def test_smollm2_ngram_on_two_corpora(tmp_path, capsys):
     assert sorted((r["corpus"], r["drafter"]) for r in summary) == [
         ("code", "ngram"), ("code", "none"), ("conversation", "ngram"), ("conversation", "none")]
     for r in summary:
-        assert r["energy_per_token_j"] > 0 and r["tokens_per_s"] > 0
+        assert r["window_j_per_token"] > 0 and r["run_tokens_per_s"] > 0
         if r["drafter"] == "ngram":
             assert r["tau"] >= 1.0
             assert r["greedy_match_baseline"] is True, f"{r['corpus']}: fp32 greedy n-gram must match plain decoding"
@@ -411,13 +420,13 @@ def test_log_axes_over_less_than_a_decade_get_a_few_labels_that_do_not_overlap()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from refspec.eval.plots import _legible_log
+    from refspec.eval.plots import legible_log
 
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.plot([92.5, 110.0], [0.0275, 0.0325], "o")  # the default run's span: matplotlib labels its minor ticks
     ax.set_xscale("log")
     ax.set_yscale("log")
-    _legible_log(ax)
+    legible_log(ax)
     fig.canvas.draw()
     for axis in (ax.xaxis, ax.yaxis):
         assert not [t for t in axis.get_minorticklabels() if t.get_text()], "minor ticks stay unlabelled"
@@ -431,24 +440,29 @@ def test_log_axes_over_less_than_a_decade_get_a_few_labels_that_do_not_overlap()
 
 
 def test_a_table_of_records_with_different_budgets_says_mixed_instead_of_quoting_one(run_dir):
+    import dataclasses
+
     from refspec.eval.report import format_table
 
-    records = json.loads((run_dir / "summary.json").read_text())
-    records[1]["max_new_tokens"] = 3  # as in a directory two sweeps wrote into
+    records = [RunRecord.from_json(r) for r in json.loads((run_dir / "summary.json").read_text())]
+    stream = dataclasses.replace(records[1].stream, max_new_tokens=3)  # as in a directory two sweeps wrote into
+    records[1] = dataclasses.replace(records[1], stream=stream)
     table = format_table(records)
     assert "MIXED budgets up to 6 new tokens" in table and " / budgets up to 3 new tokens" in table
     assert "MIXED" not in format_table(records[:1])
 
 
 def test_run_without_batch_and_corpus_runs_the_default_cells_and_either_flag_one_grid():
-    from refspec.eval.cli_args import _normalise_argv, _parser
-    from refspec.eval.cli_plan import _build_plan
+    from refspec.eval.cli_args import normalise_argv, parser
+    from refspec.eval.cli_plan import build_plan
 
     def cells(*argv):
-        configs = _build_plan(_parser().parse_args(_normalise_argv(list(argv))), sweep=False).configs
+        configs = build_plan(parser().parse_args(normalise_argv(list(argv))), sweep=False).configs
         return sorted({(c.corpus, c.batch) for c in configs}), sorted({c.drafter for c in configs})
 
     assert cells() == ([("code", 1), ("conversation", 8)], ["ngram", "none"])
     assert cells("--batch", "8")[0] == [("code", 8), ("conversation", 8)]
     assert cells("--corpus", "conversation")[0] == [("conversation", 1)]
     assert cells("--corpus", "math", "--batch", "2", "--drafter", "eagle") == ([("math", 2)], ["eagle", "none"])
+    assert cells("--drafter", "eagle", "--batch", "64") == ([("code", 64), ("conversation", 64)], ["eagle", "none"]), \
+        "no command: run"

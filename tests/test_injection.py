@@ -12,7 +12,7 @@ from refspec.engine import Engine, EngineConfig
 from refspec.eval.injection import (SCHEMA, VLLM_EAGLE3_TAU, AcceptanceModel, AcceptanceModelError, Provenance,
                                geometric_model, injection_label, injection_record, load_acceptance_models,
                                make_acceptance_fn, resolve_acceptance_model, save_acceptance_models)
-from refspec.energy.roofline import expected_tokens_per_step
+from refspec.energy.model.roofline import expected_tokens_per_step
 
 VLLM = "vllm-eagle3-llama3.1-8b"
 

@@ -1,20 +1,25 @@
-"""Energy meters with fake clocks and counters: exact windows, nesting, warnings, sources."""
+"""Energy meters with fake clocks and counters: exact windows, nesting, sources, and the GPU
+counters' fallbacks and errors."""
 from __future__ import annotations
 
-import logging
+import pickle
 import sys
 import types
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from refspec.energy import meters
 from refspec.config import ModelArgs
-from refspec.energy.meters import (CounterMeter, FakeMeter, MeterError, NoGPUError, RooflineMeter, TimeMeter, ZeusMeter,
-                                   make_meter)
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import HardwareProfile, forward_cost
+from refspec.energy.meters import make
+from refspec.energy.meters.direct import FakeMeter, RooflineMeter, TimeMeter
+from refspec.energy.meters.errors import MeterError, NoCounterError, NoGPUError
+from refspec.energy.meters.make import make_meter, measured_gpu_counter
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.meters.nvml import PowerIntegral, nvml_counter, sm_clock_reader
+from refspec.energy.meters.zeus import ZeusCounter
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import forward_cost
+from refspec.energy.model.work import ForwardShape
 from fakes import World
 
 
@@ -59,21 +64,14 @@ def test_end_without_begin_is_an_error():
         m.end("verify")
 
 
-def test_zero_delta_and_short_window_warn_once_per_name(caplog):
-    w = World()
-    m = FakeMeter(w.clock, w.energy, counter_period_s=0.1)
-    with caplog.at_level(logging.DEBUG, logger="refspec.energy.meters"):
-        for _ in range(3):
-            m.begin("draft")
-            w.advance(0.004, 0.0)
-            assert m.end("draft").energy_j == 0.0
-        m.begin("long")
-        w.advance(1.0, 300.0)
-        m.end("long")
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "read 0 J" in warnings[0].getMessage() and "shorter than the counter period" in warnings[0].getMessage()
-    assert m.short_windows.counts == {"draft": 3}
+def test_a_measurement_is_immutable_and_copies_carry_its_resolved_time():
+    calls = []
+    m = Measurement(lambda: calls.append(1) or 0.25, None, "measured:x", extra=(("energy_true_j", 2.0),))
+    assert m.measured and not calls  # the time is resolved only when read
+    clone = pickle.loads(pickle.dumps(m))
+    assert calls == [1] and clone == m and clone.time_s == m.time_s == 0.25 and calls == [1]
+    with pytest.raises(AttributeError, match="immutable"):
+        m.energy_j = 1.0  # type: ignore[misc]
 
 
 def test_time_meter_syncs_and_has_no_energy():
@@ -89,52 +87,10 @@ def test_time_meter_syncs_and_has_no_energy():
     assert len(syncs) == 4
 
 
-class FakeMonitor:
-    """ZeusMonitor's window API over a World (Zeus returns time and per-GPU energy)."""
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-        self.open: dict[str, tuple[float, float]] = {}
-
-    def begin_window(self, key: str) -> None:
-        assert key not in self.open, "Zeus keys must be unique"
-        self.open[key] = (self.world.t, self.world.e)
-
-    def end_window(self, key: str) -> SimpleNamespace:
-        t0, e0 = self.open.pop(key)
-        return SimpleNamespace(time=self.world.t - t0, gpu_energy={0: self.world.e - e0})
-
-
-def test_zeus_meter_with_fake_monitor(caplog):
-    w = World()
-    m = ZeusMeter(0, monitor=FakeMonitor(w), counter_period_s=0.1)
-    assert m.source == "measured:nvml-total-energy(gpu0)"
-    m.begin("verify")
-    m.begin("verify")  # same name nested: distinct Zeus keys
-    w.advance(0.5, 150.0)
-    inner = m.end("verify")
-    w.advance(0.5, 100.0)
-    outer = m.end("verify")
-    assert (inner.time_s, inner.energy_j) == (0.5, 150.0)
-    assert (outer.time_s, outer.energy_j) == (1.0, 250.0)
-    with caplog.at_level(logging.WARNING, logger="refspec.energy.meters"):
-        m.begin("draft")
-        w.advance(0.003, 0.0)
-        m.end("draft")
-    assert "read 0 J" in caplog.text
-
-
-def test_zeus_idle_power():
-    w = World()
-    m = ZeusMeter(0, monitor=FakeMonitor(w))
-    assert m.measure_idle_w(4.0, sleep=lambda s: w.advance(s, 4.0 * 70.0)) == 70.0
-    assert m.idle_w == 70.0
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_zeus_meter_without_gpu_is_a_clear_error():
+def test_zeus_counter_without_gpu_is_a_clear_error():
     with pytest.raises(NoGPUError, match="torch.cuda.is_available"):
-        ZeusMeter(0)
+        ZeusCounter((0,))
     with pytest.raises(NoGPUError):
         make_meter("zeus")
 
@@ -181,11 +137,10 @@ def test_make_meter_kinds(monkeypatch):
     assert make_meter("time").source == "none:time-only"
     h200 = make_meter("roofline", profile="h200")
     assert h200.source == "modelled:roofline(h200-sxm)" and h200.time_source == "model"
-    monkeypatch.setattr(meters, "cpu_profile", lambda dtype_bytes=2: HardwareProfile(
+    monkeypatch.setattr(make, "cpu_profile", lambda dtype_bytes=2: HardwareProfile(
         name="cpu-test", peak_flops=1e9, bandwidth_Bps=1e9, static_w=1, pj_per_flop=1, pj_per_byte=1, idle_w=1,
         benchmarked=True))
-    monkeypatch.setattr(meters, "nvml_energy_counter_available", lambda gpu_index=0: False)
-    monkeypatch.setattr(meters, "_cuda_sync", lambda: None)
+    monkeypatch.setattr(make, "_cuda_sync", lambda: None)
     auto = make_meter("auto", powercap_root="/nonexistent/powercap")  # no RAPL: the modelled CPU profile
     assert isinstance(auto, RooflineMeter)
     assert auto.source == "modelled:roofline(cpu-test,wall-time)" and auto.idle_w == 1
@@ -193,7 +148,7 @@ def test_make_meter_kinds(monkeypatch):
         make_meter("fake")
     with pytest.raises(ValueError, match="unknown meter 'joules'"):
         make_meter("joules")
-    with pytest.raises(meters.NoCounterError, match="no readable intel-rapl zone"):
+    with pytest.raises(NoCounterError, match="no readable intel-rapl zone"):
         make_meter("rapl", powercap_root="/nonexistent/powercap")
 
 
@@ -202,10 +157,8 @@ class FakeNVMLError(Exception):
     pass
 
 
-def fake_pynvml(world: World, *, counter: bool = True, power_w: list[float] | None = None,
-                init_fails: bool = False) -> types.ModuleType:
-    """A stand-in for nvidia-ml-py's ``pynvml``: the counter is the World's energy (in mJ), the
-    power reading pops from ``power_w`` (in mW, as NVML reports)."""
+def fake_pynvml(world: World, *, init_fails: bool = False) -> types.ModuleType:
+    """A stand-in for nvidia-ml-py's ``pynvml``: the counter is the World's energy (in mJ)."""
     nv = types.ModuleType("pynvml")
     nv.NVMLError = FakeNVMLError
     nv.calls = []
@@ -217,71 +170,38 @@ def fake_pynvml(world: World, *, counter: bool = True, power_w: list[float] | No
 
     def total_energy(handle):
         assert handle == "h0"
-        if not counter:
-            raise FakeNVMLError("Not Supported")
         return int(round(world.e * 1000))
-
-    def power(handle):
-        if power_w is None:
-            raise FakeNVMLError("Not Supported")
-        return power_w.pop(0) * 1000
 
     nv.nvmlInit = init
     nv.nvmlShutdown = lambda: nv.calls.append("shutdown")
     nv.nvmlDeviceGetHandleByIndex = lambda i: f"h{i}"
     nv.nvmlDeviceGetTotalEnergyConsumption = total_energy
-    nv.nvmlDeviceGetPowerUsage = power
     return nv
 
 
-def test_nvml_total_energy_counter_through_injected_pynvml(monkeypatch):
+def test_power_integral_is_the_exact_trapezoid_of_its_samples():
     w = World()
-    nv = fake_pynvml(w)
-    monkeypatch.setitem(sys.modules, "pynvml", nv)
-    syncs = []
-    m = meters.nvml_meter(0, sync=lambda: syncs.append(1), clock=w.clock)
-    assert isinstance(m, CounterMeter) and m.source == "measured:nvml-total-energy(gpu0)"
-    m.begin("decode")
-    w.advance(2.5, 875.25)
-    out = m.end("decode")
-    assert (out.time_s, out.energy_j, out.measured) == (2.5, 875.25, True)
-    assert len(syncs) == 2
-    assert m.measure_idle_w(4.0, sleep=lambda s: w.advance(s, 70.5 * s)) == 70.5
-    m.close()
-    m.close()
-    assert nv.calls == ["init", "shutdown"]
-
-
-def test_refused_counter_falls_back_to_an_exact_power_integral():
-    w = World()
-    # begin samples 100 W; two thread-free samples 140 W and 180 W, 1 s apart; end reads 180 W
-    nv = fake_pynvml(w, counter=False, power_w=[999.0, 100.0, 140.0, 180.0, 180.0])
-    m = meters.nvml_meter(0, pynvml_module=nv, clock=w.clock, start_thread=False)
-    assert m.source == "measured:nvml-power-integral-of-average(gpu0)"  # no instantaneous field in this pynvml
-    m.begin("decode")
-    integral = m._counter.__self__  # the PowerIntegral behind the meter
+    power = iter([100.0, 140.0, 180.0, 180.0])
+    integral = PowerIntegral(lambda: next(power), clock=w.clock)
+    assert integral.energy() == 0.0  # the first sample starts the integral
     w.advance(1.0, 0.0)
     integral.sample()
     w.advance(1.0, 0.0)
     integral.sample()
     w.advance(0.5, 0.0)
-    out = m.end("decode")
     # trapezoids: (100+140)/2*1 + (140+180)/2*1 + (180+180)/2*0.5
-    assert out.energy_j == 120.0 + 160.0 + 90.0 and out.time_s == 2.5
+    assert integral.energy() == 120.0 + 160.0 + 90.0 and integral.samples == 4
 
 
-def test_nvml_refusing_everything_is_a_no_gpu_error():
-    w = World()
-    with pytest.raises(NoGPUError, match="refused both the total-energy counter .*Not Supported"):
-        meters.nvml_meter(0, pynvml_module=fake_pynvml(w, counter=False, power_w=None))
+def test_nvml_that_cannot_start_is_a_no_gpu_error():
     with pytest.raises(NoGPUError, match="NVML cannot open GPU 0: NVML Shared Library Not Found"):
-        meters.nvml_meter(0, pynvml_module=fake_pynvml(w, init_fails=True))
+        nvml_counter((0,), pynvml_module=fake_pynvml(World(), init_fails=True))
 
 
-def test_measured_gpu_meter_names_every_reason(monkeypatch):
+def test_measured_gpu_counter_names_every_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     with pytest.raises(NoGPUError, match=r"zeus: .*; pynvml: reading NVML needs the 'pynvml' module"):
-        meters.measured_gpu_meter(0)
+        measured_gpu_counter((0,))
 
 
 def test_zeus_gpu_not_supported_maps_to_the_no_gpu_path(monkeypatch):
@@ -302,23 +222,21 @@ def test_zeus_gpu_not_supported_maps_to_the_no_gpu_path(monkeypatch):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(NoGPUError, match="ZeusGPUNotSupportedError: GPU 0 does not support"):
-        ZeusMeter(0)
+        ZeusCounter((0,))
     # the auto meter then takes pynvml's counter
     w = World()
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(w))
-    monkeypatch.setattr(meters, "_cuda_sync", lambda: (lambda: None))
+    monkeypatch.setattr(make, "_cuda_sync", lambda: (lambda: None))
     assert make_meter("auto").source == "measured:nvml-total-energy(gpu0)"
     # an unrelated bug inside Zeus is not swallowed
     zmon.ZeusMonitor = lambda **kw: (_ for _ in ()).throw(KeyError("libamd_smi.so"))
     with pytest.raises(KeyError):
-        ZeusMeter(0)
-    # ... but the measured meter still reads the counter through pynvml
-    assert meters.measured_gpu_meter(0).source == "measured:nvml-total-energy(gpu0)"
+        ZeusCounter((0,))
+    # ... but the measured counter is still read through pynvml
+    assert measured_gpu_counter((0,)).source == "measured:nvml-total-energy(gpu0)"
 
 
 def test_sm_clock_reader_reads_passively_and_is_none_when_refused():
-    from refspec.energy.nvml_meter import sm_clock_reader
-
     nv = fake_pynvml(World())
     nv.NVML_CLOCK_SM = 1
     clocks = iter([345, 1980])

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from refspec.config import ConfigError, ModelArgs
-from refspec.energy.phases import WorkRecorder
-from refspec.energy.roofline import expected_experts, expert_parameters, forward_cost, layer_parameters
-from refspec.models import CheckpointError, load_model
+from refspec.energy.model.experts import expected_experts, expert_parameters
+from refspec.energy.model.roofline import forward_cost, layer_parameters
+from refspec.energy.model.work import WorkRecorder
+from refspec.models import CheckpointError, PreparedTarget, load_model
 from refspec.models import moe as moe_mod
 
 EOS = [2]
@@ -220,8 +221,8 @@ def test_graph_replays_equal_eager_and_count_experts_on_cuda(moe_models, dispatc
         eager = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), eos_token_ids=EOS).generate(
             prompts, max_new_tokens=16)
         runner, events = GraphRunner(m, capture=True), []
-        graph = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=runner, observers=[events.append],
-                       eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+        graph = Engine(PreparedTarget(m, step=runner), _drafter("ngram", m), config=EngineConfig(k=3),
+                       observers=[events.append], eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
         assert runner.stats.replays >= 3
         assert graph.tokens == eager.tokens
         counts = [w.experts_touched for ev in events if ev.phase == "verify" for w in ev.work]
@@ -259,7 +260,7 @@ def test_recorded_capture_and_replay_do_not_sync_the_host(moe_models, dispatch):
     """A recorded graph replay (and an eager forward) of an MoE target hands its experts count on
     as a device tensor: no host read until the caller synchronises, then the eager count."""
     from refspec.cuda_graphs import GraphRunner
-    from refspec.energy.phases import WorkRecorder
+    from refspec.energy.model.work import WorkRecorder
 
     m = moe_models["qwen3_moe"][1]
     m = m.to(device="cuda", dtype=torch.bfloat16)
@@ -339,13 +340,13 @@ def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
     distinct experts it routed to, and the ledger's phase record sums them; a dense phase
     records null."""
     from refspec.cuda_graphs import GraphRunner
-    from refspec.energy.ledger_format import experts_touched, phase_record
+    from refspec.energy.ledger.format import experts_touched, phase_record
     from refspec.engine import Engine, EngineConfig
 
     m = moe_models["mixtral"][1]
-    for verify_fn in (None, GraphRunner(m, capture=False)):
+    for target in (m, PreparedTarget(m, step=GraphRunner(m, capture=False))):
         events = []
-        Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=verify_fn, observers=[events.append],
+        Engine(target, _drafter("ngram", m), config=EngineConfig(k=3), observers=[events.append],
                eos_token_ids=EOS).generate(_prompts(6), max_new_tokens=12)
         verify = [ev for ev in events if ev.phase == "verify"]
         assert verify
@@ -411,8 +412,8 @@ def test_expected_experts_equals_enumeration_and_simulation():
 
 
 def test_predicted_verify_reads_grow_with_the_tokens_verified():
-    from refspec.energy.architectures import arch, dense_equivalent
-    from refspec.energy.phases import ForwardShape
+    from refspec.energy.model.architectures import arch, dense_equivalent
+    from refspec.energy.model.work import ForwardShape
 
     moe = arch("qwen3-30b-a3b")
     dense = dense_equivalent(moe)

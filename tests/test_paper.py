@@ -103,7 +103,7 @@ class _SteppingCounter:
         self.period, self.step, self.t = period, step, 0.0
 
     def read(self):
-        from refspec.energy.counters import CounterRead
+        from refspec.energy.meters.counters import CounterRead
 
         self.t += self.step
         value = float(int(self.t / self.period))
@@ -124,7 +124,7 @@ class _WallCounter:
     def read(self):
         import time
 
-        from refspec.energy.counters import CounterRead
+        from refspec.energy.meters.counters import CounterRead
 
         t = time.perf_counter()
         value = 100.0 * (t // 0.02) * 0.02
@@ -137,10 +137,10 @@ class _WallCounter:
 def test_the_gpu_meter_is_sized_by_the_period_it_measures(monkeypatch):
     import types
 
-    from refspec.energy import meters
+    from refspec.energy.meters import make
     from refspec.eval.paper import bench
 
-    monkeypatch.setattr(meters, "measured_gpu_counter", lambda gpus: _WallCounter())
+    monkeypatch.setattr(make, "measured_gpu_counter", lambda gpus: _WallCounter())
     meter, period, note = bench._gpu_meter(types.SimpleNamespace(min_window_s=5.0))
     assert period == pytest.approx(0.02, rel=0.2) and meter.period_s == period and note.startswith("measured")
     assert meter.sub_window_s == pytest.approx(10 * period) and meter.idle_w == pytest.approx(100.0, rel=0.05)
@@ -160,7 +160,7 @@ def test_a_difference_inside_the_spread_is_not_resolved():
 
 
 def _variant(arch, batch, drafter, source, j, spread=0.0, **more):
-    summary = {"j_per_token": {"mean": j, "spread": spread, "n": 2}}
+    summary = {"window_j_per_token": {"mean": j, "spread": spread, "n": 2}}
     summary.update({k: {"mean": v, "spread": 0.0, "n": 2} for k, v in more.items()})
     return {"arch": arch, "batch": batch, "drafter": drafter, "kind": drafter.split()[0], "k": 0 if drafter == "none"
             else 16, "source": source, "corpus": "conversation", "summary": summary, "window_valid": True}
@@ -229,8 +229,8 @@ def test_plan_only_prints_every_stage():
 def test_a_toy_target_forward_is_priced_as_the_real_one():
     import torch
 
-    from refspec.energy.phases import ForwardShape, WorkRecorder
-    from refspec.energy.roofline import forward_cost
+    from refspec.energy.model.roofline import forward_cost
+    from refspec.energy.model.work import ForwardShape, WorkRecorder
     from refspec.eval.paper.targets import TOY, RealShapes
     from refspec.models.random_models import arch_args, random_model, shrunk_config
 

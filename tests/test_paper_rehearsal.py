@@ -116,7 +116,7 @@ def test_the_device_command_installs_itself_and_answers_every_claim(rehearsal):
     variants = [v for v in results["variants"] if v["profile"] == "h200"]
     assert variants and all("error" not in v for v in variants) and not results["skipped"]
     assert {v["arch"] for v in variants} == {"llama-3.1-8b", "qwen3-8b"}  # two attention families
-    assert all(v["summary"]["j_per_token"]["n"] == 2 for v in variants)  # two repeats, a spread each
+    assert all(v["summary"]["window_j_per_token"]["n"] == 2 for v in variants)  # two repeats, a spread each
     spec = [v for v in variants if v["k"]]
     assert all(v["phase_method"] == "attributed-loops" and v["loops"] for v in spec)
     assert {v["source"] for v in spec} == {"published", "small"}

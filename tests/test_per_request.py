@@ -1,4 +1,4 @@
-"""Energy and acceptance per request (refspec.energy.per_request), on ledgers built by hand and
+"""Energy and acceptance per request (refspec.energy.accounting.per_request), on ledgers built by hand and
 through the engine: equal requests pay equal shares, a request alone pays a step's shared cost,
 the split closes on the run's energy, per-position acceptance reproduces tau, and a request's
 histogram is what its own verify decisions accepted."""
@@ -10,14 +10,16 @@ import pytest
 import torch
 from tiny import save_hf, tiny_args
 
-from refspec.energy.accounting import account
-from refspec.energy.hardware import H200_SXM
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meters import RooflineMeter
-from refspec.energy.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates,
-                                        request_acceptance, split_energy)
-from refspec.energy.phases import ForwardShape, Measurement, PhaseEvent
-from refspec.energy.roofline import forward_cost
+from refspec.energy.accounting.headline import account
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.meters.direct import RooflineMeter
+from refspec.energy.meters.measurement import Measurement
+from refspec.energy.model.hardware import H200_SXM
+from refspec.energy.model.roofline import forward_cost
+from refspec.energy.model.work import ForwardShape
+from refspec.energy.accounting.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates, request_acceptance, split_energy)
 
 ARGS = tiny_args("llama")
 K = 2
@@ -238,9 +240,9 @@ def test_run_writes_one_line_per_request_and_its_records_close(tiny, tmp_path, c
     assert all("prompt" not in x and "tokens" not in x and x["energy_j"] > 0 for x in lines)
     for r in summary:
         lost = sum(r["request_unattributed_j"].values())
-        assert r["request_energy_closes"] and r["request_energy_sum_j"] + lost == pytest.approx(r["total_energy_j"])
+        assert r["request_energy_closes"] and r["request_energy_sum_j"] + lost == pytest.approx(r["run_energy_j"])
         assert r["acceptance_tau_from_positions"] == pytest.approx(r["tau"])
-        assert sum(o["output_tokens"] for o in r["request_outputs"]) == r["emitted"]
+        assert sum(o["output_tokens"] for o in r["request_outputs"]) == r["run_tokens"]
         assert sum(sum(o["accepted_hist"]) for o in r["request_outputs"]) == r["row_steps"]
     report = (out / "report.md").read_text()
     assert "What did my request cost in a batch of 3?" in report and "5 requests" in report
@@ -259,7 +261,7 @@ def test_the_documented_example():
     """docs/accounting.md section 7, by hand: section 6's verify forward split per request."""
     from test_roofline import TINY
 
-    from refspec.energy.per_request import split_record
+    from refspec.energy.accounting.per_request import split_record
 
     shape = ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2)
     parts = forward_parts(shape, H200_SXM)
@@ -316,8 +318,8 @@ def test_an_engine_run_under_a_counter_names_the_host_time(tmp_path):
     from tiny import TINY_HF
 
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.counter_log import counter_ledger
-    from refspec.energy.meters import make_meter
+    from refspec.energy.ledger.counter_records import counter_ledger
+    from refspec.energy.meters.make import make_meter
     from refspec.engine import Engine, EngineConfig
     from refspec.models.random_models import random_model
     from refspec.serving import Request

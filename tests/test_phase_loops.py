@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from refspec.drafters.ngram import NgramDrafter
-from refspec.energy.counters import callable_counter
-from refspec.energy.phases import MeteredPhase
-from refspec.energy.windowed import WindowedMeter
+from refspec.energy.ledger.events import MeteredPhase
+from refspec.energy.meters.counters import callable_counter
+from refspec.energy.meters.windowed import WindowedMeter
 from refspec.phase_loops import LoopShapes, LoopTarget, run_phase_loops
 from refspec.sampling import SamplingConfig
 from test_eval_cli import one_thread, tiny  # noqa: F401  (fixtures)
@@ -162,7 +162,7 @@ def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
             loops.setdefault(r["run_id"].split(".")[0], set()).add(r["phase"])
             assert r["iterations"] >= 1 and r["time_s"] >= 0.1 and r["energy_j"] > 0
     assert sorted(map(sorted, loops.values())) == [["commit", "draft", "prefill", "step", "verify"]] * 2
-    from refspec.energy.accounting import account
+    from refspec.energy.accounting.headline import account
 
     for run_id in {r["run_id"] for r in lines if r["kind"] == "loop"}:
         acc = account([r for r in lines if r.get("run_id") == run_id])

@@ -7,10 +7,13 @@ import torch
 
 from refspec.drafters.ngram import NgramDrafter
 from refspec.drafting import DecodeState, DrafterError
-from refspec.energy.roofline import EAGLE_HEAD, H200_SXM, arch, predict_step
-from refspec.policy import FixedK, KByBatch, OffAbove, PolicySpecError, StepView, parse_policy
+from refspec.energy.model.architectures import arch
+from refspec.energy.model.hardware import H200_SXM
+from refspec.energy.model.roofline import EAGLE_HEAD, predict_step
+from refspec.policy import FixedK, KByBatch, OffAbove, PolicySpecError, parse_policy
 from refspec.policy_energy import (AcceptanceTracker, EnergyPolicy, KOption, RooflineStepCost, cheapest,
                                    default_ks)
+from refspec.policy_protocol import StepView
 from refspec.sampling import SamplingConfig
 
 LLAMA8B = arch("llama-3.1-8b")
@@ -238,7 +241,7 @@ def test_default_ks_are_a_small_set():
 def test_the_predicted_step_is_what_a_roofline_meter_charges(tiny_models):
     """Through the engine on a tiny target: each step's predicted time and energy (the target's
     own verify shape, a free drafter) equal what an H200 roofline meter charged its phases."""
-    from refspec.energy.meters import RooflineMeter
+    from refspec.energy.meters.direct import RooflineMeter
     from refspec.engine import Engine, EngineConfig
 
     m = tiny_models["llama"]
@@ -287,7 +290,7 @@ def test_time_calibration_scales_each_k_by_what_it_measured():
 
 class _Phase:
     def __init__(self, step, phase, time_s):
-        from refspec.energy.phases import Measurement
+        from refspec.energy.meters.measurement import Measurement
 
         self.step, self.phase, self.measurement = step, phase, Measurement(time_s=time_s, energy_j=None, source="t")
 

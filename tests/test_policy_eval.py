@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from eval_records import record
+from refspec.eval.acceptance_models import acceptance_from_tau
 from refspec.eval.flags import UsageError
 from refspec.eval.mixed_corpus import check_mixed, mixed_parts
-from refspec.eval.policy_report import comparison_rows, frontier, k_fields, policy_section
-from refspec.eval.policy_setup import acceptance_from_tau, corpus_prior
-from refspec.eval.run import RunConfig
+from refspec.eval.policy_report import comparison_rows, frontier, policy_section
+from refspec.eval.policy_setup import corpus_prior
+from refspec.eval.record_figures import k_steps
+from refspec.eval.run_config import RunConfig
 from refspec.eval.sweep import SweepGrid, plan
 
 BASE = dict(model="smollm2-135m", drafter="eagle", k=4, batch=8, corpus="code", num_prompts=None, max_new_tokens=64,
@@ -62,16 +65,16 @@ def test_mixed_corpora_name_two_or_more_built_in_corpora():
 
 
 def test_a_mixed_stream_interleaves_its_parts(monkeypatch):
-    from refspec.eval import requests
-    from refspec.eval.mixed_corpus import mixed_prompt_set
+    from refspec.eval import prompt_sets
+    from refspec.eval.prompt_sets import mixed_prompt_set
 
     ids = {"code": 1, "conversation": 2, "math": 3}
 
     def fake(corpus, tokenizer, *, chat, wanted, cap=None, references=True):
         n = 1 if corpus == "math" else wanted  # math has one prompt here
-        return requests.PromptSet([[ids[corpus], i] for i in range(n)], [None] * n)
+        return prompt_sets.PromptSet([[ids[corpus], i] for i in range(n)], [None] * n)
 
-    monkeypatch.setattr(requests, "corpus_prompt_set", fake)
+    monkeypatch.setattr(prompt_sets, "corpus_prompt_set", fake)
     got = mixed_prompt_set("mixed:code+conversation", None, chat=False, wanted=5)
     assert got.prompts == [[1, 0], [2, 0], [1, 1], [2, 1], [1, 2]]
     short = mixed_prompt_set("mixed:math+code", None, chat=False, wanted=4)
@@ -94,7 +97,7 @@ def test_acceptance_from_tau_inverts_the_expected_tokens():
 def _ledger(path, run_id, pattern, model):
     """A real ledger run of a tiny target under a policy cycling K through ``pattern``."""
     from refspec.drafters.ngram import NgramDrafter
-    from refspec.energy.ledger import Ledger
+    from refspec.energy.ledger.writer import Ledger
     from refspec.engine import Engine, EngineConfig
     from test_policy_engine import CyclingK
 
@@ -103,19 +106,18 @@ def _ledger(path, run_id, pattern, model):
             [[5, 6, 7, 5, 6, 7]], max_new_tokens=8)
 
 
-def test_k_fields_count_the_ks_the_ledger_recorded(tmp_path):
+def test_k_steps_count_the_ks_the_ledger_recorded(tmp_path):
     recs = [{"kind": "phase", "run_id": "a", "phase": "verify", "step": s, "k": k} for s, k in enumerate([0, 4, 4, 2])]
     recs += [{"kind": "phase", "run_id": "a", "phase": "draft", "step": 0, "k": 4},
              {"kind": "phase", "run_id": "b", "phase": "verify", "step": 0, "k": 1}]
-    assert k_fields(recs, ["a"]) == {"k_steps": {"0": 1, "2": 1, "4": 2}, "k_mean": 2.5}
-    assert k_fields([], ["a"]) == {"k_steps": {}, "k_mean": None}
+    assert k_steps(recs, ["a"]) == ({"0": 1, "2": 1, "4": 2}, 2.5)
+    assert k_steps([], ["a"]) == ({}, None)
 
 
 def _rec(drafter, k, j, tpot, policy="fixed", corpus="code", batch=8, run="r"):
-    return {"drafter": drafter, "k": k, "batch": batch, "corpus": corpus, "spec_policy": policy,
-            "schedule": "continuous",
-            "energy_per_token_j": j, "energy_per_token_j_run": j * 1.1, "tpot_p50_s": tpot, "stream_digest": "s",
-            "meter": "auto", "tree": False, "run_ids": [run], "k_mean": 1.5 if policy != "fixed" else float(k)}
+    return record(drafter=drafter, k=k, batch=batch, corpus=corpus, spec_policy=policy, schedule="continuous",
+                  window_j_per_token=j, run_j_per_token=j * 1.1, tpot_p50_s=tpot, stream_digest="s", meter="auto",
+                  tree=False, run_ids=[run], k_mean=1.5 if policy != "fixed" else float(k))
 
 
 RECORDS = [_rec("none", 0, 1.00, 0.050), _rec("eagle", 1, 0.90, 0.040), _rec("eagle", 4, 0.95, 0.030),
@@ -152,7 +154,7 @@ def test_the_policy_section_draws_k_over_the_run_and_the_frontier(tmp_path, tiny
         if line.startswith("|---"):
             assert line.count("|") == md[i - 1].count("|")
     assert "## Energy-latency frontier" in text
-    md, plots = policy_section([r for r in RECORDS if r["spec_policy"] == "fixed"], tmp_path, [ledger])
+    md, plots = policy_section([r for r in RECORDS if r.spec_policy == "fixed"], tmp_path, [ledger])
     assert md == [] and plots == [], "no policy run, no frontier asked: nothing"
 
 

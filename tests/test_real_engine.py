@@ -22,28 +22,21 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from refspec.eval.runtime import encode_prompt, load_target
-
-    target = load_target("smollm2-135m", dtype=torch.float32, device=torch.device("cpu"), progress=False)
-    prompts = [encode_prompt(target, p, chat=not p.startswith(("def", "class"))) for p in PROMPTS]
-    return target, prompts
-
-
 @pytest.mark.real
 @pytest.mark.parametrize("drafter", ["ngram", "self-draft"])
-def test_smollm2_greedy_speculative_equals_plain(smollm2, drafter):
-    target, prompts = smollm2
-    m = target.model
-    eos = target.eos_token_ids
-    plain = Engine(m, eos_token_ids=eos).generate(prompts, max_new_tokens=40)
+def test_smollm2_greedy_speculative_equals_plain(smollm2, smollm2_plain, drafter):
+    from refspec.eval.runtime import encode_prompt
+
+    prompts = [encode_prompt(smollm2, p, chat=not p.startswith(("def", "class"))) for p in PROMPTS]
+    m = smollm2.model
+    eos = smollm2.eos_token_ids
+    plain = smollm2_plain(prompts, 40, eos)
     d = NgramDrafter() if drafter == "ngram" else DraftModelDrafter(m.truncated(8), target_vocab_size=m.args.vocab_size)
     spec = Engine(m, d, config=EngineConfig(k=4), eos_token_ids=eos).generate(prompts, max_new_tokens=40)
-    for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)):
+    for i, (a, b) in enumerate(zip(plain, spec.tokens)):
         assert a == b, f"{drafter}: row {i} differs from plain decoding"
     one = Engine(m, d, config=EngineConfig(k=4), eos_token_ids=eos).generate(prompts[:1], max_new_tokens=40)
-    assert one.tokens[0] == plain.tokens[0], "batch 1 equals the row inside the ragged batch"
+    assert one.tokens[0] == plain[0], "batch 1 equals the row inside the ragged batch"
     assert spec.tau > 1.0
 
 
@@ -65,13 +58,16 @@ def test_qwen_pair_greedy_speculative_equals_plain():
 
 
 @pytest.mark.real
-def test_bench_scripts_print_their_figures(capsys):
+def test_bench_scripts_print_their_figures(capsys, tmp_path):
     """`bench decode` and `bench spec` run end to end on SmolLM2 (tiny budgets; the figures are
     not checked against targets here, only that they are there, finite and consistent)."""
     import json
     import math
 
-    from refspec.eval.bench import main
+    from refspec.eval.bench import CODE_PROMPTS, main
+
+    prompts = tmp_path / "prompts.jsonl"  # two of the built-in prompts: batch 2 is one chunk
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
 
     assert main(["decode", "--batch", "1,2", "--dtype", "fp32", "--new-tokens", "3", "--repeats", "1", "--json"]) == 0
     dec = json.loads(capsys.readouterr().out)
@@ -79,9 +75,11 @@ def test_bench_scripts_print_their_figures(capsys):
     for r in dec["rows"]:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("refspec_tokens_per_s", "hf_tokens_per_s", "floor_step_ms"))
         assert r["speedup_vs_hf"] == pytest.approx(r["refspec_tokens_per_s"] / r["hf_tokens_per_s"])
-    assert main(["spec", "--batch", "1,2", "--dtype", "fp32", "--new-tokens", "6", "--repeats", "1", "--json"]) == 0
+    assert main(["spec", "--batch", "1,2", "--dtype", "fp32", "--new-tokens", "6", "--repeats", "1", "--json",
+                 "--corpus-file", str(prompts)]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert spec["transformers_method"] == "prompt lookup"
+    assert spec["transformers_method"] == "prompt lookup" and spec["prompts"] == 2
+    assert [r["batch"] for r in spec["rows"]] == [1, 2]
     for r in spec["rows"]:
         assert r["spec_matches_plain"] and r["hf_matches_plain"], "greedy outputs must agree"
         assert r["tau"] >= 1.0 and r["spec_tokens_per_s"] > 0

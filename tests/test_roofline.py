@@ -4,11 +4,13 @@ from __future__ import annotations
 import pytest
 
 from refspec.config import ModelArgs
-from refspec.energy.phases import ForwardShape
+from refspec.energy.model.architectures import ARCHS, arch
+from refspec.energy.model.cost import Cost
+from refspec.energy.model.hardware import H100_SXM, H200_SXM, HardwareProfile, cpu_profile
+from refspec.energy.model.roofline import (EAGLE_HEAD, DrafterModel, compute_bound_batch, expected_tokens_per_step,
+                                           forward_cost, predict_step, total_cost)
+from refspec.energy.model.work import ForwardShape
 from refspec.eval.roofline_cli import main
-from refspec.energy.roofline import (ARCHS, EAGLE_HEAD, H100_SXM, H200_SXM, Cost, DrafterModel, HardwareProfile, arch,
-                              compute_bound_batch, cpu_profile, expected_tokens_per_step, forward_cost,
-                              predict_step, total_cost)
 
 # E=64, I=128, L=2, H=4, Hkv=2, D=16, V=96, tied, no bias
 TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -213,11 +215,11 @@ def test_cli_prints_table_and_writes_plot(tmp_path, capsys):
 
 
 def test_a_plug_in_drafter_gets_a_prediction_from_its_own_cost_model():
-    """eval.records asks the drafter (no table of names): a class defined here, outside refspec,
+    """The eval asks the drafter (no table of names): a class defined here, outside refspec,
     gets a prediction; a drafter without ``roofline_model`` gets none; None is a free drafter."""
     from types import SimpleNamespace
 
-    from refspec.eval.records import roofline_prediction
+    from refspec.eval.run import roofline_prediction
 
     a = arch("smollm2-135m")
     session = SimpleNamespace(roofline_profile=H200_SXM, target=SimpleNamespace(model=SimpleNamespace(args=a)),
@@ -261,7 +263,7 @@ def test_builtin_drafters_describe_their_own_cost(tiny_models):
 
 # ---- mixture-of-experts targets -----------------------------------------------------------------
 def _brute_loss_batches(target, k, a, batches):
-    from refspec.energy.roofline import predict_step
+    from refspec.energy.model.roofline import predict_step
 
     kw = dict(profile=H200_SXM, context=512, acceptance=a)
     return [b for b in batches if predict_step(target, batch=b, k=k, **kw).j_per_token
@@ -285,7 +287,7 @@ def test_moe_speculation_loses_at_small_batch_where_its_dense_equivalent_saves()
     """Verification of B(K+1) tokens reads more distinct experts than decoding B, so at batch 1
     an MoE target loses energy to speculation that a dense model of equal active parameters
     saves; at batch 64 k=0 already reads nearly every expert and the MoE saves again."""
-    from refspec.energy.architectures import dense_equivalent
+    from refspec.energy.model.architectures import dense_equivalent
 
     for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
         moe = arch(name)

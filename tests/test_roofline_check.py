@@ -6,8 +6,9 @@ import math
 import pytest
 
 from refspec.eval.roofline_check import check_roofline, fit_overhead, format_check, plot_check
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import HardwareProfile, work_time_s
+from refspec.energy.model.hardware import HardwareProfile
+from refspec.energy.model.roofline import work_time_s
+from refspec.energy.model.work import ForwardShape
 
 # bandwidth-bound by construction on tiny shapes: 1 GB/s and a huge peak
 SLOW = HardwareProfile(name="test-1GBps", peak_flops=1e15, bandwidth_Bps=1e9, static_w=1.0, pj_per_flop=1.0,

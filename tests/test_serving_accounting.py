@@ -10,9 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import AccountingError, account, pool_runs
-from refspec.energy.accounting_text import format_accounting
-from refspec.energy.ledger import LEDGER_VERSION, LedgerError, read_ledger
+from refspec.energy.accounting.headline import account, pool_runs
+from refspec.energy.accounting.text import format_accounting
+from refspec.energy.ledger.format import LEDGER_VERSION, LedgerError
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.ledger.step_groups import AccountingError
 
 
 def rec(step, phase, clock, time, energy, *, slots, queued=0, arrivals=(), emitted_per_row=(), run="r", batch=2,

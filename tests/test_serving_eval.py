@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refspec.energy.accounting import pool_runs
-from refspec.energy.ledger import read_ledger
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.ledger.read import read_ledger
 from refspec.eval import cli
-from refspec.eval.cli_args import SUMMARY_FIELDS
-from refspec.eval.corpora import build_prompts, continuation_windows
-from refspec.eval.records import RECORD_FIELDS
-from refspec.eval.requests import corpus_prompts, default_requests, make_stream, poisson_arrivals
+from refspec.eval.corpora.prompts import build_prompts, continuation_windows
+from refspec.eval.prompt_sets import corpus_prompts
+from refspec.eval.record import fields_of_json
+from refspec.eval.requests import default_requests, make_stream, poisson_arrivals
 import test_eval_cli
 from test_eval_cli import QUIET
 
@@ -95,25 +95,31 @@ def test_prose_corpus_gives_more_distinct_prompts_than_texts(tiny, tmp_path):
 
 
 # ---- the CLI --------------------------------------------------------------------------------------
+SERVING_FIELDS = ("schedule", "requests", "requests_unique", "request_rate", "output_lengths", "run_mean_active_rows",
+                  "window_mean_active_rows", "window_time_s", "window_tokens", "window_energy_j", "window_first_step",
+                  "window_last_step", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s",
+                  "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "window_j_per_token", "run_j_per_token")
+"""The serving fields every record carries."""
+
 def test_continuous_default_record_has_consistent_serving_fields(continuous):
     out, summary = continuous
     assert [r["drafter"] for r in summary] == ["none", "ngram"]
     for r in summary:
-        missing = [f for f in SUMMARY_FIELDS if f not in r]
+        missing = [f for f in SERVING_FIELDS if f not in r]
         assert not missing, f"{r['config_id']} lacks {missing}"
-        assert set(r) <= set(RECORD_FIELDS), f"undocumented fields {sorted(set(r) - set(RECORD_FIELDS))}"
-        assert r["record_version"] == 3 and r["schedule"] == "continuous" and r["batches"] == 1
+        assert set(r) <= set(fields_of_json()), f"unknown fields {sorted(set(r) - set(fields_of_json()))}"
+        assert r["record_version"] == 4 and r["schedule"] == "continuous" and r["batches"] == 1
         assert r["requests"] == 7 and r["requests_unique"] == 5, "5 prompts in the file: 7 requests repeat 2"
         assert r["window_first_step"] == 0, "closed loop: every slot is busy from the first step"
         assert r["window_last_step"] >= r["window_first_step"]
-        assert 0 < r["window_tokens"] <= r["emitted"] and r["window_s"] <= r["total_time_s"]
-        assert 0 < r["mean_active_rows"] <= r["window_mean_active_rows"] == 2
-        assert r["energy_per_token_j"] == pytest.approx(r["window_energy_j"] / r["window_tokens"], rel=1e-12)
-        assert r["energy_per_token_j_run"] == pytest.approx(r["total_energy_j"] / r["emitted"], rel=1e-12)
+        assert 0 < r["window_tokens"] <= r["run_tokens"] and r["window_time_s"] <= r["run_time_s"]
+        assert 0 < r["run_mean_active_rows"] <= r["window_mean_active_rows"] == 2
+        assert r["window_j_per_token"] == pytest.approx(r["window_energy_j"] / r["window_tokens"], rel=1e-12)
+        assert r["run_j_per_token"] == pytest.approx(r["run_energy_j"] / r["run_tokens"], rel=1e-12)
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] <= r["tpot_p99_s"]
         outputs = r["request_outputs"]
         assert [o["id"] for o in outputs] == list(range(7))
-        assert sum(len(o["tokens"]) for o in outputs) == r["emitted"] and all(len(o["tokens"]) <= BUDGET
+        assert sum(len(o["tokens"]) for o in outputs) == r["run_tokens"] and all(len(o["tokens"]) <= BUDGET
                                                                              for o in outputs)
         assert outputs[5]["prompt"] == outputs[0]["prompt"] != outputs[1]["prompt"]
     base, spec = summary
@@ -129,8 +135,8 @@ def test_record_window_is_the_accounting_of_its_ledger(continuous):
         acc = pool_runs(ledger, r["run_ids"])
         w = acc.window
         assert (w.first_step, w.last_step, w.tokens, w.time_s) == (r["window_first_step"], r["window_last_step"],
-                                                                    r["window_tokens"], r["window_s"])
-        assert acc.window_j_per_token == r["energy_per_token_j"] and acc.j_per_token == r["energy_per_token_j_run"]
+                                                                    r["window_tokens"], r["window_time_s"])
+        assert acc.window_j_per_token == r["window_j_per_token"] and acc.j_per_token == r["run_j_per_token"]
         assert [len(o["tokens"]) for o in r["request_outputs"]] == [q.tokens for q in acc.requests], \
             "the ledger's emissions per request are the tokens each request got"
         phases = [p for p in ledger if p.get("kind") == "phase" and p["run_id"] in r["run_ids"]]
@@ -153,7 +159,7 @@ def test_static_schedule_serves_the_same_requests_in_lockstep_batches(continuous
         assert s["config_id"] != c["config_id"] and "-static-" in s["config_id"]
         assert [o["tokens"] for o in s["request_outputs"]] == [o["tokens"] for o in c["request_outputs"]], \
             "fp32 greedy: static and continuous give every request the same tokens"
-        assert s["mean_active_rows"] <= 2
+        assert s["run_mean_active_rows"] <= 2
 
 
 def test_open_loop_is_reproducible_and_empty_slots_emit_nothing(tiny, tmp_path):
@@ -162,7 +168,7 @@ def test_open_loop_is_reproducible_and_empty_slots_emit_nothing(tiny, tmp_path):
             for name, rate, seed in (("a", "20000", "5"), ("b", "20000", "5"), ("c", "20000", "6"))]
     a, b, c = (r[0] for r in runs)
     assert a["request_rate"] == 20000.0
-    keys = ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "window_bounds", "total_time_s", "mean_active_rows")
+    keys = ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "window_bounds", "run_time_s", "run_mean_active_rows")
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, "same seed, same arrivals, same modelled run"
     assert {k: a[k] for k in keys} != {k: c[k] for k in keys}, "another seed, other arrivals"
     ledger = read_ledger(tmp_path / "a" / "ledger.jsonl")
@@ -175,13 +181,14 @@ def test_open_loop_is_reproducible_and_empty_slots_emit_nothing(tiny, tmp_path):
 
 def test_default_stream_is_four_requests_per_slot(tiny, tmp_path):
     (r,) = _run(tiny, tmp_path / "d", "--batch", "2", "--drafter", "none", "--max-new-tokens", "2")
-    assert r["requests"] == 8 and r["requests_unique"] == 5 and r["prompts_unique"] == 5
+    assert r["requests"] == 8 and r["requests_unique"] == 5
 
 
 def test_budgets_come_from_references_and_are_the_same_for_every_configuration(tiny, tmp_path):
     """Reference answers of 2 to 40 words: budgets scaled into [1, N], equal for ngram and its baseline."""
     from refspec.assets.tokenizer import load_tokenizer
-    from refspec.eval.requests import quantile_length, reference_budgets
+    from refspec.eval.prompt_sets import quantile_length
+    from refspec.eval.requests import reference_budgets
 
     refs = [" ".join(f"w{3 + j % 17}" for j in range(n)) for n in (2, 40, 9, 25, 14)]
     corpus = tmp_path / "with_refs.jsonl"
@@ -223,12 +230,14 @@ def test_reference_lengths_without_references_is_one_error_line(tiny, tmp_path, 
     assert not (tmp_path / "r" / "records.jsonl").exists()
 
 
-def test_help_documents_the_summary_fields(capsys):
+def test_help_has_the_serving_flags_and_docs_describe_every_record_field(capsys):
     assert cli.main(["run", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--schedule" in text and "--requests" in text and "--request-rate" in text
-    for name in SUMMARY_FIELDS:
-        assert f"  {name}: " in text, f"--help does not document {name}"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "fields.md").read_text()
+    described = {line.split("`")[1] for line in docs.splitlines() if line.startswith("| `")}
+    assert described == set(fields_of_json()), (f"docs/fields.md lacks {sorted(set(fields_of_json()) - described)}, "
+                                                f"describes unknown {sorted(described - set(fields_of_json()))}")
 
 
 def test_a_drafter_without_a_per_slot_reset_needs_the_static_schedule(tiny, tmp_path, monkeypatch, capsys):

@@ -7,29 +7,34 @@ import math
 import pytest
 import torch
 
-from refspec.energy.accounting import energy_saving
-from refspec.energy.latency import Targets, choose, misses, premium
+from refspec.energy.accounting.headline import energy_saving
+from refspec.energy.accounting.latency import Targets, choose, misses, premium
+from eval_records import record, with_fields
 from refspec.eval import audit
-from refspec.eval.audit import Divergence, audit_fields, compare, first_divergence, margin_of, ulp
-from refspec.eval.records import compare_with_baseline
+from refspec.eval.audit import Divergence, compare, first_divergence, margin_of, ulp
+from refspec.eval.baseline import attach_baselines, audit_fields, with_baseline
+from refspec.eval.record import RequestOutput
 from refspec.eval.report import format_table, write_report
 from refspec.eval.report_serving import greedy_text, target_choices, targets_md, window_cell
 
 
 def _rec(corpus, drafter, k, batch, *, jw, jr=None, tpot, ttft=None, old=False, **extra):
-    """A hand-built record; ``old``: a static record from before serving windows (run J/token only)."""
-    r = dict(record_version=2, status="ok", config_id=f"{drafter}-k{k}-b{batch}-{corpus}", drafter=drafter, k=k,
+    """A hand-built record; ``old``: a static record from before serving windows (version 2: run J/token only)."""
+    r = dict(record_version=4, status="ok", config_id=f"{drafter}-k{k}-b{batch}-{corpus}", drafter=drafter, k=k,
              batch=batch, corpus=corpus, model="tiny", dtype="fp32", device="cpu", greedy=True, tau=1.5,
-             tokens_per_s=100.0, tpot_p50_s=tpot / 2, tpot_p99_s=tpot, energy_source="modelled:roofline(cpu)",
+             run_tokens_per_s=100.0, tpot_p50_s=tpot / 2, tpot_p99_s=tpot, energy_source="modelled:roofline(cpu)",
              energy_source_text="modelled (not measured) by roofline profile cpu", energy_measured=False,
-             baseline_config_id=f"none-k0-b{batch}-{corpus}", prompts_unique=16, rows=batch, max_new_tokens=8,
-             energy_per_token_j=jw if not old else jr)
-    if not old:
-        r.update(energy_per_token_j_run=jr if jr is not None else 1.2 * jw, schedule="continuous", requests=4 * batch,
-                 requests_unique=4 * batch, mean_active_rows=0.9 * batch, ttft_p50_s=ttft / 2, ttft_p99_s=ttft,
-                 window_s=1.0, window_tokens=100, window_first_step=2, window_last_step=11, window_steps=10,
-                 window_mean_active_rows=batch, window_tokens_per_s=100.0, window_note=None)
-    return {**r, **extra}
+             baseline_config_id=f"none-k0-b{batch}-{corpus}", max_new_tokens=8)
+    if old:
+        r.update(record_version=2, energy_per_token_j=jr, prompts_unique=16, rows=batch, tokens_per_s=100.0)
+        del r["run_tokens_per_s"]
+    else:
+        r.update(window_j_per_token=jw, run_j_per_token=jr if jr is not None else 1.2 * jw, schedule="continuous",
+                 requests=4 * batch, requests_unique=4 * batch, run_mean_active_rows=0.9 * batch,
+                 ttft_p50_s=ttft / 2, ttft_p99_s=ttft, window_time_s=1.0, window_tokens=100, window_first_step=2,
+                 window_last_step=11, window_steps=10, window_mean_active_rows=batch, window_tokens_per_s=100.0,
+                 window_note=None)
+    return record(**{**r, **extra})
 
 
 SWEEP = [
@@ -45,22 +50,22 @@ SWEEP = [
 # ---- selection under targets --------------------------------------------------------------------
 def test_each_corpus_gets_its_lowest_window_j_per_token_meeting_every_target():
     loose = target_choices(SWEEP, Targets(0.05, None))
-    assert loose["code"].chosen["batch"] == 64 and loose["chat"].chosen["batch"] == 64
+    assert loose["code"].chosen.batch == 64 and loose["chat"].chosen.batch == 64
     tpot = target_choices(SWEEP, Targets(0.015, None))
-    assert (tpot["code"].chosen["drafter"], tpot["code"].chosen["batch"]) == ("eagle", 16)
+    assert (tpot["code"].chosen.drafter, tpot["code"].chosen.batch) == ("eagle", 16)
     assert tpot["chat"].chosen is None, "no chat configuration reaches 15 ms"
     both = target_choices(SWEEP, Targets(0.015, 0.5))  # the TTFT target rules out eagle b16 (0.9 s)
-    assert (both["code"].chosen["drafter"], both["code"].chosen["batch"]) == ("eagle", 4)
+    assert (both["code"].chosen.drafter, both["code"].chosen.batch) == ("eagle", 4)
     only_ttft = target_choices(SWEEP, Targets(None, 0.8))
-    assert (only_ttft["code"].chosen["drafter"], only_ttft["code"].chosen["batch"]) == ("none", 16)
-    assert only_ttft["chat"].chosen["drafter"] == "ngram" and only_ttft["code"].tighter is None
+    assert (only_ttft["code"].chosen.drafter, only_ttft["code"].chosen.batch) == ("none", 16)
+    assert only_ttft["chat"].chosen.drafter == "ngram" and only_ttft["code"].tighter is None
 
 
 def test_an_invalid_window_is_marked_in_the_table_and_never_chosen():
     bad = dict(window_valid=False, window_invalid_reason="window 4 s < 20 s")
     sweep = [_rec("code", "none", 0, 64, jw=0.10, tpot=0.030, ttft=2.0, **bad),
              _rec("code", "none", 0, 16, jw=0.16, tpot=0.018, ttft=0.6, window_valid=True)]
-    assert target_choices(sweep, Targets(0.05, None))["code"].chosen["batch"] == 16, "the cheaper one is not valid"
+    assert target_choices(sweep, Targets(0.05, None))["code"].chosen.batch == 16, "the cheaper one is not valid"
     assert window_cell(sweep[0]) == "0.1*" and window_cell(sweep[1]) == "0.16"
     table = format_table(sweep)
     assert "* none b64: window invalid (window 4 s < 20 s)" in table and "never ranked" in table
@@ -68,7 +73,7 @@ def test_an_invalid_window_is_marked_in_the_table_and_never_chosen():
 
 def test_the_others_show_by_how_much_they_miss_each_target():
     t = Targets(0.015, 0.5)
-    rows = {r["config_id"]: m for r, m in target_choices(SWEEP, t)["code"].rows}
+    rows = {r.config_id: m for r, m in target_choices(SWEEP, t)["code"].rows}
     assert rows["none-k0-b64-code"]["tpot_p99_s"] == pytest.approx(0.015)
     assert rows["none-k0-b64-code"]["ttft_p99_s"] == pytest.approx(1.5)
     assert rows["eagle-k3-b16-code"] == {"tpot_p99_s": 0.0, "ttft_p99_s": pytest.approx(0.4)}
@@ -82,14 +87,14 @@ def test_an_empty_window_or_an_old_record_is_judged_as_such():
     c = target_choices([*SWEEP, empty, old], Targets(0.05))["code"]
     assert c.chosen is old, "an old record competes with its run J/token; an empty window never wins"
     c = target_choices([*SWEEP, empty, old], Targets(0.05, 1.0))["code"]
-    assert c.chosen["config_id"] == "eagle-k3-b16-code", "b64 misses TTFT 1 s; the old record has no TTFT"
-    assert [(r["config_id"], absent) for r, absent in c.no_figure] == [(old["config_id"], ["ttft_p99_s"])]
+    assert c.chosen.config_id == "eagle-k3-b16-code", "b64 misses TTFT 1 s; the old record has no TTFT"
+    assert [(r.config_id, absent) for r, absent in c.no_figure] == [(old.config_id, ["ttft_p99_s"])]
     never_full = _rec("code", "ngram", 8, 64, jw=None, jr=0.01, tpot=0.001, ttft=0.01,
                       window_note="no decode step had every slot busy", window_first_step=None)
     c = target_choices([*SWEEP, never_full], Targets(0.05))["code"]
-    assert c.chosen["config_id"] == "none-k0-b64-code" and c.no_figure[0][0] is never_full
-    md = "\n".join(targets_md(SWEEP + [never_full], Targets(0.05), {"code": c}, lambda r: r["config_id"]))
-    assert "ngram-k8-b64-code: not judged, it has no energy_per_token_j (empty window: no decode step had" in md
+    assert c.chosen.config_id == "none-k0-b64-code" and c.no_figure[0][0] is never_full
+    md = "\n".join(targets_md(SWEEP + [never_full], Targets(0.05), {"code": c}, lambda r: r.config_id))
+    assert "ngram-k8-b64-code: not judged, it has no J/token (empty window: no decode step had" in md
     assert window_cell(never_full) == "empty"
 
 
@@ -112,10 +117,10 @@ def test_premiums_are_the_accountings_saving_turned_round():
 def test_first_divergence_and_request_comparison():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
-    mine = [{"id": 0, "prompt": [4], "tokens": [1, 2]}, {"id": 1, "prompt": [5], "tokens": [1, 3]},
-            {"id": 2, "prompt": [6], "tokens": [1]}, {"id": 3, "prompt": [9], "tokens": [7]}]
-    base = [{"id": 0, "prompt": [4], "tokens": [1, 2]}, {"id": 1, "prompt": [5], "tokens": [1, 2]},
-            {"id": 3, "prompt": [8], "tokens": [7]}, {"id": 4, "prompt": [3], "tokens": [7]}]
+    mine = [RequestOutput(id=0, prompt=[4], tokens=[1, 2]), RequestOutput(id=1, prompt=[5], tokens=[1, 3]),
+            RequestOutput(id=2, prompt=[6], tokens=[1]), RequestOutput(id=3, prompt=[9], tokens=[7])]
+    base = [RequestOutput(id=0, prompt=[4], tokens=[1, 2]), RequestOutput(id=1, prompt=[5], tokens=[1, 2]),
+            RequestOutput(id=3, prompt=[8], tokens=[7]), RequestOutput(id=4, prompt=[3], tokens=[7])]
     c = compare(mine, base)
     assert (c.compared, c.matching, c.not_comparable) == (2, 1, (2, 3, 4))
     assert c.divergent == (Divergence(id=1, position=1, prompt=(5,), prefix=(1,), baseline_token=2, token=3),)
@@ -191,8 +196,8 @@ def test_a_flip_at_a_tie_is_a_near_tie_and_a_corrupted_token_a_defect(dtype):
                {"id": 2, "prompt": prompts[2], "tokens": corrupted}]
     base_out = [{"id": 0, "prompt": prompts[0], "tokens": base}, {"id": 1, "prompt": prompts[1], "tokens": good},
                 {"id": 2, "prompt": prompts[2], "tokens": plain2}]
-    f = audit_fields({"request_outputs": rec_out}, {"config_id": "none", "output_digest": "d",
-                                                    "request_outputs": base_out}, audit.margin_fn(model))
+    f = audit_fields(record(drafter="ngram", k=2, request_outputs=rec_out),
+                     record(config_id="none", output_digest="d", request_outputs=base_out), audit.margin_fn(model))
     assert (f["greedy_requests_compared"], f["greedy_requests_matching"]) == (3, 1)
     assert (f["greedy_requests_near_tie"], f["greedy_requests_defect"]) == (1, 1)
     (tie,), (defect,) = f["greedy_near_ties"], f["greedy_defects"]
@@ -206,31 +211,31 @@ def test_the_run_classifies_and_the_report_keeps_it_against_the_same_baseline_on
     model = _tiny()
     prompt = [5, 9, 13, 7]
     base, p, other = _tied(model, prompt, 6)
-    spec = {"drafter": "ngram", "greedy": True, "output_digest": "x", "row_digests": ["x"],
-            "request_outputs": [{"id": 0, "prompt": prompt, "tokens": [*base[:p], other]}]}
-    baseline = {"config_id": "none-b1", "drafter": "none", "greedy": True, "output_digest": "y", "row_digests": ["y"],
-                "request_outputs": [{"id": 0, "prompt": prompt, "tokens": base[:p + 1]}]}
-    compare_with_baseline(spec, baseline, margin_fn=audit.margin_fn(model))
-    assert (spec["greedy_requests_near_tie"], spec["greedy_requests_unclassified"]) == (1, 0)
-    compare_with_baseline(spec, baseline)  # the report's pass: no model, same baseline
-    assert spec["greedy_requests_near_tie"] == 1 and spec["greedy_near_ties"][0]["position"] == p
+    spec = record(drafter="ngram", k=2, greedy=True, output_digest="x", row_digests=["x"],
+                  request_outputs=[{"id": 0, "prompt": prompt, "tokens": [*base[:p], other]}])
+    baseline = record(config_id="none-b1", drafter="none", greedy=True, output_digest="y", row_digests=["y"],
+                      request_outputs=[{"id": 0, "prompt": prompt, "tokens": base[:p + 1]}])
+    spec = with_baseline(spec, baseline, margin_fn=audit.margin_fn(model))
+    assert (spec.comparison.greedy_requests_near_tie, spec.comparison.greedy_requests_unclassified) == (1, 0)
+    spec = with_baseline(spec, baseline)  # the report's pass: no model, same baseline
+    assert spec.comparison.greedy_requests_near_tie == 1 and spec.comparison.greedy_near_ties[0]["position"] == p
     assert greedy_text(spec) == "0/1 req equal, 1 near-tie"
-    compare_with_baseline(spec, {**baseline, "output_digest": "z"})  # another baseline run: counted, not classified
-    assert spec["greedy_requests_near_tie"] is None and spec["greedy_requests_unclassified"] == 1
+    spec = with_baseline(spec, with_fields(baseline, output_digest="z"))  # another baseline run: counted only
+    assert spec.comparison.greedy_requests_near_tie is None and spec.comparison.greedy_requests_unclassified == 1
     assert greedy_text(spec) == "0/1 req equal, 1 unclassified"
-    no_prompt = {**spec, "request_outputs": [{"id": 0, "tokens": [*base[:p], other]}]}
-    compare_with_baseline(no_prompt, {**baseline, "request_outputs": [{"id": 0, "tokens": base[:p + 1]}]},
-                          margin_fn=audit.margin_fn(model))
-    assert (no_prompt["greedy_requests_unclassified"], no_prompt["greedy_requests_defect"]) == (1, 0), "no margin"
-    sampled = {**spec, "greedy": False}
-    compare_with_baseline(sampled, baseline)
-    assert sampled["greedy_requests_compared"] is None, "sampled outputs are not compared token for token"
+    no_prompt = with_fields(spec, request_outputs=[{"id": 0, "tokens": [*base[:p], other]}])
+    no_prompt = with_baseline(no_prompt, with_fields(baseline, request_outputs=[{"id": 0, "tokens": base[:p + 1]}]),
+                              margin_fn=audit.margin_fn(model))
+    c = no_prompt.comparison
+    assert (c.greedy_requests_unclassified, c.greedy_requests_defect) == (1, 0), "no margin"
+    sampled = with_baseline(with_fields(spec, greedy=False), baseline)
+    assert sampled.comparison.greedy_requests_compared is None, "sampled outputs are not compared token for token"
 
 
 # ---- the report renders it -------------------------------------------------------------------
 def _audited(r, **fields):
-    return {**r, "greedy_requests_compared": 64, "greedy_requests_not_comparable": 0,
-            "greedy_near_tie_bound": "4 ulp of the top logit's magnitude in bf16", **fields}
+    return with_fields(r, greedy_requests_compared=64, greedy_requests_not_comparable=0,
+                       greedy_near_tie_bound="4 ulp of the top logit's magnitude in bf16", **fields)
 
 
 def test_report_shows_window_and_run_side_by_side_the_audit_counts_and_lists_defects(tmp_path):
@@ -293,7 +298,7 @@ def test_a_static_row_is_ranked_under_targets_by_its_run_j_per_token():
     assert target_choices([cont, pooled_low], Targets(0.05, None))["code"].chosen is cont
     choice = target_choices([cont, pooled_low, run_low], Targets(0.05, None))["code"]
     assert choice.chosen is run_low, "the record itself, its own figures untouched"
-    assert run_low["energy_per_token_j"] == 0.30
+    assert run_low.window.j_per_token == 0.30
     assert [row["energy_per_token_j"] for row in choice.tighter if row["feasible"]][0] == 0.12
 
 
@@ -301,7 +306,7 @@ def test_a_static_row_is_ranked_under_targets_by_its_run_j_per_token():
 def _dir(tmp_path, recs):
     d = tmp_path / "sweep"
     d.mkdir()
-    (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "records.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in recs))
     return d
 
 
@@ -336,28 +341,28 @@ def test_active_rows_come_from_the_ledger_steps_and_the_plot_is_drawn(tmp_path):
         lines += [{"kind": "phase", "run_id": "r", "step": step, "phase": "verify", "rows_active": n},
                   {"kind": "phase", "run_id": "r", "step": step, "phase": "prefill", "rows_active": 1},
                   {"kind": "phase", "run_id": "other", "step": step, "phase": "verify", "rows_active": 2}]
-    from refspec.energy.ledger import LEDGER_VERSION
+    from refspec.energy.ledger.format import LEDGER_VERSION
 
     common = {"version": LEDGER_VERSION, "batch": 4, "time_s": 0.1, "energy_j": 0.1, "source": "modelled:roofline(cpu)",
               "work": [], "slot_requests": [], "clock_s": 0.0}
     ledger.write_text("".join(json.dumps({**common, **x}) + "\n" for x in lines))
     assert active_rows_by_step([ledger], {"r"}) == {"r": list(enumerate(rows))}, "refill prefills are not decode"
-    rec = {**SWEEP[1], "run_ids": ["r"], "window_first_step": 0, "window_last_step": 2}
+    rec = with_fields(SWEEP[1], run_ids=["r"], window_first_step=0, window_last_step=2)
     assert plot_active_rows([rec], [ledger], tmp_path / "a.png") == tmp_path / "a.png"
-    assert plot_active_rows([{**rec, "window_first_step": None}], [ledger], tmp_path / "b.png") is None
+    assert plot_active_rows([with_fields(rec, window_first_step=None)], [ledger], tmp_path / "b.png") is None
 
 
 def test_a_static_schedule_is_a_series_of_its_own_in_plots():
-    from refspec.eval.plots import _series_by_batch
+    from refspec.eval.plots import series_by_batch
 
-    recs = [{"drafter": d, "k": k, "batch": b, "corpus": "c", "schedule": sch}
+    recs = [record(drafter=d, k=k, batch=b, corpus="c", schedule=sch)
             for sch in ("continuous", "static") for d, k in (("none", 0), ("ngram", 4)) for b in (8, 64)]
-    series = dict(_series_by_batch(recs, "c"))
+    series = dict(series_by_batch(recs, "c"))
     assert len(series) == 4, sorted(series)
     for rows in series.values():
-        assert [r["batch"] for r in rows] == [8, 64] and len({r["schedule"] for r in rows}) == 1
-    old = {"drafter": "ngram", "k": 4, "batch": 8, "corpus": "c"}  # records before schedules existed
-    assert dict(_series_by_batch([old], "c")).keys() == {"ngram k=4"}
+        assert [r.batch for r in rows] == [8, 64] and len({r.stream.schedule for r in rows}) == 1
+    old = record(drafter="ngram", k=4, batch=8, corpus="c")  # records before schedules existed
+    assert dict(series_by_batch([old], "c")).keys() == {"ngram k=4"}
 
 
 def test_window_vs_run_plot_draws_no_window_line_for_a_static_series(tmp_path, monkeypatch):
@@ -402,26 +407,25 @@ def test_prefill_fields_count_refill_groups_and_the_targets_positions():
 
 
 def _with_prefill(r, positions, tokens, groups):
-    return {**r, "prefill_positions_per_request": positions, "prefill_tokens_per_request": tokens,
-            "prefill_positions_per_token": positions / tokens, "refills": len(groups),
-            "refill_group_p50": sorted(groups)[len(groups) // 2], "refill_group_max": max(groups), "stream_digest": "s"}
+    return with_fields(r, prefill_positions_per_request=positions, prefill_tokens_per_request=tokens,
+                       prefill_positions_per_token=positions / tokens, refills=len(groups),
+                       refill_group_p50=sorted(groups)[len(groups) // 2], refill_group_max=max(groups),
+                       stream_digest="s")
 
 
 def test_a_comparison_whose_prefill_work_differs_by_more_than_10_percent_is_flagged_with_its_cause():
     base = _with_prefill(_rec("chat", "none", 0, 64, jw=0.2122, tpot=0.03, ttft=17.8), 237.8, 61.2, [56, 50, 61])
     spec = _with_prefill(_rec("chat", "eagle", 4, 64, jw=0.1688, tpot=0.02, ttft=0.41), 75.0, 61.2, [1, 2, 7])
-    compare_with_baseline(spec, base)
-    assert spec["prefill_work_vs_baseline"] == pytest.approx(75.0 / 237.8)
-    warning = spec["prefill_warning"]
+    spec = with_baseline(spec, base)
+    assert spec.comparison.prefill_work_vs_baseline == pytest.approx(75.0 / 237.8)
+    warning = spec.comparison.prefill_warning
     assert "-68%" in warning and "padding" in warning and "median 56, max 61 rows" in warning, warning
     table = format_table([base, spec])
     assert f"!! eagle k4 b64: {warning}" in table and "56/61" in table and "8900/17800" in table
-    close = _with_prefill(dict(spec), 61.2 * 1.05, 61.2, [1, 2, 7])
-    compare_with_baseline(close, _with_prefill(dict(base), 61.2, 61.2, [2, 3, 5]))
-    assert close["prefill_warning"] is None and close["prefill_work_vs_baseline"] == pytest.approx(1.05)
-    other = {**dict(spec), "stream_digest": "t"}
-    compare_with_baseline(other, base)
-    assert "different request streams" in other["prefill_warning"]
+    close = with_baseline(_with_prefill(spec, 61.2 * 1.05, 61.2, [1, 2, 7]), _with_prefill(base, 61.2, 61.2, [2, 3, 5]))
+    assert close.comparison.prefill_warning is None and close.comparison.prefill_work_vs_baseline == pytest.approx(1.05)
+    other = with_baseline(with_fields(spec, stream_digest="t"), base)
+    assert "different request streams" in other.comparison.prefill_warning
 
 
 def test_the_table_closes_with_one_verdict_sentence_per_comparison():
@@ -431,9 +435,7 @@ def test_the_table_closes_with_one_verdict_sentence_per_comparison():
                                                                           ttft=1.0),
             _rec("chat", "none", 0, 8, jw=0.10, tpot=0.03, ttft=1.0), _rec("chat", "ngram", 4, 8, jw=0.125, tpot=0.04,
                                                                           ttft=1.0)]
-    by = {r["config_id"]: r for r in rows}
-    for r in rows:
-        compare_with_baseline(r, by.get(r["baseline_config_id"]))
+    rows = attach_baselines(rows)
     lines = format_table(rows).splitlines()
     assert lines[-2:] == [
         "verdict: on chat at batch 8, ngram k4 costs 25.0% more energy per token than plain decoding (steady-state "

@@ -14,16 +14,17 @@ import pytest
 import torch
 
 from refspec.config import ModelArgs
-from refspec.energy.attribution import nnls_phase_power
-from refspec.energy.counter_log import counter_ledger
-from refspec.energy.device_law import SPEC_KEYS, DeviceLaw, cpu_law, gpu_law
-from refspec.energy.hardware import H200_SXM, HardwareProfile
-from refspec.energy.ledger import Ledger, read_ledger
-from refspec.energy.meter_spec import SIMULATED_LAW, MeterSpecError
-from refspec.energy.meters import make_meter
-from refspec.energy.phases import ForwardShape
-from refspec.energy.roofline import forward_cost, work_time_s
-from refspec.energy.simulated import PowerTrace, SimulatedCounter, SimulatedMeter
+from refspec.energy.accounting.attribution import nnls_phase_power
+from refspec.energy.ledger.counter_records import counter_ledger
+from refspec.energy.meters.device_law import SPEC_KEYS, DeviceLaw, cpu_law, gpu_law
+from refspec.energy.model.hardware import H200_SXM, HardwareProfile
+from refspec.energy.ledger.writer import Ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.meters.spec import SIMULATED_LAW, MeterSpecError
+from refspec.energy.meters.make import make_meter
+from refspec.energy.model.work import ForwardShape
+from refspec.energy.model.roofline import forward_cost, work_time_s
+from refspec.energy.meters.simulated import PowerTrace, SimulatedCounter, SimulatedMeter
 
 TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -296,7 +297,7 @@ def test_engine_run_under_the_simulated_counter_closes_on_the_truth(tmp_path):
 
 
 def test_the_record_says_simulated_never_measured():
-    from refspec.eval.records import describe_source
+    from refspec.eval.record_figures import describe_source
 
     text = describe_source(make_meter("simulated:h200:period_ms=50:sample_ms=12.5").source)
     assert text == ("simulated (not measured): a counter (h200-sxm,P=50ms,S=12.5ms) sampling a simulated device's "

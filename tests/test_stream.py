@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from refspec.eval.requests import (LengthDist, PromptSet, baseline_refill_groups, build_stream, make_stream,
-                                   quantile_length, reference_budgets, resolve_budgets, uniform_budgets)
+from refspec.eval.prompt_sets import PromptSet, quantile_length
+from refspec.eval.requests import (LengthDist, baseline_refill_groups, build_stream, make_stream, reference_budgets,
+                                   resolve_budgets, uniform_budgets)
 
 N = 64
 
@@ -114,7 +115,8 @@ def test_simulation_reproduces_the_engines_refill_groups(tiny_models, budgets, b
 def conversation_stream():
     from refspec import assets
     from refspec.assets.tokenizer import load_tokenizer
-    from refspec.eval.requests import corpus_prompt_set, default_requests
+    from refspec.eval.prompt_sets import corpus_prompt_set
+    from refspec.eval.requests import default_requests
 
     tok = load_tokenizer(assets.resolve_model("smollm2-135m"))
     return corpus_prompt_set("conversation", tok, chat=True, wanted=default_requests(64))

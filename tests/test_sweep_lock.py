@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from refspec.energy.accounting import AccountingError, pool_runs
-from refspec.energy.ledger import Ledger, finished, read_ledger, unfinished_runs
+from refspec.energy.accounting.headline import pool_runs
+from refspec.energy.ledger.read import finished, read_ledger, unfinished_runs
+from refspec.energy.ledger.step_groups import AccountingError
+from refspec.energy.ledger.writer import Ledger
 from refspec.eval import cli
-from refspec.eval.outdir import LOCK, claimed
+from refspec.eval.outputs import LOCK, claimed
 import test_eval_cli
 from test_eval_cli import QUIET
 
@@ -97,7 +99,7 @@ def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp
     import refspec.eval.run as run_mod
 
     out = tmp_path / "out"
-    real = run_mod._decode_batches
+    real = run_mod.serve_chunks
     calls = []
 
     def interrupt_second(*args, **kwargs):
@@ -107,7 +109,7 @@ def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp
             raise KeyboardInterrupt
         return gens
 
-    monkeypatch.setattr(run_mod, "_decode_batches", interrupt_second)
+    monkeypatch.setattr(run_mod, "serve_chunks", interrupt_second)
     assert cli.main(_sweep(tiny, out)) == cli.EXIT_INTERRUPTED
     assert "1 of 2 configuration(s) saved" in capsys.readouterr().err, "the message counts what is on disk"
     assert not (out / LOCK).exists(), "Ctrl-C releases the lock"
@@ -118,7 +120,7 @@ def test_interrupted_configuration_is_marked_aborted_and_never_counted(tiny, tmp
         pool_runs(ledger, [aborted])
     assert any(r["run_id"] == aborted and r["kind"] == "phase" for r in ledger), "its phases are on disk"
     assert all(r["run_id"] != aborted for r in finished(ledger)), "but totals over the file leave them out"
-    monkeypatch.setattr(run_mod, "_decode_batches", real)
+    monkeypatch.setattr(run_mod, "serve_chunks", real)
     assert cli.main(_sweep(tiny, out)) == 0
     assert list(read_ledger(out / "ledger.jsonl").unfinished) == [aborted], "the resumed run completed"
     assert "1 ledger run(s) did not finish (1 aborted)" in (out / "report.md").read_text()
@@ -139,7 +141,7 @@ def _grid(tiny, out: Path) -> list[str]:
 def _outcome(out: Path) -> dict[str, tuple]:
     lines = [json.loads(line) for line in (out / "records.jsonl").read_text().split("\n") if line]
     assert len(lines) == len({r["config_id"] for r in lines}), "no configuration recorded twice"
-    return {r["config_id"]: (r["output_digest"], r["tau"], r["emitted"]) for r in lines}
+    return {r["config_id"]: (r["output_digest"], r["tau"], r["run_tokens"]) for r in lines}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,7 @@ def test_resuming_after_ctrl_c_at_any_configuration_equals_an_uninterrupted_swee
     import refspec.eval.run as run_mod
 
     out = tmp_path / "out"
-    real = run_mod._decode_batches
+    real = run_mod.serve_chunks
     calls = []
 
     def interrupt_at(*args, **kwargs):
@@ -165,22 +167,22 @@ def test_resuming_after_ctrl_c_at_any_configuration_equals_an_uninterrupted_swee
             raise KeyboardInterrupt
         return gens
 
-    monkeypatch.setattr(run_mod, "_decode_batches", interrupt_at)
+    monkeypatch.setattr(run_mod, "serve_chunks", interrupt_at)
     assert cli.main(_grid(tiny, out)) == cli.EXIT_INTERRUPTED
-    monkeypatch.setattr(run_mod, "_decode_batches", real)
+    monkeypatch.setattr(run_mod, "serve_chunks", real)
     assert cli.main(_grid(tiny, out)) == 0
     assert _outcome(out) == uninterrupted, "same configurations, outputs, tau and counts"
     ledger = read_ledger(out / "ledger.jsonl")
     assert list(ledger.unfinished.values()) == ["aborted"], "exactly the interrupted run is marked"
     summary = json.loads((out / "summary.json").read_text())
     pooled = pool_runs(finished(ledger), [rid for r in summary for rid in r["run_ids"]])
-    assert pooled.emitted == sum(r["emitted"] for r in summary), "the complete runs account for every record"
+    assert pooled.emitted == sum(r["run_tokens"] for r in summary), "the complete runs account for every record"
 
 
 def test_a_killed_run_s_temporary_directory_is_removed_by_the_next_run(tmp_path, monkeypatch):
     import tempfile
 
-    from refspec.eval.outdir import scratch
+    from refspec.eval.outputs import scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen(["true"])
@@ -261,7 +263,7 @@ def test_runs_whose_record_never_landed_are_marked_aborted(tiny, tmp_path, monke
     calls = []
 
     def interrupt_second(path, record):
-        calls.append(record["run_ids"])
+        calls.append(record.stream.run_ids)
         if len(calls) == 2:  # the configuration's runs completed in the ledger; its record is lost
             raise KeyboardInterrupt
         real(path, record)

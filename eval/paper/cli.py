@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError
+from refspec.eval.outputs import check_output_dir, claimed
 
 log = logging.getLogger("refspec.eval.paper")
 GPU_BUDGET_S = 330.0  # with the shell's offline install (30 s planned): at most 360 s inside the 540 s limit
@@ -164,6 +165,9 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     taus = _check(args, blocks, sources)
+    check_output_dir("--out", args.out)
+    if args.ledgers is not None:
+        check_output_dir("--ledgers", args.ledgers)
     plans = _plan(args, blocks, taus, gpu_plan_profile(), grid.Windows.for_period(ASSUMED_PERIOD_S, args.min_window_s))
     print(f"plan on an H200 (counter period {ASSUMED_PERIOD_S * 1e3:g} ms assumed until measured):\n"
           + grid.format_plan(plans, grid.FIXED_GPU_S), flush=True)
@@ -172,7 +176,8 @@ def _main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or (1 if device == "cpu" else torch.get_num_threads()))
     from refspec.eval.paper.execute import run_all
 
-    return run_all(args, blocks, sources, taus, plans, _header(args, device), t_start)
+    with claimed(args.out):  # one command writes a folder at a time
+        return run_all(args, blocks, sources, taus, plans, _header(args, device), t_start)
 
 
 __all__ = ["main", "parser", "GPU_BUDGET_S", "CPU_BUDGET_S"]

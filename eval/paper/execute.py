@@ -28,7 +28,7 @@ def _profiles(args: Any) -> list[str]:
     if args.device == "cuda":
         return ["gpu"]
     names = [p.strip().lower() for p in args.profile.split(",") if p.strip()]
-    from refspec.energy.hardware import GPU_PROFILES
+    from refspec.energy.model.hardware import GPU_PROFILES
 
     bad = [p for p in names if p not in GPU_PROFILES]
     if bad or not names:
@@ -46,7 +46,7 @@ def _context(bench: Any) -> dict[str, Any]:
 def run_all(args: Any, blocks: list[Any], sources: dict[str, Any], taus: dict, plans: list[dict[str, Any]],
             header: dict[str, Any], t_start: float) -> int:
     """The pass over the grid; writes everything under ``args.out``; the exit status."""
-    from refspec.energy.roofline import get_profile
+    from refspec.energy.model.hardware import get_profile
 
     profiles = _profiles(args)
     args.profile, args.profile_label = profiles[0], profiles[0] if args.device == "cpu" else "gpu"
@@ -117,7 +117,7 @@ def _print_summary(outputs: Outputs) -> None:
         print(f"claim {c['claim']}: {c['verdict']} ({c['profile']}{others}) - {c['title']}")
     if d["skipped"]:
         print(f"skipped {len(d['skipped'])} shapes: " + "; ".join(f"{s['block']} b{s['batch']} {s['drafter']}: "
-                                                                 f"{s['why']}" for s in d["skipped"][:4]))
+                                                                  f"{s['why']}" for s in d["skipped"][:4]))
     for p in d.get("out_problems", []):
         print(f"WARNING: {p}")
     print(f"wrote {outputs.out}/claims.md, claims.json, results.json and {len(d['plots'])} plots in "

@@ -146,21 +146,9 @@ FIXED_GPU_S = {"install (shell)": 30.0, "start, idle power, counter period, ceil
 BUILD_S = 8.0  # assumed: a random-weight 8B target built in place on the GPU
 
 
-def per_token_acceptance(tau: float, k: int) -> float:
-    """The per-draft acceptance a whose (1 - a^(k+1)) / (1 - a) equals ``tau`` (bisection)."""
-    from refspec.energy.roofline import expected_tokens_per_step
-
-    tau = min(max(tau, 1.0), k + 1.0)
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tau else (lo, mid)
-    return (lo + hi) / 2
-
-
 def drafter_model(spec: DrafterSpec) -> Any:
     """The roofline's cost model of a drafter configuration (None for ``none``)."""
-    from refspec.energy.roofline import EAGLE_HEAD, DrafterModel
+    from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel
 
     if spec.name == "none":
         return None
@@ -170,11 +158,12 @@ def drafter_model(spec: DrafterSpec) -> Any:
 def step_seconds(arch: str, profile: Any, spec: DrafterSpec, batch: int, tau: float, context: int,
                  host: bool) -> float:
     """Planned seconds of one decode step: the roofline's, plus the host's on a GPU."""
-    from refspec.energy.roofline import predict_step
+    from refspec.energy.model.roofline import predict_step
+    from refspec.eval.acceptance_models import acceptance_from_tau
     from refspec.models.random_models import arch_args
 
     pred = predict_step(arch_args(arch), profile, batch=batch, k=spec.k, context=context,
-                        acceptance=per_token_acceptance(tau, spec.k) if spec.k else 0.0, drafter=drafter_model(spec))
+                        acceptance=acceptance_from_tau(tau, spec.k), drafter=drafter_model(spec))
     heads = spec.k if spec.name == "eagle" else int(spec.name == "block")
     return pred.step_time_s + (HOST_S_PER_STEP + heads * HOST_S_PER_HEAD_FORWARD if host else 0.0)
 
@@ -216,7 +205,8 @@ def plan_block(block: Block, profile: Any, taus: dict[tuple[str, str, str], floa
         taus: (source, drafter kind, corpus) -> mean tau at the grid's K.
         host: add the assumed host costs (a GPU run); a modelled clock has none.
     """
-    from refspec.energy.roofline import ForwardShape, forward_cost
+    from refspec.energy.model.work import ForwardShape
+    from refspec.energy.model.roofline import forward_cost
     from refspec.models.random_models import arch_args
 
     args = arch_args(block.arch)
@@ -257,4 +247,4 @@ def format_plan(plans: Sequence[dict[str, Any]], fixed_s: dict[str, float]) -> s
 
 
 __all__ = ["DrafterSpec", "Block", "GRID", "QUICK_GRID", "Windows", "StreamPlan", "plan_stream", "plan_block",
-           "format_plan", "select", "step_seconds", "per_token_acceptance", "NONE_SOURCE", "FIXED_GPU_S"]
+           "format_plan", "select", "step_seconds", "NONE_SOURCE", "FIXED_GPU_S"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from refspec.eval.outputs import atomic_target
 from refspec.eval.paper.claims import fig, saving, series
 from refspec.eval.paper.grid import NONE_SOURCE
 
@@ -39,7 +40,7 @@ def _lines(ax: Any, vs: Variants, value: Callable[[dict[str, Any]], Any], plain:
 
 
 def _energy(ax: Any, vs: Variants) -> None:
-    _lines(ax, vs, lambda v: fig(v, "j_per_token"), plain=True)
+    _lines(ax, vs, lambda v: fig(v, "window_j_per_token"), plain=True)
     _axes(ax, "J / output token (steady-state window)", True)
 
 
@@ -65,7 +66,7 @@ def _phases(ax: Any, vs: Variants) -> None:
 def _latency(ax: Any, vs: Variants) -> None:
     for i, arch in enumerate(sorted({v["arch"] for v in vs})):
         for v in vs:
-            t, j = fig(v, "tpot_p99_s"), fig(v, "j_per_token")
+            t, j = fig(v, "tpot_p99_s"), fig(v, "window_j_per_token")
             if v["arch"] != arch or t is None or j is None or v["source"] == "small":
                 continue
             ax.errorbar(t[0] * 1e3, j[0], xerr=t[1] * 1e3, yerr=j[1], fmt="o" if v["k"] else "s", color=f"C{i}")
@@ -95,7 +96,8 @@ def make_plots(variants: Variants, out: Path, title: str) -> list[str]:
         draw(ax, ok)
         f.suptitle(title, fontsize=7)
         f.tight_layout()
-        f.savefig(out / name, dpi=110)
+        with atomic_target(out / name) as tmp:
+            f.savefig(tmp, dpi=110, format="png")
         plt.close(f)
         names.append(name)
     return names

@@ -1,14 +1,13 @@
 """One shape of the grid: its warm-up, its variants served ``repeats`` times, its phase loops.
 
-Each served run is a ledger run of its own (:class:`~refspec.energy.ledger.Ledger` wrapped by
-:func:`~refspec.energy.counter_log.counter_ledger`, so a counter meter's reads are recorded
-beside the phases), and its figures come from the accounting alone
-(:func:`refspec.energy.accounting.pool_runs`): the steady-state window's J/token (read by the
-counter over the window) and its validity, the per-phase split (attributed from the phase loops
-and the fit over sub-windows, with their agreement and the additivity residual), TPOT and TTFT
-percentiles, tau. The phase loops run once per shape, after its first run
-(:func:`refspec.phase_loops.run_phase_loops` at that run's shapes), and their records are
-written into every run of the shape: they measure the same forwards.
+Each served run goes through the pipeline ``run`` and ``sweep`` use (:mod:`refspec.eval.pipeline`):
+a ledger run of its own (a counter meter's reads recorded beside the phases), served, read back
+and accounted; its figures come from the accounting alone: the steady-state window's J/token
+(read by the counter over the window) and its validity, the per-phase split (attributed from
+the phase loops and the fit over sub-windows, with their agreement and the additivity residual),
+TPOT and TTFT percentiles, tau. The phase loops run once per shape, after its first run, at that
+run's shapes, and their records are written into every run of the shape: they measure the same
+forwards.
 
 Streams: closed loop on B slots, random prompts of ``prompt_len`` tokens, budgets uniform in
 [N/2, 3N/2]; request i is the same at every variant of a batch (seeded by batch and id), and as
@@ -25,8 +24,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from refspec.eval.paper.grid import NONE_SOURCE, DrafterSpec, plan_stream
-from refspec.eval.paper.targets import MappedMeter, MappedObserver, Target, build_drafter
+from refspec.eval import pipeline
+from refspec.eval.paper.grid import DrafterSpec
+from refspec.eval.paper.targets import MappedMeter, MappedObserver, Target
 
 log = logging.getLogger("refspec.eval.paper")
 
@@ -59,7 +59,8 @@ def requests_of(batch: int, n: int, *, prompt_len: int, new_tokens: int, vocab: 
     return out
 
 
-def _injection(model: Any, device: torch.device, k: int, seed: int) -> Any:
+def injection(model: Any, device: torch.device, k: int, seed: int) -> Any:
+    """The engine's acceptance function drawing from ``model`` (None: the model's own acceptance)."""
     from refspec.eval.injection import make_acceptance_fn
 
     return None if model is None else make_acceptance_fn(model, torch.Generator(device=device).manual_seed(seed), k=k)
@@ -83,23 +84,25 @@ class ShapeRun:
 
     def engine(self, drafter: Any, accept: Any, observers: list[Any], on_step: Any = None) -> Any:
         from refspec.engine import Engine, EngineConfig
+        from refspec.models.prepare import PreparedTarget
 
-        return Engine(self.target.model, drafter, config=EngineConfig(k=self.spec.k, kv_bucket=self.args.kv_bucket),
-                      meter=self.meter, observers=observers, verify_fn=self.target.runner, acceptance_fn=accept,
-                      on_step=on_step)
+        return Engine(PreparedTarget(self.target.model, step=self.target.runner), drafter,
+                      config=EngineConfig(k=self.spec.k, kv_bucket=self.args.kv_bucket), meter=self.meter,
+                      observers=observers, acceptance_fn=accept, on_step=on_step)
 
 
 def warm_up(sr: ShapeRun, drafter: Any, accept: Any) -> float:
     """An unrecorded serve at the longest budget: every graph of the shape is captured before a window opens."""
     from refspec.engine import Engine, EngineConfig
+    from refspec.models.prepare import PreparedTarget
 
     t0 = time.perf_counter()
     budget = (3 * sr.args.new_tokens) // 2 if sr.bench.device.type == "cuda" else 4
     reqs = requests_of(sr.batch, sr.batch + 1, prompt_len=sr.args.prompt_len, new_tokens=2 * budget // 3 or 1,
                        vocab=sr.target.model.args.vocab_size, seed=sr.args.seed + 17)
     reqs = [dataclasses.replace(r, max_new_tokens=budget) for r in reqs]
-    quiet = Engine(sr.target.model, drafter, config=EngineConfig(k=sr.spec.k, kv_bucket=sr.args.kv_bucket),
-                   verify_fn=sr.target.runner, acceptance_fn=accept)
+    quiet = Engine(PreparedTarget(sr.target.model, step=sr.target.runner), drafter,
+                   config=EngineConfig(k=sr.spec.k, kv_bucket=sr.args.kv_bucket), acceptance_fn=accept)
     quiet.serve(reqs, batch=sr.batch, max_len=sr.target.max_len)
     if sr.bench.device.type == "cuda":
         torch.cuda.synchronize()
@@ -123,9 +126,9 @@ def serve_once(sr: ShapeRun, ledger: Any, drafter: Any, accept: Any, requests: l
     clocks: list[float] = []
     obs = MappedObserver(ledger, sr.target.mapper) if sr.target.mapper is not None else ledger
     engine = sr.engine(drafter, accept, [obs, *also], _clock_sampler(sr.bench, clocks))
-    gen = torch.Generator(device=sr.bench.device).manual_seed(seed)
     t0 = time.perf_counter()
-    res = engine.serve(requests, batch=sr.batch, generator=gen, max_len=sr.target.max_len)
+    res = pipeline.serve(engine, requests, batch=sr.batch, seed=seed, device=sr.bench.device,
+                         max_len=sr.target.max_len)
     if sr.bench.device.type == "cuda":
         torch.cuda.synchronize()
     return res, time.perf_counter() - t0, clocks
@@ -134,20 +137,15 @@ def serve_once(sr: ShapeRun, ledger: Any, drafter: Any, accept: Any, requests: l
 def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: list[Any]) -> dict[str, Any]:
     """Each phase alone at the run's shapes, for at least ten counter periods of the counter's clock
     (the loops time themselves on the meter's clock, modelled or not)."""
-    from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
-    from refspec.sampling import SamplingConfig
-
-    shapes = shapes_of(res.events, batch=sr.batch, k=sr.spec.k, prompts=[q.prompt for q in requests])
-    lt = LoopTarget(target=sr.target.model, drafter=drafter, verify_fn=sr.target.loop_runner, sampling=SamplingConfig(),
-                    kv_bucket=sr.args.kv_bucket, **({"accept": accept} if accept is not None else {}))
-    min_s = 1.1 * sr.bench.windows.loop_s
-    return run_phase_loops(lt, shapes, sr.meter, min_s=min_s, seed=sr.args.seed)
+    return pipeline.phase_loops(sr.engine(drafter, accept, []), sr.meter, [res], batch=sr.batch, k=sr.spec.k,
+                                prompts=[q.prompt for q in requests], min_s=1.1 * sr.bench.windows.loop_s,
+                                seed=sr.args.seed, verify_fn=sr.target.loop_runner)
 
 
 def _modelled_intensity(records: list[dict[str, Any]], run_id: str) -> float | None:
     """Mean FLOP/byte of the run's verify forwards (the roofline of their reported shapes)."""
-    from refspec.energy.ledger_format import phase_work, run_models
-    from refspec.energy.roofline import forward_cost
+    from refspec.energy.ledger.format import phase_work, run_models
+    from refspec.energy.model.roofline import forward_cost
 
     models = run_models(records, run_id)
     shapes = [w for r in records if r.get("run_id") == run_id and r.get("kind") == "phase" and r["phase"] == "verify"
@@ -155,16 +153,14 @@ def _modelled_intensity(records: list[dict[str, Any]], run_id: str) -> float | N
     return statistics.mean(forward_cost(w).intensity for w in shapes) if shapes else None
 
 
-def run_figures(records: list[dict[str, Any]], run_id: str, window_s: float) -> dict[str, Any]:
+def run_figures(records: Any, run_id: str, window_s: float) -> dict[str, Any]:
     """The figures of one run, all from the accounting of its ledger records."""
-    from refspec.energy.accounting import pool_runs
-
-    acc = pool_runs(records, [run_id], min_window_s=window_s)
+    acc = pipeline.account(records, [run_id], min_window_s=window_s)
     w = acc.window
     att = acc.attribution or {}
     return {
-        "run_id": run_id, "j_per_token": acc.window_j_per_token, "j_per_token_run": acc.j_per_token,
-        "net_j_per_token": acc.net_j_per_token, "window_s": None if w is None else w.time_s,
+        "run_id": run_id, "window_j_per_token": acc.window_j_per_token, "run_j_per_token": acc.j_per_token,
+        "run_net_j_per_token": acc.net_j_per_token, "window_s": None if w is None else w.time_s,
         "window_steps": None if w is None else w.steps, "window_counter_reads": None if w is None else w.counter_reads,
         "window_valid": acc.window_valid, "window_invalid_reason": acc.window_invalid_reason,
         "mean_active_rows": acc.mean_active_rows, "tau": acc.tau, "steps": acc.steps, "emitted": acc.emitted,
@@ -180,5 +176,4 @@ def run_figures(records: list[dict[str, Any]], run_id: str, window_s: float) -> 
     }
 
 
-__all__ = ["Pace", "ShapeRun", "requests_of", "warm_up", "serve_once", "phase_loops", "run_figures", "plan_stream",
-           "NONE_SOURCE", "build_drafter", "_injection"]
+__all__ = ["Pace", "ShapeRun", "requests_of", "warm_up", "serve_once", "phase_loops", "run_figures", "injection"]

@@ -8,26 +8,21 @@
 * ``claims.md``: the claims table, then each claim's checks;
 * at the end, at most four plots (:mod:`refspec.eval.paper.plots`).
 
-Every file is written to a sibling and renamed, so a run killed at any moment leaves the last
-complete version. At most eight files, none in a folder, so all come back from a lent machine.
+Every file is written atomically (:func:`refspec.eval.outputs.write_atomic`), so a run killed
+at any moment leaves the last complete version. At most eight files, none in a folder, so all
+come back from a lent machine.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
+from refspec.eval.outputs import write_atomic
 from refspec.eval.paper import acceptance
 from refspec.eval.paper.claims import evaluate
 
 MAX_FILES, MAX_FILE_BYTES = 8, 16 << 20
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def energy_label(sources: list[str]) -> str:
@@ -71,7 +66,7 @@ class Outputs:
         for i, c in enumerate(per[labels[0]]):
             out.append({**c, "profile": labels[0],
                         "other_profiles": [{"profile": lab, **{k: per[lab][i][k] for k in ("verdict", "figures",
-                                                                                          "sources")}}
+                                                                                           "sources")}}
                                            for lab in labels[1:]]})
         return out
 
@@ -100,7 +95,7 @@ class Outputs:
 
 def sources_of(ctx: dict[str, Any], variants: list[dict[str, Any]]) -> Callable[[int], list[str]]:
     """claim -> the sources of its numbers: which counter measured them, what is modelled, what injected."""
-    from refspec.eval.records import describe_source
+    from refspec.eval.record_figures import describe_source
 
     energy = sorted({v.get("energy_source") or ctx["source"] for v in variants if "error" not in v}) or [ctx["source"]]
     kind = "measured" if all(s.startswith("measured:") for s in energy) else "MODELLED"
@@ -117,7 +112,7 @@ def sources_of(ctx: dict[str, Any], variants: list[dict[str, Any]]) -> Callable[
     table = (f"tau per corpus: measured on smollm2-135m with this project's shipped heads (CPU; "
              f"{acceptance.TAU_TABLE_FILE.name}); published DFlash figures per corpus (NVIDIA Model-Optimizer)")
     per = {1: [window, injected], 2: [window, injected], 3: [table, "not measurable on random-weight targets: their "
-                                                                  "acceptance is injected"],
+                                                             "acceptance is injected"],
            4: [window, phases, injected], 5: [window, injected, ridge], 6: [window, clock, injected],
            7: ["SM clock: NVML, read passively; never set" if ctx["clocks_read_only"] else "no GPU clocks here"]}
     return lambda n: per[n]
@@ -149,4 +144,4 @@ def claims_markdown(claims: list[dict[str, Any]], data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Outputs", "write_atomic", "energy_label", "claims_markdown", "MAX_FILES"]
+__all__ = ["Outputs", "energy_label", "claims_markdown", "MAX_FILES"]

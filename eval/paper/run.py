@@ -18,18 +18,21 @@ from typing import Any
 
 import torch
 
+from refspec.config import round_up
+from refspec.eval import pipeline
 from refspec.eval.interrupts import reraise_interrupt
 from refspec.eval.paper import acceptance
-from refspec.eval.paper.grid import NONE_SOURCE, Block, DrafterSpec, plan_stream, step_seconds
-from refspec.eval.paper.point import (Pace, ShapeRun, _injection, phase_loops, requests_of, run_figures, serve_once,
+from refspec.eval.paper.grid import Block, DrafterSpec, plan_stream, step_seconds
+from refspec.eval.paper.point import (Pace, ShapeRun, injection, phase_loops, requests_of, run_figures, serve_once,
                                       warm_up)
 from refspec.eval.paper.targets import build_drafter, load_target
 
 log = logging.getLogger("refspec.eval.paper")
 CLOSING_S = 10.0
-SUMMARY = ("j_per_token", "j_per_token_run", "net_j_per_token", "tau", "tpot_p50_s", "tpot_p99_s", "ttft_p50_s",
-           "window_s", "rejected_share", "verify_intensity_modelled", "share_draft", "share_verify", "share_commit",
-           "share_prefill", "share_unattributed", "verified_per_row_step", "agreement", "additivity_residual")
+SUMMARY = ("window_j_per_token", "run_j_per_token", "run_net_j_per_token", "tau", "tpot_p50_s", "tpot_p99_s",
+           "ttft_p50_s", "window_s", "rejected_share", "verify_intensity_modelled", "share_draft",
+           "share_verify", "share_commit", "share_prefill", "share_unattributed", "verified_per_row_step",
+           "agreement", "additivity_residual")
 
 
 class Budget:
@@ -88,7 +91,7 @@ class Grid:
         """Every shape of ``block`` the budget allows."""
         ks = [d.k for d in block.drafters] or [0]
         longest = self.args.prompt_len + (3 * self.args.new_tokens) // 2 + max(ks) + 2
-        max_len = -(-longest // self.args.kv_bucket) * self.args.kv_bucket
+        max_len = round_up(longest, self.args.kv_bucket)
         try:
             target = load_target(block.arch, device=self.bench.device, dtype=self.bench.dtype, seed=self.args.seed,
                                  max_batch=max(block.batches), max_k=max(ks), max_len=max_len)
@@ -118,7 +121,7 @@ class Grid:
             drafter = build_drafter(spec, target, self.args.kv_bucket)
             variants = [(s, c, acceptance.resolve(self.sources[s], spec.name, c, spec.k) if spec.k else None)
                         for s, c in block.variants(batch, spec)]
-            warm_s = warm_up(sr, drafter, _injection(variants[0][2], self.bench.device, spec.k, 1))
+            warm_s = warm_up(sr, drafter, injection(variants[0][2], self.bench.device, spec.k, 1))
             log.info("%s: warm-up %.1f s", label, warm_s)
         except Exception as exc:
             reraise_interrupt(exc)  # a Ctrl-C wrapped by an import on its way up
@@ -158,7 +161,7 @@ class Grid:
 
     def _tee_ledgers(self, sr: ShapeRun, state: dict[str, Any], run_id: str, labels: dict[str, Any]) -> list[Any]:
         """The other profiles' observers of this run, each into its own ledger run."""
-        from refspec.energy.ledger import Ledger
+        from refspec.energy.ledger.writer import Ledger
         from refspec.eval.paper.targets import ProfileTee
 
         out = []
@@ -175,10 +178,6 @@ class Grid:
 
     def _repeats(self, sr: ShapeRun, drafter: Any, source: str, corpus: str, model: Any, state: dict[str, Any],
                  label: str) -> dict[str, Any]:
-        from refspec.energy.counter_log import counter_ledger
-        from refspec.energy.ledger import Ledger
-        from refspec.energy.ledger_read import read_ledger
-
         a, spec, bench = self.args, sr.spec, self.bench
         tau = model.mean_tau if model is not None else 1.0
         planned = step_seconds(sr.target.arch, bench.profile, spec, sr.batch, tau, a.prompt_len + a.new_tokens // 2,
@@ -192,12 +191,12 @@ class Grid:
             run_id = f"{label.split('] ')[-1].replace(' ', '_').replace(',', '')}-{source}-{corpus}-r{rep}"
             labels = {"variant": run_id, "acceptance_injected": model is not None}
             if state["ledger"] is None:
-                state["ledger"] = counter_ledger(bench.meter, Ledger(sr.ledger_path, run_id=run_id, labels=labels,
-                                                                     meter_source=bench.source, idle_w=bench.idle_w))
+                state["ledger"] = pipeline.open_ledger(bench.meter, sr.ledger_path, run_id, labels, mode="w",
+                                                       source=bench.source, idle_w=bench.idle_w)
             else:
                 state["ledger"].begin_run(run_id, labels=labels)
             ledger = state["ledger"]
-            accept = _injection(model, bench.device, spec.k, a.seed + 7919 + rep)
+            accept = injection(model, bench.device, spec.k, a.seed + 7919 + rep)
             tees = self._tee_ledgers(sr, state, run_id, labels)
             res, wall, cl = serve_once(sr, ledger, drafter, accept, requests, a.seed + rep, also=tees)
             ledger.end_run()
@@ -208,14 +207,13 @@ class Grid:
             self.pace.learn(sr.target.arch, spec.name, planned, (clock if cpu else wall) / max(res.steps, 1))
             if state["loops"] is None and hasattr(bench.meter, "counter") and a.loops:
                 state["loops"] = phase_loops(sr, drafter, accept, res, requests)
-            for phase, loop in (state["loops"] or {}).items():
-                ledger.write_loop(phase, loop, bench.source)
+            pipeline.write_loops(ledger, state["loops"] or {}, bench.source)
             run_ids.append(run_id)
             clocks += cl
             log.info("%s, %s %s, repeat %d: %d requests, %d steps in %.1f s", label, source, corpus, rep,
                      len(requests), res.steps, wall)
-        figures = self._figures(read_ledger(sr.ledger_path), run_ids, label, source, corpus, bench.source)
-        others = {name: self._figures(read_ledger(led.path), run_ids, f"{label} ({name})", source, corpus,
+        figures = self._figures(pipeline.read_back(sr.ledger_path), run_ids, label, source, corpus, bench.source)
+        others = {name: self._figures(pipeline.read_back(led.path), run_ids, f"{label} ({name})", source, corpus,
                                       f"modelled:roofline({self.tees[name].name})")
                   for name, led in state["tees"].items()}
         figures.update(requests=len(requests), planned_step_s=planned,
@@ -232,7 +230,8 @@ class Grid:
         for f in runs:
             f.update(_shares(f))
         summary = summarise(runs)
-        log.info("%s, %s %s: J/token %s, tau %s, window %s s%s", label, source, corpus, _pm(summary["j_per_token"]),
+        log.info("%s, %s %s: window J/token %s, tau %s, window %s s%s", label, source, corpus,
+                 _pm(summary["window_j_per_token"]),
                  _pm(summary["tau"]), _pm(summary["window_s"]),
                  "" if all(f["window_valid"] for f in runs) else " (window INVALID: "
                  f"{'; '.join(sorted({str(f['window_invalid_reason']) for f in runs if not f['window_valid']}))})")
@@ -252,4 +251,4 @@ def _pm(s: dict[str, Any]) -> str:
     return "n/a" if s["mean"] is None else f"{s['mean']:.4g} ± {s['spread']:.2g}"
 
 
-__all__ = ["Grid", "Budget", "summarise", "SUMMARY", "CLOSING_S", "NONE_SOURCE"]
+__all__ = ["Grid", "Budget", "summarise", "SUMMARY", "CLOSING_S"]

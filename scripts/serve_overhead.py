@@ -1,0 +1,129 @@
+"""What the HTTP layer costs: tokens/s through ``python -m refspec.serve`` against the engine alone.
+
+One run, one request list. The server (in this process, as ``python -m refspec.serve`` builds it:
+engine thread, ledger, per-request book, Starlette + uvicorn) is driven by ``--clients`` concurrent
+streaming clients in a separate process (httpx, one stream per request, each client sending its next
+request when its stream ends), over loopback. Then the same engine configuration, rebuilt the way
+``python -m refspec.eval run`` builds it (engine + ledger, no HTTP), serves the same requests
+(the same prompt token ids, each to its budget: ``ignore_eos``) on the same ``--batch`` slots.
+Throughput = output tokens / wall time of each; the goal is the server within 10 % of the engine.
+
+Usage (a quiet machine; the figures are meaningless while other jobs share the cores)::
+
+    python scripts/serve_overhead.py --model smollm2-135m --batch 8 --clients 16 --requests 64 --max-tokens 64
+    python scripts/serve_overhead.py --model /path/to/tiny_model --requests 8 --max-tokens 8   # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = ["Explain speculative decoding in two sentences.", "Write a Python function that reverses a list.",
+           "What is the capital of France, and why?", "List three uses of a paperclip.",
+           "Summarise the plot of Hamlet in one paragraph.", "def fibonacci(n):",
+           "Translate 'good morning' into German, French and Italian.", "Why is the sky blue?"]
+
+
+def _clients(url: str, model: str, requests: list[list[int]], budget: int, concurrency: int) -> dict:
+    """The client process: ``concurrency`` streams over ``requests``; returns tokens and wall time."""
+    import httpx
+
+    async def run() -> dict:
+        queue: asyncio.Queue = asyncio.Queue()
+        for prompt in requests:
+            queue.put_nowait(prompt)
+        tokens = 0
+
+        async def client(http: httpx.AsyncClient) -> None:
+            nonlocal tokens
+            while not queue.empty():
+                body = {"model": model, "prompt": queue.get_nowait(), "max_tokens": budget, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and '"usage"' in line:
+                            tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client(http) for _ in range(concurrency)))
+            return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
+
+    return asyncio.run(run())
+
+
+def _requests(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} (request {i})") for i in range(n)]
+
+
+def _through_server(args: argparse.Namespace, out: Path) -> tuple[dict, object]:
+    from refspec.serve.cli import start
+
+    server = start(["--model", args.model, "--drafter", args.drafter, "--batch", str(args.batch), "--port", "0",
+                    "--out", str(out), "--queue-limit", str(args.requests), "--dtype", args.dtype,
+                    "--max-len", str(args.max_len), *(["--k", str(args.k)] if args.k else [])])
+    try:
+        reqs = _requests(server.session.target.tokenizer, args.requests)
+        job = json.dumps({"url": server.url, "model": server.app.config.model_name, "requests": reqs,
+                          "budget": args.max_tokens, "concurrency": args.clients})
+        r = subprocess.run([sys.executable, __file__, "--client-job", job], capture_output=True, text=True, check=True)
+        figures = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    return {**figures, "requests": reqs}, server
+
+
+def _engine_alone(server, reqs: list[list[int]], args: argparse.Namespace, out: Path) -> dict:
+    from refspec.eval import pipeline
+    from refspec.eval.run import build_engine
+    from refspec.serving import Request
+
+    session, cfg = server.session, server.cfg
+    with pipeline.open_ledger(session.meter, out / "engine-alone.jsonl", "engine-alone", cfg.identity()) as ledger:
+        engine = build_engine(session, cfg, server.drafter, None, ledger)
+        stream = [Request(id=i, prompt=tuple(p), max_new_tokens=args.max_tokens, ignore_eos=True)
+                  for i, p in enumerate(reqs)]
+        t0 = time.perf_counter()
+        res = pipeline.serve(engine, stream, batch=args.batch, seed=cfg.seed, device=session.device,
+                             max_len=server.max_len)
+        wall = time.perf_counter() - t0
+    return {"tokens": res.num_emitted, "wall_s": wall}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default="ngram")
+    p.add_argument("--k", type=int, default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--client-job", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.client_job:
+        job = json.loads(args.client_job)
+        print(json.dumps(_clients(job["url"], job["model"], job["requests"], job["budget"], job["concurrency"])))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
+        served, server = _through_server(args, Path(tmp) / "server")
+        alone = _engine_alone(server, served["requests"], args, Path(tmp))
+    s_tps, e_tps = served["tokens"] / served["wall_s"], alone["tokens"] / alone["wall_s"]
+    print(f"{server.cfg.label}, {args.requests} requests x {args.max_tokens} tokens, {args.clients} streaming clients")
+    print(f"through the server: {served['tokens']} tokens in {served['wall_s']:.2f} s = {s_tps:.1f} tok/s")
+    print(f"engine alone:       {alone['tokens']} tokens in {alone['wall_s']:.2f} s = {e_tps:.1f} tok/s")
+    print(f"HTTP-layer cost: {100 * (1 - s_tps / e_tps):+.1f} % of the engine's tokens/s (goal: within 10 %)")
+    return 0 if served["tokens"] == alone["tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -169,6 +169,26 @@ def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
         # loops of 0.1 s are under the gate's floor of a second: the split is refused, the total stands
         assert acc.phase_energy_method == "measured-total-only" and acc.total_energy_j > 0
         assert "under the floor max(10 periods, 1 s) = 1 s" in acc.attribution["split_gate"]["reasons"][0]
+        assert acc.phase_share is None and acc.phase_j_per_token is None, "a refused split has no shares"
+    # the report treats the refused split as the total only, with the gate's reasons, everywhere
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("phase split withheld, measured-total-only: loop ") == 2
+    assert report.count("no per-request split, measured-total-only: loop ") == 2
+    assert (tmp_path / "phase_energy.png").is_file(), "the plot draws the measured totals, hatched"
+    records = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().split("\n") if x.strip()]
+    assert all(r["attribution"]["split_gate"]["passed"] is False and r["phase_share"] is None for r in records)
+
+
+def test_loops_shorter_than_the_gates_floor_are_logged(tmp_path, tiny, caplog):
+    """--phase-loops-s under max(10 counter periods, 1 s) runs as asked and says the split will be refused."""
+    from refspec.eval import cli
+
+    rc = cli.main(["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "4",
+                   "--no-progress", "--no-warmup", "--batch", "2", "--requests", "2",
+                   "--meter", "simulated:cpu:period_ms=200:sample_ms=50", "--phase-loops-s", "0.05",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    assert "phase loops of 0.05 s are under the split gate's floor 2 s" in caplog.text
 
 
 def test_a_clock_that_stands_still_does_not_hang_a_loop(tiny_models):

@@ -235,12 +235,14 @@ def _energy(pe: PhaseEnergy, steps: Sequence[Step], emitted: int, verified: int,
     items["unattributed"] = pe.unattributed_j  # what no phase record was given: the parts close on the total
     items_sum = sum(items.values())
     rejected = items["verify_rejected"] + items["draft_rejected"]
+    withheld_split = pe.method == "measured-total-only"  # a split that failed its gate: no shares to show
     out = dict.fromkeys(ENERGY_FIELDS)
     out.update(
         total_energy_j=total, j_per_token=_ratio(total, emitted),
         j_per_verified_token=_ratio(phase_energy.get("verify", 0.0), verified),
-        phase_energy_j=phase_energy, phase_share=shares(phase_energy),
-        phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted else None),
+        phase_energy_j=phase_energy, phase_share=None if withheld_split else shares(phase_energy),
+        phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted and not withheld_split
+                           else None),
         line_items_j=items, line_items_sum_j=items_sum, unattributed_energy_j=pe.unattributed_j,
         rejected_energy_j=rejected, rejected_share=_ratio(rejected, total),
         verify_rejected_j=items["verify_rejected"], draft_rejected_j=items["draft_rejected"],

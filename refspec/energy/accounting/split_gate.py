@@ -153,4 +153,22 @@ def check_reasons(*, additivity: float | None, agreement: tuple[str, float, floa
     return out
 
 
-__all__ = ["GateRule", "GATE", "SplitGate", "loop_reasons", "interaction_residual", "disagreement", "check_reasons"]
+def withheld(method: str | None, attribution: Mapping[str, Any] | None) -> str | None:
+    """Why an accounting's phase split must not be shown, or None when it may be.
+
+    Args:
+        method: its ``phase_energy_method``.
+        attribution: its ``attribution`` (with ``split_gate``), None when the energy was read per phase.
+
+    Returns:
+        ``"measured-total-only: <reasons>"`` for a split that failed its gate (or had none to
+        check), else None.
+    """
+    if method != "measured-total-only":
+        return None
+    gate = (attribution or {}).get("split_gate") or {}
+    return "measured-total-only: " + "; ".join(gate.get("reasons") or ["no phase loops and no determined fit"])
+
+
+__all__ = ["GateRule", "GATE", "SplitGate", "loop_reasons", "interaction_residual", "disagreement", "check_reasons",
+           "withheld"]

@@ -131,8 +131,8 @@ def requests_md(records: Sequence[RunRecord], label: Label) -> list[str]:
                  "costs) divided among the phase's active rows, plus the per-row work its own row did (tokens, "
                  "keys attended, its prompt), in the roofline model's proportions of the recorded work; empty or "
                  "finished slots, phases without a request and the host time between phases are named items. "
-                 "A configuration whose phase split failed its gate has no per-request joules. Acceptance rate at position i: verify steps that accepted at "
-                 "least i drafts over steps that offered i; tau = 1 + their sum at a fixed K.", ""]
+                 "A configuration whose phase split failed its gate has no per-request joules. Acceptance rate at "
+                 "position i: verify steps that accepted at least i drafts over steps that offered i; tau = 1 + their sum at a fixed K.", ""]
 
 
 # ---- the plots --------------------------------------------------------------------------------

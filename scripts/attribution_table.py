@@ -75,7 +75,7 @@ def _served(args: argparse.Namespace, session: Any, batch: int, meter: str, k: i
     result = run_configuration(session, cfg, ledger_path=ledger)
     records = read_ledger(ledger)
     runs = [tuple([r for r in records if r.get("run_id") == rid and r.get("kind") == kind]
-                  for kind in ("phase", "counter", "loop")) for rid in result.record["run_ids"]]
+                  for kind in ("phase", "counter", "loop")) for rid in result.record.stream.run_ids]
     return cfg, result, runs, records
 
 
@@ -135,7 +135,8 @@ def one(args: argparse.Namespace, batch: int, setting: str, out_dir: Path) -> di
     new = phase_energy(runs, host_w=idle)
     shapes = shapes_of([e for g in result.generations for e in g.events], batch=batch, k=cfg.k,
                        prompts=[q.prompt for q in session.stream(cfg).requests])
-    target = LoopTarget(target=session.target.model, drafter=session.drafter(cfg), verify_fn=session.verify_fn,
+    target = LoopTarget(target=session.target.model, drafter=session.drafter(cfg),
+                        verify_fn=session.target.prepared,
                         sampling=SamplingConfig())
     old = old_loops(target, shapes, session.meter, loops_s or max(10 * session.meter.period_s, 1.0))
     old_records = [{"kind": "loop", "phase": p, "energy_j": lp.energy_j, "time_s": lp.time_s,
@@ -143,7 +144,7 @@ def one(args: argparse.Namespace, batch: int, setting: str, out_dir: Path) -> di
     kept = [r for r in runs[-1][2] if r["phase"] in ("verify", "prefill")]  # the loops the change left alone
     old_pe = phase_energy([*runs[:-1], (runs[-1][0], runs[-1][1], kept + old_records)], host_w=idle)
     phases = [r for run in runs for r in run[0]]
-    run_ids = result.record["run_ids"]
+    run_ids = list(result.record.stream.run_ids)
     return {"batch": batch, "setting": setting, "meter": meter, "true": new.share_true, "naive": new.share_naive,
             "roofline": roofline_shares(phases, run_models(records, run_ids[0]), session.meter.profile),
             "old loops": old_pe.share_loops, "loops": new.share_loops,
@@ -151,6 +152,22 @@ def one(args: argparse.Namespace, batch: int, setting: str, out_dir: Path) -> di
                             for p in PHASES}) if new.method == "attributed-loops" else None,
             "method": new.method, "gate": new.split_gate, "interaction": new.interaction_residual,
             "additivity": new.additivity_residual, "ledger": ledger, "run_ids": run_ids}
+
+
+def table(row: Mapping[str, Any]) -> str:
+    """One configuration's shares side by side (a column per estimate), its gate and residuals."""
+    cols = ("true", "naive", "roofline", "old loops", "loops", "used")
+    lines = [f"eagle b{row['batch']}, {row['setting']} ({row['meter']}): method {row['method']}",
+             f"{'phase':<9}" + "".join(f"{c:>11}" for c in cols)]
+    for p in PHASES:
+        cells = [row[c].get(p) if row[c] else None for c in cols]
+        lines.append(f"{p:<9}" + "".join(f"{'-' if x is None else format(100 * x, '.1f') + '%':>11}" for x in cells))
+    gate = row["gate"]
+    verdict = "n/a" if gate is None else "passed" if gate.passed else "FAILED: " + "; ".join(gate.reasons)
+    fmt = lambda x: "n/a" if x is None else f"{x:+.1%}"  # noqa: E731
+    lines.append(f"split gate {verdict}; additivity residual {fmt(row['additivity'])}; "
+                 f"interaction residual {fmt(row['interaction'])}")
+    return "\n".join(lines)
 
 
 def items(args: argparse.Namespace, batch: int, out_dir: Path) -> str:
@@ -161,7 +178,8 @@ def items(args: argparse.Namespace, batch: int, out_dir: Path) -> str:
         session = _session(args, meter, None)
         cfg, result, runs, records = _served(args, session, batch, meter, args.k,
                                              out_dir / f"items-b{batch}-{meter.split(':')[0]}.jsonl")
-        split = split_energy(records, result.record["run_ids"], split_profile(None, [session.meter.source]))
+        run_ids = list(result.record.stream.run_ids)
+        split = split_energy(records, run_ids, split_profile(None, [session.meter.source]))
         assert split is not None
         parts = ", ".join(f"{name} {100 * x:.1f}%" for name, x in split.shares.items())
         why = f" ({'; '.join(split.split_gate_reasons)})" if split.split_gate_reasons else ""

@@ -1,10 +1,11 @@
 """Energy and acceptance per request: what one request cost in a batch, and what its drafts earned.
 
 Joules per request (:func:`split_energy`)
-    Every phase record's energy, as the accounting uses it (:func:`~refspec.energy.accounting.phase_energy.phase_energy`:
-    modelled, read, or attributed from a counter), is split among the requests that took part
-    in the phase. The phase's participants are the slots holding a request whose row did work
-    (``slot_requests >= 0`` and ``row_lengths > 0``). The roofline model prices the phase's
+    Every phase record's energy, as the accounting uses it
+    (:func:`~refspec.energy.accounting.phase_energy.phase_energy`: modelled, read, or attributed
+    from a counter), is split among the requests that took part in the phase. The phase's
+    participants are the slots holding a request whose row did work (``slot_requests >= 0`` and
+    ``row_lengths > 0``). The roofline model prices the phase's
     recorded forwards part by part (:func:`forward_parts`), and the phase's energy is divided in
     proportion to those modelled parts:
 

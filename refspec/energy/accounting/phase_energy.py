@@ -57,7 +57,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from refspec.energy.accounting.attribution import Loop, PhasePower, nnls_phase_power
-from refspec.energy.accounting.split_gate import (GATE, GateRule, SplitGate, check_reasons, disagreement, interaction_residual, loop_reasons)
+from refspec.energy.accounting.split_gate import (GATE, GateRule, SplitGate, check_reasons, disagreement,
+                                                  interaction_residual, loop_reasons)
 
 Record = Mapping[str, Any]
 METHODS = ("modelled", "measured-direct", "attributed-loops", "attributed-fit", "measured-total-only")

@@ -76,7 +76,8 @@ def _attribution_lines(acc: Accounting) -> list[str]:
                          "proportions in every sub-window, or too few sub-windows); run phase-isolated loops")
         if a["loops_share"] is not None:
             lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
-                         f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}; "
+                         f"{_fmt(a['agreement'], '.3f')}; "
+                         f"additivity residual {_fmt(a['additivity_residual'], '+.1%')}; "
                          f"interaction residual {_fmt(a['interaction_residual'], '+.1%')}")
         gate = a["split_gate"] or {}
         lines.append("  split gate: passed" if gate.get("passed") else

@@ -128,9 +128,9 @@ def build_engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: 
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     policy = build_policy(session, cfg, drafter)
     watch = [policy.on_event] if hasattr(policy, "on_event") else []  # a policy calibrating on measured phases
-    return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                  acceptance_fn=acceptance_fn, policy=policy)
+    return Engine(target.prepared, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
+                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, acceptance_fn=acceptance_fn,
+                  policy=policy)
 
 
 def serve_chunks(session: Session, cfg: RunConfig, engine: Any, ledger: Any, chunks: Sequence[Sequence[Any]],
@@ -191,7 +191,8 @@ def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any
         work=work_section(ledger_records, acc.run_ids, [len(p) for p in prompts]), per_request=per_request,
         roofline=roofline_prediction(session, cfg, drafter, prompts, acc.tau,
                                      [q.max_new_tokens for q in stream.requests]),
-        versions=library_versions(), cpu_gemm_plan=gemm_plan_text(), **accounting_sections(acc))
+        versions=library_versions(), cpu_gemm_plan=gemm_plan_text(session.target.prepared.cpu_plan),
+        **accounting_sections(acc))
 
 
 def configuration_record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], *,

@@ -31,8 +31,9 @@ from refspec.energy.ledger.writer import mark_aborted
 from refspec.eval import pipeline
 from refspec.eval.baseline import with_baseline
 from refspec.eval.flags import UsageError
+from refspec.eval.load import LoadProbe, host_section
 from refspec.eval.machine import gemm_plan_text, library_versions
-from refspec.eval.record import RequestOutput, RunRecord, Stream
+from refspec.eval.record import Host, RequestOutput, RunRecord, Stream
 from refspec.eval.record_figures import accounting_sections, request_figures, roofline_figures, work_section
 from refspec.eval.run_config import RunConfig
 from refspec.eval.session import Session
@@ -197,7 +198,7 @@ def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any
 def configuration_record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], *,
                          ledger_path: Path, start_offset: int, run_ids: Sequence[str], drafter: Any,
                          injection: dict[str, Any] | None = None, baseline: RunRecord | None = None,
-                         started_s: float) -> RunRecord:
+                         started_s: float, host: Host | None = None) -> RunRecord:
     """The record of ``cfg`` whose ended ledger runs ``run_ids`` lie in ``ledger_path`` from byte ``start_offset``.
 
     Its figures come from the ledger as written to disk (:func:`refspec.eval.pipeline.read_back`), never
@@ -210,6 +211,7 @@ def configuration_record(session: Session, cfg: RunConfig, stream: Any, results:
         injection: the injected acceptance model's record, or None.
         baseline: the baseline's record at the same batch, for the comparison section.
         started_s: ``time.perf_counter()`` when the configuration started (the record's ``wall_s``).
+        host: the host's load while serving (:meth:`refspec.eval.load.LoadProbe.stop`), or None.
 
     Raises:
         AccountingError: the runs cannot be accounted.
@@ -220,6 +222,8 @@ def configuration_record(session: Session, cfg: RunConfig, stream: Any, results:
     acc = pipeline.account(records, run_ids)
     record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
                      drafter=drafter)
+    if host is not None:
+        record = dataclasses.replace(record, host=host_section(host, record))
     record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))
     return dataclasses.replace(record, wall_s=time.perf_counter() - started_s, created_unix_s=time.time())
 
@@ -267,7 +271,9 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
         engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
         session.warm(engine, cfg, prompts)
+        probe = LoadProbe.start()
         results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
+        host = probe.stop()
         if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
             ledger.end_run()  # under a counter: the loops lie outside every window of the run
             loops = pipeline.phase_loops(engine, session.meter, results, batch=cfg.batch, k=cfg.k,
@@ -279,7 +285,7 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     try:
         record = configuration_record(session, cfg, stream, results, ledger_path=ledger_path,
                                       start_offset=ledger.start_offset, run_ids=ledger.run_ids, injection=injection,
-                                      drafter=drafter, baseline=baseline, started_s=t_start)
+                                      drafter=drafter, baseline=baseline, started_s=t_start, host=host)
     except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
         mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise

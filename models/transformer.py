@@ -122,7 +122,7 @@ class Transformer(nn.Module):
     def multirow_matrix_bytes(self, rows: int | None = None) -> int | None:
         """Bytes per element the matrices stream in products of 2 or more rows (of ``rows`` rows,
         when given) when that differs from the parameter size, else None; for
-        :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`. A plain model streams its
+        :attr:`refspec.energy.model.work.ForwardShape.matrix_bytes`. A plain model streams its
         parameters; a CPU GEMM plan that multiplies through copies of another dtype says so
         (:meth:`~refspec.models.gemm_forms.GemmChoice.multirow_element_bytes`, read off the LM head)."""
         gemm = self.lm_head.gemm
@@ -178,7 +178,7 @@ class Transformer(nn.Module):
                 inputs_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run the decoder over new tokens, writing their K/V into ``cache``; records its
-        :meth:`forward_shape` (:func:`refspec.energy.phases.record_forward`).
+        :meth:`forward_shape` (:func:`refspec.energy.model.work.record_forward`).
 
         Args:
             tokens: ``[B, S]`` token ids.

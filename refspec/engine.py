@@ -21,9 +21,9 @@ steps in :mod:`refspec.step`):
 waits on it while every slot is empty); :meth:`Engine.generate` is one static batch. Rejected KV
 entries stay in the cache but are never attended and are overwritten next step. Finished rows
 and empty slots keep riding along (static shapes) but emit nothing and are not counted active.
-Every phase is bracketed by an :class:`~refspec.energy.phases.EnergyMeter` through a
-:class:`~refspec.energy.phases.MeteredPhase` and reported to observers as a
-:class:`~refspec.energy.phases.PhaseEvent`; the work a phase is billed is what the forwards run
+Every phase is bracketed by an :class:`~refspec.energy.meters.measurement.EnergyMeter` through a
+:class:`~refspec.energy.ledger.events.MeteredPhase` and reported to observers as a
+:class:`~refspec.energy.ledger.events.PhaseEvent`; the work a phase is billed is what the forwards run
 inside it recorded (target, draft model, drafter heads), never a declaration beside them.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ the point where verifying more tokens stops being nearly free.
 A forward over N GPUs in Megatron's layout (:mod:`refspec.models.tp.shard`, shares from
 :mod:`refspec.models.tp.plan`):
 
-* **each GPU's share** is :func:`~refspec.energy.roofline.forward_cost` of the architecture of
+* **each GPU's share** is :func:`~refspec.energy.model.roofline.forward_cost` of the architecture of
   its share (its heads, K/V heads and MLP columns; embedding, norms and LM head whole, as
   refspec replicates them): weight bytes and FLOPs of the blocks over N, the LM head's not;
   its KV cache holds Hkv / N heads (at least one). The costliest share (rank 0's when the
@@ -142,7 +142,7 @@ def predict_tp_step(target: ModelArgs, profile: HardwareProfile, *, tp: int, bat
                     acceptance: float, drafter: DrafterModel | None = EAGLE_HEAD, dtype_bytes: int = 2) -> TPStep:
     """Model one step over ``tp`` GPUs: K replicated draft forwards (or one block forward), one
     tensor-parallel verify forward of K + 1 tokens per row (as
-    :func:`~refspec.energy.roofline.predict_step` for one GPU, which ``tp=1`` reproduces apart
+    :func:`~refspec.energy.model.roofline.predict_step` for one GPU, which ``tp=1`` reproduces apart
     from the link terms, all zero there)."""
     verify = tp_forward(_verify_shape(target, batch, k, context, dtype_bytes), profile, tp)
     draft_time = draft_energy = 0.0

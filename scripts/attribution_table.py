@@ -22,11 +22,10 @@ with the load; the gates and the comparison do not depend on it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 

@@ -116,12 +116,14 @@ def work_section(records: Sequence[Record], run_ids: Sequence[str], prompt_lengt
 
 # ---- per request -------------------------------------------------------------------------------
 def _split(ledger: Sequence[Record], run_ids: Sequence[str], phases: Sequence[Record], profile: Any) -> Any:
-    """The energy split per request, or None under a time-only meter (acceptance and latencies only)."""
+    """The energy split per request, or None under a time-only meter or when the phase split failed
+    its gate (acceptance and latencies only: no request is charged from a split that was withheld)."""
     runs = set(run_ids)
     has_energy = any(r.get("energy_j") is not None for r in phases) or any(
         r.get("kind") == "counter" and r.get("run_id") in runs for r in ledger)
-    return split_energy(ledger, run_ids, split_profile(profile, {str(r["source"]) for r in phases})) \
+    split = split_energy(ledger, run_ids, split_profile(profile, {str(r["source"]) for r in phases})) \
         if has_energy else None
+    return None if split is not None and split.method == "measured-total-only" else split
 
 
 def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence[Any],

@@ -49,13 +49,13 @@ def _withheld(r: RunRecord) -> str | None:
 
 
 def _has(r: RunRecord) -> bool:
-    return r.per_request.request_energy_p50_j is not None and _withheld(r) is None
+    return r.per_request.request_energy_p50_j is not None
 
 
 def closure_md(records: Sequence[RunRecord], label: Label) -> list[str]:
     """Per configuration: J charged to requests + the named items (idle slots, no request, host) against
     the total energy, the residual apart; a split that failed its gate charges no request and says why."""
-    rows = [r for r in records if r.per_request.request_energy_closes is not None]
+    rows = [r for r in records if r.per_request.request_energy_closes is not None or _withheld(r) is not None]
     if not rows:
         return []
     md = ["Per request (docs/accounting.md): the J charged to requests plus the named items no request caused "
@@ -105,11 +105,10 @@ def answer(records: Sequence[RunRecord], label: Label) -> str | None:
 def _row(r: RunRecord, label: Label) -> str:
     q = r.per_request
     cells = [label(r), str(len(r.request_outputs))]
-    split = _withheld(r) is None  # a split that failed its gate: the run's total only
-    cells += [fmt(x if split else None, ".4g") for x in (q.request_energy_p50_j, q.request_energy_p99_j,
-                                                         q.request_j_per_token_p50, q.request_j_per_token_p99)]
-    cells += [fmt(r.run.j_per_token, ".4g"), fmt(q.request_unattributed_share if split else None, ".2f", 100),
-              fmt(r.counts.tau, ".3f"), _hist_text(r), _positions_text(r)]
+    cells += [fmt(x, ".4g") for x in (q.request_energy_p50_j, q.request_energy_p99_j, q.request_j_per_token_p50,
+                                      q.request_j_per_token_p99, r.run.j_per_token)]
+    cells += [fmt(q.request_unattributed_share, ".2f", 100), fmt(r.counts.tau, ".3f"), _hist_text(r),
+              _positions_text(r)]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -177,6 +177,8 @@ def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
     assert (tmp_path / "phase_energy.png").is_file(), "the plot draws the measured totals, hatched"
     records = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().split("\n") if x.strip()]
     assert all(r["attribution"]["split_gate"]["passed"] is False and r["phase_share"] is None for r in records)
+    assert all(r["request_energy_p50_j"] is None and r["request_energy_closes"] is None for r in records)
+    assert all(o["energy_j"] is None for r in records for o in r["request_outputs"]), "no request charged"
 
 
 def test_loops_shorter_than_the_gates_floor_are_logged(tmp_path, tiny, caplog):

@@ -8,7 +8,7 @@ is sized in those periods (:class:`~refspec.eval.paper.grid.Windows`). Where no 
 read, energy is the roofline's and every output says MODELLED (``--require-measured-energy``
 exits 3 instead). Clocks are only ever read.
 
-On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.simulated`): the
+On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.meters.simulated`): the
 H100 or H200 profile's modelled energy of each phase as the truth, sampled part-time the way
 NVML samples, on the modelled clock. The figures are MODELLED and labelled so.
 """
@@ -122,7 +122,7 @@ def _gpu_meter(args: Any) -> tuple[Any, float, str] | str:
 def _simulated_meter(args: Any) -> Any:
     """The CPU's simulated counter over the ``--profile`` roofline, on the modelled clock."""
     from refspec.energy.model.hardware import get_profile
-    from refspec.energy.simulated import SimulatedMeter
+    from refspec.energy.meters.simulated import SimulatedMeter
 
     p = SIMULATED_PERIOD_S
     return SimulatedMeter(get_profile(args.profile), time_source="model", period_s=p,

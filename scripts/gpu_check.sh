@@ -5,7 +5,7 @@
 # results.json (all rewritten after every variant), four plots and paper.log (the mix check's lines too).
 #
 # Usage: bash scripts/gpu_check.sh [python -m refspec.eval paper flags]
-#   on the GPU:      bash scripts/gpu_check.sh             (plans 351 s in all; device tool timeout_s 540)
+#   on the GPU:      bash scripts/gpu_check.sh             (plans 481 s in all; device tool timeout_s 540)
 #   shorter rerun:   bash scripts/gpu_check.sh --blocks core --budget-s 150
 #   rehearsal (CPU): bash scripts/gpu_check.sh --device cpu --quick
 #

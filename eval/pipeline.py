@@ -109,7 +109,7 @@ def account(records: Any, run_ids: Sequence[str], *, min_window_s: float | None 
     """The accounting of ``run_ids`` pooled (their steady-state windows at least ``min_window_s`` long to be valid).
 
     Raises:
-        AccountingError: the runs cannot be accounted (:func:`refspec.energy.accounting.pool_runs`).
+        AccountingError: the runs cannot be accounted (:func:`refspec.energy.accounting.headline.pool_runs`).
     """
     extra = {} if min_window_s is None else {"min_window_s": min_window_s}
     return pool_runs(records, list(run_ids), **extra)

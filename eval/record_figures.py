@@ -1,12 +1,12 @@
 """The figures a run record carries, taken from the accounting and the ledger; nothing computed twice.
 
-:func:`accounting_sections` copies a pooled :class:`~refspec.energy.accounting.Accounting`
+:func:`accounting_sections` copies a pooled :class:`~refspec.energy.accounting.headline.Accounting`
 into the record's sections under the record's names; :func:`work_section` reads the refill
 groups, prefill work, experts touched and the K a policy chose from the ledger records of the
 configuration; :func:`request_figures` splits the energy among the requests
 (:func:`refspec.energy.accounting.per_request.split_energy`), checks each request's acceptance against the
 ledger and takes its latencies from the accounting (``Accounting.requests``, computed once by
-:mod:`refspec.energy.serving_window`). :func:`roofline_figures` gives the analytic
+:mod:`refspec.energy.accounting.serving_window`). :func:`roofline_figures` gives the analytic
 (modelled, never measured) J/token and TPOT of a steady-state step of the same configuration.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reports of run records: the CLI's text table and ``report.md`` with its plots.
 
 Input: :class:`~refspec.eval.record.RunRecord` s from ``records.jsonl`` and any Slurm task
-files (:func:`refspec.eval.record.read_records`), their comparisons attached
+files (:func:`refspec.eval.record_files.read_records`), their comparisons attached
 (:func:`refspec.eval.baseline.attach_baselines`). Every figure printed is a record's, computed
 by :mod:`refspec.energy.accounting`; the report formats, never recomputes. It states where the
 energy came from (measured by which counter, or modelled by which roofline profile), labels

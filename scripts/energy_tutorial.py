@@ -10,7 +10,7 @@ shapes a Llama-3.1-8B target would run on an H200; finished requests are refille
 Each phase goes through the same path as under the engine: a
 :class:`~refspec.energy.ledger.events.MeteredPhase` of the meter, the forwards recorded inside it, a
 :class:`~refspec.energy.ledger.events.PhaseEvent` to the ledger (wrapped so counter reads are recorded),
-then :func:`refspec.energy.accounting.account` and
+then :func:`refspec.energy.accounting.headline.account` and
 :func:`refspec.energy.accounting.per_request.split_energy` on the ledger as read back from disk. The
 meter is a :class:`~refspec.energy.meters.simulated.SimulatedMeter`: an H200-like device law of its own
 (:mod:`refspec.energy.meters.device_law`) on the roofline's modelled clock.

@@ -2,7 +2,7 @@
 
 On a GPU the meter is the run's energy counter (NVML's total-energy counter, through Zeus where
 it is installed, else pynvml; its instantaneous-power integral where the counter is refused),
-read only over windows it resolves (:class:`~refspec.energy.windowed.WindowedMeter`). Its update
+read only over windows it resolves (:class:`~refspec.energy.meters.windowed.WindowedMeter`). Its update
 period is measured at start by polling it (:func:`measure_period`), and every window of the run
 is sized in those periods (:class:`~refspec.eval.paper.grid.Windows`). Where no counter can be
 read, energy is the roofline's and every output says MODELLED (``--require-measured-energy``

@@ -47,7 +47,7 @@ class Block:
 
     Attributes:
         name: label in results and tables.
-        arch: an architecture of :data:`refspec.energy.architectures.ARCHS`.
+        arch: an architecture of :data:`refspec.energy.model.architectures.ARCHS`.
         batches: serving batches, in run order.
         drafters: drafter configurations, in run order.
         corpora: corpora whose acceptance is injected.

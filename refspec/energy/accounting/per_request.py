@@ -30,7 +30,7 @@ Joules per request (:func:`split_energy`)
 
     **Closure** is then a check that can fail: requests + named items against the runs' total
     energy (the counter's, under a counter); what is left is the **residual**, reported apart.
-    A direct read closes to :data:`~refspec.energy.accounting.CLOSURE_RTOL`; an attributed split
+    A direct read closes to :data:`~refspec.energy.accounting.headline.CLOSURE_RTOL`; an attributed split
     within its gate's additivity tolerance (the residual is the additivity residual's joules).
     A split that failed its gate charges no request, so it does not close. Shares
     (:attr:`EnergySplit.shares`) are of the total, the named items and the residual included.

@@ -38,7 +38,7 @@ class HardwareProfile:
         benchmarked: whether peak and bandwidth were timed on this machine by benchmarks (not the
             data sheet); its energy coefficients stay modelled either way.
         link_Bps: GPU-to-GPU bandwidth per GPU in one direction, bytes/s (NVLink), for
-            tensor-parallel collectives (:mod:`refspec.energy.interconnect`); None: no link modelled.
+            tensor-parallel collectives (:mod:`refspec.models.tp.interconnect`); None: no link modelled.
         link_latency_s: fixed time of one collective on that link, s.
         link_pj_per_byte: dynamic energy per byte a GPU sends over the link, pJ.
     """

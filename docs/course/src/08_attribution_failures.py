@@ -156,15 +156,20 @@ for name, report in (("fine counter", r), ("slow counter", r_slow)):
 # or finished slots, phases with no request, energy outside every phase (host time between phases
 # under a counter, priced at the idle power). Each named item is priced from the recorded work,
 # not defined as "what is left", so the closure (requests + named items = the measured total) is
-# a check that can fail, and what neither explains is reported apart as the **residual**.
+# a check that can fail, and what neither explains is reported apart as the **residual**. Each
+# request's cost is priced with the phase split, so where the gate withheld the split (a busy
+# machine, section 1) none is printed.
 
 # %%
-total_requests = sum(q.energy_j for q in r.per_request)
-named = sum(r.named_items_j.values())
-print(f"requests {total_requests:.3f} J + named items {named:.3f} J = {total_requests + named:.3f} J; "
-      f"measured total {r.energy_j:.3f} J; residual {total_requests + named - r.energy_j:+.3f} J")
-for item, joules in r.named_items_j.items():
-    print(f"  {item:<16} {joules:.3f} J ({joules / r.energy_j:.1%})")
+if any(q.energy_j is None for q in r.per_request):
+    print("per-request costs not printed: they are priced with the phase split, which the gate withheld")
+else:
+    total_requests = sum(q.energy_j for q in r.per_request)
+    named = sum(r.named_items_j.values())
+    print(f"requests {total_requests:.3f} J + named items {named:.3f} J = {total_requests + named:.3f} J; "
+          f"measured total {r.energy_j:.3f} J; residual {total_requests + named - r.energy_j:+.3f} J")
+    for item, joules in r.named_items_j.items():
+        print(f"  {item:<16} {joules:.3f} J ({joules / r.energy_j:.1%})")
 
 # %% [markdown]
 # ## What a GPU run would change

@@ -34,7 +34,7 @@ import torch
 from refspec.eval.bench_timing import (compile_figures, compiled_step, hf_run, interleaved, load_hf, measure_bandwidth,
                                        products_run, refspec_figures, refspec_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
-from refspec.eval.flags import UsageError
+from refspec.eval.flags import OneLineParser, UsageError
 from refspec.eval.outputs import check_output
 from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
@@ -289,8 +289,8 @@ def drafter_path(drafter_name: str, opts: dict, model_name: str) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refspec.eval bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m refspec.eval bench", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="refspec vs transformers decode speed and the bandwidth floor")
     d.add_argument("--model", default="smollm2-135m")

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.flags import OneLineParser
 from refspec.eval.train_data import DataSpec, ReplyCache, build_sequences, load_sequences, save_sequences
 
 log = logging.getLogger("refspec.eval.train")
@@ -32,7 +33,7 @@ log = logging.getLogger("refspec.eval.train")
 
 def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     names = ", ".join(f"{n} ({t.description})" for n, t in sorted(trainers.items())) or "none registered"
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m refspec.eval train",
         description=f"Train a drafter on a frozen target's hidden states. Drafters: {names}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

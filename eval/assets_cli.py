@@ -20,7 +20,7 @@ from typing import Sequence
 from refspec.assets import (REGISTRY, AssetError, convert_gguf, fetch_model, get_asset, list_models, model_dir,
                             refspec_home, resolve_model, verify_model_dir)
 from refspec.assets.gguf_convert import _ST_DTYPES
-from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line, output_path
 from refspec.eval.outputs import check_output_dir
 from refspec.extras import MissingExtraError
 
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("id", metavar="ID")
     c = sub.add_parser("convert", help="convert any local GGUF file into a model directory")
     c.add_argument("gguf", type=Path)
-    c.add_argument("out", type=Path)
+    c.add_argument("out", type=output_path)
     c.add_argument("--dtype", default="float32", choices=sorted(_ST_DTYPES))
     return p
 

@@ -34,7 +34,7 @@ import torch
 from refspec.eval.bench_timing import (compile_figures, compiled_step, hf_run, interleaved, load_hf, measure_bandwidth,
                                        products_run, refspec_figures, refspec_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
-from refspec.eval.flags import OneLineParser, UsageError
+from refspec.eval.flags import OneLineParser, UsageError, output_path
 from refspec.eval.outputs import check_output
 from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
@@ -325,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--k", default="0,1,2,4,8", help="comma-separated draft lengths (0 = plain decoding)")
     r.add_argument("--dtype", default="fp32")
     r.add_argument("--new-tokens", type=int, default=12, help="tokens per row; the first 2 steps are not timed")
-    r.add_argument("--plot", type=Path, default=None, help="write measured vs predicted to this PNG")
+    r.add_argument("--plot", type=output_path, default=None, help="write measured vs predicted to this PNG")
     r.add_argument("--json", action="store_true")
     return p
 

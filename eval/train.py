@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from refspec.eval.flags import OneLineParser
+from refspec.eval.flags import OneLineParser, output_path
 from refspec.eval.train_data import DataSpec, ReplyCache, build_sequences, load_sequences, save_sequences
 
 log = logging.getLogger("refspec.eval.train")
@@ -39,7 +39,7 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--drafter", required=True, choices=sorted(trainers), help="what to train")
     p.add_argument("--model", default="smollm2-135m", help="target: model id or Hugging Face directory")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_path, default=None,
                    help="output directory (default: $REFSPEC_HOME/heads/<model>-<drafter>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the drafter's, or 2000)")
@@ -86,7 +86,7 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--reference-cuts", action="append", default=[], metavar="SOURCE=K",
                    help="also cut every reference answer of SOURCE (conversation, math, code) in the mix at K evenly "
                         "spaced points and train on the target's greedy continuation from each (repeatable)")
-    p.add_argument("--data-cache", type=Path, default=None,
+    p.add_argument("--data-cache", type=output_path, default=None,
                    help="sequences file (default: $REFSPEC_HOME/train-data/<model>-<hash>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p

@@ -125,6 +125,7 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
     else:
         batches = [] if args.batch is None else [integer("--batch", args.batch, low=1)]  # []: the default cells
         ks = None if args.k is None else [integer("--k", args.k, low=0)]
+    _check_rows(args, batches)
     drafters = csv("--drafter", args.drafter)
     if args.corpus is not None:
         csv("--corpus", args.corpus)
@@ -143,6 +144,19 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
     return batches, ks
 
 
+BATCH_MAX = 4096
+"""Most rows of one batch (each row holds a KV cache of the whole context)."""
+
+
+def _check_rows(args: argparse.Namespace, batches: Sequence[int]) -> None:
+    """No batch beyond :data:`BATCH_MAX` or beyond the requests the run serves (rows that never hold one)."""
+    for batch in batches:
+        integer("--batch", batch, low=1, high=BATCH_MAX)
+        if args.requests is not None and batch > args.requests:
+            raise UsageError(f"--batch {batch} exceeds --requests {args.requests}: the extra rows would never hold a "
+                             f"request; use --batch {args.requests} or more --requests")
+
+
 def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sweep: bool) -> None:
     if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
         raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
@@ -153,6 +167,10 @@ def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sw
         raise UsageError("--accept-model needs a drafter (k >= 1): add --drafter NAME")
     if args.accept_model and args.tree:
         raise UsageError("--accept-model injects chain acceptance only; drop --tree")
+    if args.spec_policy and all(d == "none" for d in drafters):
+        given = args.spec_policy if isinstance(args.spec_policy, str) else ",".join(args.spec_policy)
+        raise UsageError(f"--spec-policy {given} chooses each step's K of a drafter; --drafter none drafts nothing "
+                         f"(drop --spec-policy or name a drafter)")
     if args.no_baseline and all(d == "none" for d in drafters):
         raise UsageError("--no-baseline with --drafter none leaves nothing to run")
     if sweep:

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -85,6 +86,31 @@ def _check_context(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[
                          f"model's context of {ctx}; {fix}")
 
 
+def _free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take on ``device`` (CUDA: free device memory; CPU: available RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            avail = next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("MemAvailable:"))
+        return avail
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """The batch's KV cache (keys and values of every row over the whole context) fits in free memory."""
+    model = session.target.model
+    slots = max(map(len, prompts)) + cfg.max_new_tokens + cfg.k + 1
+    hkv = model.heads()[0]
+    per_row = 2 * model.num_layers * hkv * model.args.head_dim * slots * model.dtype.itemsize  # bytes, K and V
+    need, free = cfg.batch * per_row, _free_bytes(session.device)
+    if need > free:
+        rows = max(1, free // per_row)
+        raise UsageError(f"--batch {cfg.batch} ({cfg.label}): its KV cache needs {need / 2**30:.1f} GiB and "
+                         f"{session.device} has {free / 2**30:.1f} GiB free; use --batch {rows} or less")
+
+
 def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     """Load what ``cfg`` needs (prompts, stream, drafter, injected model) so a bad setting fails before any run.
 
@@ -99,6 +125,7 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
         raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
                          f"--schedule static")
     _check_context(session, cfg, prompts, drafter)
+    _check_memory(session, cfg, prompts)
     _injection(cfg, session.device)
 
 

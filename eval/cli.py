@@ -57,13 +57,22 @@ def _out_dir(path: Path | None, lock: str = LOCK) -> Iterator[tuple[Path, bool]]
 
 
 class _AcceptanceExporter:
-    """Collects generations per (drafter, corpus, K) and rewrites the export file after each."""
+    """Collects generations per (drafter, corpus, K) and rewrites the export file (atomically) after each.
+
+    The models already in the file (an earlier run of a resumed sweep) are kept unless this run
+    measures the same (drafter, corpus, K, model) again, so the file covers every resume.
+    """
 
     def __init__(self, path: Path | None, command: str) -> None:
         self.path = path
         self.command = command
         self._gens: dict[tuple[str, str, int], list[Any]] = {}
         self._meta: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._earlier: list[Any] = []
+        if path is not None and path.exists():
+            from refspec.eval.injection import load_acceptance_models
+
+            self._earlier = load_acceptance_models(path)  # checked as one before any work (check_outputs)
 
     def add(self, result: Any) -> None:
         r = result.record
@@ -76,6 +85,8 @@ class _AcceptanceExporter:
         meta = self._meta.setdefault(key, {"prompts": r.stream.requests_unique, "batches": set(), "model": r.model})
         meta["batches"].add(r.batch)
         models = []
+        fresh = {(d, c, k, self._meta[(d, c, k)]["model"]) for d, c, k in self._gens}
+        models += [m for m in self._earlier if (m.drafter, m.corpus, m.k, m.provenance.source_model) not in fresh]
         for (drafter, corpus, k), gens in self._gens.items():
             m = self._meta[(drafter, corpus, k)]
             models.append(AcceptanceModel.from_generation(

@@ -7,6 +7,7 @@ drafter registry (device, dtype, drafter names) follow in :func:`refspec.eval.cl
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Sequence
@@ -100,6 +101,22 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is not None:
             check_output(flag, path, inputs=inputs, others=own)
             own.append(path)
+    if args.export_acceptance is not None and args.export_acceptance.is_file():
+        _check_earlier_export(args.export_acceptance)
+
+
+ACCEPTANCE_SCHEMA = "refspec.acceptance/1"
+
+
+def _check_earlier_export(path: Path) -> None:
+    """An existing ``--export-acceptance`` file is one this command wrote (its models are merged, never lost)."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8")).get("schema")
+    except (OSError, ValueError, AttributeError):
+        schema = None
+    if schema != ACCEPTANCE_SCHEMA:
+        raise UsageError(f"--export-acceptance {path} exists and is not a {ACCEPTANCE_SCHEMA} file; choose another "
+                         f"file (an export merges into its own earlier file only)")
 
 
 def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int], list[int] | None]:

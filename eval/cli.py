@@ -37,7 +37,7 @@ from refspec.eval.cli_args import TOOLS, normalise_argv, parser, top_help
 from refspec.eval.cli_plan import Plan, build_plan
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,
-                                     sigterm_as_interrupt, unwrapped_interrupts)
+                                     sigterm_as_interrupt, stdout_outlives_reader, unwrapped_interrupts)
 from refspec.eval.outputs import LOCK, SBATCH, SUMMARY, SWEEP_META, RunPaths, claimed, scratch, write_atomic, write_json
 from refspec.eval.sweep_dir import definition_id, resolve_out, write_meta
 
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), stdout_outlives_reader():
             code = _dispatch(raw)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -93,3 +93,19 @@ def test_the_export_schema_check_matches_the_writer():
     from refspec.eval.injection import SCHEMA
 
     assert ACCEPTANCE_SCHEMA == SCHEMA
+
+
+def test_a_closed_stdout_still_writes_every_file(tiny, tmp_path):  # noqa: F811
+    """``... | head`` closes stdout before the table prints: the report, plots and records are still written."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "refspec.eval", *_sweep(tiny, out, "--k", "2")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.stdout.close()  # the reader is gone before the first line
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Broken pipe" not in err and "BrokenPipeError" not in err, err[-2000:]
+    assert (out / "report.md").exists() and (out / "summary.json").exists() and list(out.glob("*.png"))

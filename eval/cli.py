@@ -188,6 +188,13 @@ def _interrupted_line(configs: Sequence[Any], paths: RunPaths, *, keep: bool, sw
 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
+    from refspec.eval.cli_checks import check_run_flags
+    from refspec.eval.cli_plan import check_serving_flags
+    from refspec.eval.tp_launch import check_tp_flags
+
+    check_serving_flags(args, sweep=sweep)  # the torch-free checks, before a process group forms under torchrun
+    check_run_flags(args, sweep=sweep)
+    check_tp_flags(args)
     import_torch()
     from refspec.eval.tp_launch import rank_out, start as start_tp
 

@@ -24,13 +24,15 @@ from refspec.config import round_up
 from refspec.drafting import DecodeState, Draft, DrafterError
 from refspec.energy.model.roofline import DrafterModel
 from refspec.sampling import probs_from_logits, sample
+from refspec.target import TargetForward
 
 
 class DraftModelDrafter:
     """Autoregressive drafting with a smaller model.
 
     Args:
-        model: the draft ``Transformer`` (same vocabulary as the target).
+        model: the draft model (same vocabulary as the target): a ``Transformer``, or one readied
+            by ``refspec.models.prepare_target`` (:class:`~refspec.target.TargetForward`).
         target_vocab_size: the target's V (the draft's V may be smaller, never larger).
         draft_fingerprint / target_fingerprint: tokenizer fingerprints; a mismatch is refused.
         kv_bucket: attended cache prefix granularity.
@@ -39,7 +41,7 @@ class DraftModelDrafter:
     name = "draft-model"
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model, *, target_vocab_size: int, draft_fingerprint: str | None = None,
+    def __init__(self, model: TargetForward, *, target_vocab_size: int, draft_fingerprint: str | None = None,
                  target_fingerprint: str | None = None, kv_bucket: int = 64) -> None:
         if draft_fingerprint is not None and target_fingerprint is not None and draft_fingerprint != target_fingerprint:
             raise DrafterError(
@@ -168,11 +170,11 @@ def register_builtin(register) -> None:
             model = ctx.target.truncated(int(str(spec).split(":", 1)[1]))
             return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size)
         from refspec.assets import resolve_model
-        from refspec.models import load_model
+        from refspec.models import load_model, prepare_target
         from refspec.assets.tokenizer import load_tokenizer
 
         path = resolve_model(str(spec))
-        model = load_model(path, dtype=ctx.dtype, device=ctx.device)
+        model = prepare_target(load_model(path, dtype=ctx.dtype, device=ctx.device))  # this machine's CPU GEMM plan
         fp = load_tokenizer(path).fingerprint() if (path / "tokenizer.json").exists() else None
         return DraftModelDrafter(model, target_vocab_size=ctx.target.args.vocab_size, draft_fingerprint=fp,
                                  target_fingerprint=ctx.tokenizer_fingerprint)

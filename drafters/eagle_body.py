@@ -4,7 +4,7 @@
 
 A head forward (:meth:`EagleHead.forward_draft`) is one decoder layer over S new pairs and the
 draft logits of some of its outputs; it records its own work
-(:func:`refspec.energy.phases.record_forward`) from the tensors it ran.
+(:func:`refspec.energy.model.work.record_forward`) from the tensors it ran.
 
 Shapes: B batch, S query length, T cache length, E model dim, V target vocab, Vd draft vocab.
 """

@@ -61,7 +61,7 @@ def measure(model: Any, rows: torch.Tensor) -> dict[str, dict[str, float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from refspec.assets.tokenizer import load_tokenizer
-    from refspec.models.loading import load_model
+    from refspec.models import load_model, prepare_target
 
     p = argparse.ArgumentParser(prog="python -m refspec.eval.audit_noise", description=__doc__.split("\n")[0])
     p.add_argument("model", type=Path, help="model directory (safetensors and tokenizer.json)")
@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: the text has {len(ids)} tokens; give --text with at least {LENGTH + ROWS}")
     rows = torch.tensor([ids[i * stride:i * stride + LENGTH] for i in range(ROWS)], device=args.device)
     model = load_model(args.model, dtype=dtype, device=args.device)
+    prepare_target(model)  # the products a run takes (on a CPU, this machine's GEMM plan)
     print(json.dumps({"model": str(args.model), "dtype": args.dtype, "device": args.device,
                       **measure(model, rows)}, indent=1))
     return 0

@@ -4,7 +4,8 @@ The baseline is the no-drafter configuration at the same batch, corpus and setti
 the same request stream. :func:`with_baseline` returns the record with its ``comparison``
 section filled (records are frozen); the run fills it as soon as the baseline is known, and the
 report again over the records it merges (:func:`attach_baselines`), since records from
-separate Slurm tasks meet there for the first time. The saving and the speed-up come from
+separate Slurm tasks meet there for the first time. Whether the verdict can rest on the two
+records' times is :func:`refspec.eval.load.verdict_reliability`'s. The saving and the speed-up come from
 :func:`refspec.energy.accounting.energy_saving` and :func:`~refspec.energy.accounting.speedup`.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Sequence
 
 from refspec.energy.accounting.headline import energy_saving, speedup
 from refspec.eval.audit import MAX_LISTED, MarginFn, bound_text, classify, compare
+from refspec.eval.load import verdict_reliability
 from refspec.eval.prefill_work import prefill_comparison
 from refspec.eval.record import Comparison, RunRecord
 
@@ -89,6 +91,7 @@ def with_baseline(record: RunRecord, baseline: RunRecord | None, *, margin_fn: M
     same = (None if None in (record.stream.stream_digest, baseline.stream.stream_digest)
             else record.stream.stream_digest == baseline.stream.stream_digest)
     comparable = record.greedy and not record.acceptance_injected and not baseline.acceptance_injected
+    reliable, why = verdict_reliability(record, baseline)
     match = rows = None
     if comparable and baseline.row_digests and record.row_digests:
         rows = sum(a == b for a, b in zip(record.row_digests, baseline.row_digests))
@@ -96,7 +99,8 @@ def with_baseline(record: RunRecord, baseline: RunRecord | None, *, margin_fn: M
     fields = dict(baseline=baseline_figures(baseline), same_stream_as_baseline=same,
                   energy_saving_vs_baseline=energy_saving(compared_j_per_token(record), compared_j_per_token(baseline)),
                   speedup_vs_baseline=speedup(record.run.tokens_per_s, baseline.run.tokens_per_s),
-                  greedy_match_baseline=match, greedy_rows_matching=rows,
+                  greedy_match_baseline=match, greedy_rows_matching=rows, verdict_reliable=reliable,
+                  verdict_unreliable_reason=why,
                   **prefill_comparison(record.work, baseline.work, same_stream=same),
                   **audit_fields(record, baseline if comparable else None, margin_fn))
     return dataclasses.replace(record, comparison=dataclasses.replace(record.comparison, **fields))

@@ -38,7 +38,7 @@ from refspec.eval.flags import OneLineParser, UsageError, output_path
 from refspec.eval.outputs import check_output
 from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
-from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
+from refspec.models.cpu_speed import weight_copy_kind
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
             fns = {"refspec": refspec_run(target.model, prompts, new_tokens),
                    "hf": hf_run(hf, prompts, new_tokens, pad_id=0), "hf_prefill": hf_run(hf, prompts, 1, pad_id=0),
                    "products": products_run(target.model, b)}
-            step = compiled_step(target.model) if compile else None
+            step = compiled_step(target) if compile else None
             if step is not None:
-                fns["compiled"] = refspec_run(target.model, prompts, new_tokens, verify_fn=step)
+                fns["compiled"] = refspec_run(step, prompts, new_tokens)
             best = interleaved(fns, repeats)
             ours = refspec_figures(*best["refspec"])
             hf_wall, hf_prefill = best["hf"][0], best["hf_prefill"][0]
@@ -103,7 +103,7 @@ def bench_decode(model_name: str, *, batches: Sequence[int] = (1, 8), dtypes: Se
                    "refspec_step_ms": ours["step_ms"], "hf_tokens_per_s": b * new_tokens / hf_wall,
                    "hf_step_ms": hf_step_ms, "bandwidth_GBps": bw / 1e9, "floor_step_ms": floor_ms,
                    "weight_bytes": weight_bytes(target.model), "weight_copies": weight_copy_kind(target.model),
-                   "gemm_plan": gemm_plan().describe() or "reference"}
+                   "gemm_plan": target.prepared.cpu_plan.describe() or "reference"}
             row["speedup_vs_hf"] = row["refspec_tokens_per_s"] / row["hf_tokens_per_s"]
             row["step_over_floor"] = row["refspec_step_ms"] / floor_ms
             row["products_ms"] = 1000 * best["products"][0]
@@ -152,7 +152,8 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
 def _machine_fields(target: Any) -> dict[str, Any]:
     """The CPU, its notable flags and the paths chosen for it (weight copies, GEMM plan)."""
     return {"cpu": machine_key()["cpu"], "cpu_flags": notable_cpu_flags(),
-            "weight_copies": weight_copy_kind(target.model), "gemm_plan": gemm_plan().describe() or "reference"}
+            "weight_copies": weight_copy_kind(target.model),
+            "gemm_plan": target.prepared.cpu_plan.describe() or "reference"}
 
 
 def _compiled_rates(row: dict[str, Any], t: dict[str, float], tokens: dict[str, list[list[int]]]) -> None:
@@ -190,10 +191,9 @@ def bench_spec(model_name: str, drafter_name: str, *, corpus_file: Path | None, 
                            "drafter_options": opts, "k": k, "dtype": dtype_name, "prompts": len(prompts),
                            "new_tokens": new_tokens, "transformers_method": hf_method, "compile": compile, "rows": []}
     engines = {"plain": Engine(target.model), "spec": Engine(target.model, drafter, config=EngineConfig(k=k))}
-    step = compiled_step(target.model) if compile else None
+    step = compiled_step(target) if compile else None
     if step is not None:
-        engines |= {"plain_compiled": Engine(target.model, verify_fn=step),
-                    "spec_compiled": Engine(target.model, drafter, config=EngineConfig(k=k), verify_fn=step)}
+        engines |= {"plain_compiled": Engine(step), "spec_compiled": Engine(step, drafter, config=EngineConfig(k=k))}
     hf_once: tuple[float, list[list[int]]] | None = None
     for b in sorted(batches):  # batch 1 first: its transformers run is reused for the others
         with_hf = hf_method is not None and b == 1  # transformers' speculative generate: batch 1 only

@@ -57,34 +57,36 @@ def weight_bytes(model) -> int:
     return total
 
 
-def refspec_run(model, prompts: list[list[int]], new_tokens: int, verify_fn: Any = None) -> Callable[[], Any]:
+def refspec_run(model, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
     from refspec.engine import Engine
 
-    engine = Engine(model, verify_fn=verify_fn)  # no EOS: every row decodes the full budget
+    engine = Engine(model)  # no EOS: every row decodes the full budget
     return lambda: engine.generate(prompts, max_new_tokens=new_tokens)
 
 
 def products_run(model, rows: int) -> Callable[[], Any]:
     """One decode step's matrix products alone (every block matrix and the LM head, ``rows``
-    rows each, in the active plan's forms): the part of a step no fusion of the other ops removes."""
-    from refspec.models.cpu_speed import copied_linears, linear
+    rows each, in the forms the model's plan chose): the part of a step no fusion of the other ops removes."""
+    from refspec.models.cpu_speed import copied_linears
+    from refspec.models.gemm_forms import linear
 
     g = torch.Generator().manual_seed(0)
     lins = copied_linears(model)
     xs = [torch.randn(rows, lin.weight.shape[1], generator=g).to(model.dtype) for lin in lins]
-    return lambda: [linear(x, lin.weight, None, lin.__dict__.get("copy")) for x, lin in zip(xs, lins)]
+    return lambda: [linear(x, lin.weight, None, lin.gemm) for x, lin in zip(xs, lins)]
 
 
-def compiled_step(model) -> Any:
-    """The opt-in compiled verify step of ``bench --compile`` (:mod:`refspec.models.compiled`)."""
-    from refspec.models.compiled import CompiledStep
+def compiled_step(target) -> Any:
+    """The loaded target's model through the opt-in compiled step of ``bench --compile``, under
+    the same CPU plan (:func:`refspec.models.prepare_target`)."""
+    from refspec.models import prepare_target
 
-    return CompiledStep(model)
+    return prepare_target(target.model, cpu_plan=target.prepared.cpu_plan, compile=True)
 
 
-def compile_figures(step) -> dict[str, Any]:
-    """What a compiled step cost to build: compiles, recompiles, seconds, eager fallbacks."""
-    st = step.stats
+def compile_figures(compiled) -> dict[str, Any]:
+    """What a compiled target's step cost to build: compiles, recompiles, seconds, eager fallbacks."""
+    st = compiled.step.stats
     return {"compile_s": st.compile_s, "compiles": st.compiles, "recompiles": st.recompiles,
             "compiled_calls": st.compiled_calls, "compile_eager_calls": st.eager_calls}
 

@@ -143,7 +143,7 @@ def _generate(args: argparse.Namespace, texts: Sequence[str]) -> int:
         drafter = registry.build(args.drafter, ctx)
         k = args.k if args.k is not None else registry.default_k(args.drafter)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    engine = Engine(target.model, drafter, config=EngineConfig(k=k, sampling=sampling),
+    engine = Engine(target.prepared, drafter, config=EngineConfig(k=k, sampling=sampling),
                     eos_token_ids=target.eos_token_ids)
     need = max(engine.required_slots(len(p), args.max_new_tokens) for p in prompts)
     ctx = target.model.args.max_position_embeddings

@@ -4,10 +4,14 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from refspec import __version__
+
+if TYPE_CHECKING:
+    from refspec.models.calibration import GemmPlan
 
 
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
@@ -38,11 +42,9 @@ def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> str:
     return "bf16" if cpu_has_fast_bf16(cpuinfo) else "fp32"
 
 
-def gemm_plan_text() -> str:
-    """The CPU GEMM forms the run's products took (``reference``: F.linear everywhere)."""
-    from refspec.models.cpu_speed import gemm_plan
-
-    return gemm_plan().describe() or "reference"
+def gemm_plan_text(plan: GemmPlan) -> str:
+    """The CPU GEMM forms a run's products took under ``plan`` (``reference``: F.linear everywhere)."""
+    return plan.describe() or "reference"
 
 
 def library_versions() -> dict[str, str]:

@@ -82,7 +82,7 @@ def phase_loops(engine: Any, meter: Any, results: Sequence[Any], *, batch: int, 
     from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
 
     shapes = shapes_of([e for res in results for e in res.events], batch=batch, k=k, prompts=prompts)
-    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=verify_fn or engine.verify_fn,
+    target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=verify_fn or engine.target,
                         sampling=engine.config.sampling, kv_bucket=engine.config.kv_bucket, accept=engine.acceptance_fn)
     return run_phase_loops(target, shapes, meter, min_s=min_s, seed=seed)
 

@@ -8,7 +8,8 @@ JSON names (the section's prefix + the field's name):
 * ``run`` (``run_*``) and ``window`` (``window_*``): the figures that exist over the whole run
   and over the steady-state window (``run_j_per_token`` beside ``window_j_per_token``), so a
   name never means the one for the other;
-* ``stream``, ``counts``, ``latency``, ``energy``, ``work``, ``per_request``, ``comparison``.
+* ``stream``, ``counts``, ``latency``, ``energy``, ``work``, ``per_request``, ``comparison``;
+* ``host`` (``host_*``): how busy the host was while the configuration served.
 
 :func:`RunRecord.from_json` reads the current :data:`RECORD_VERSION` and the older versions of
 :data:`READABLE_VERSIONS` (renaming their fields; a version 2 record, from before serving
@@ -20,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-RECORD_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
-"""Versions :meth:`RunRecord.from_json` reads: 2 (static lockstep runs, no window), 3 (the old names)."""
+RECORD_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
+"""Versions :meth:`RunRecord.from_json` reads: 2 (static lockstep runs, no window), 3 (the old names), 4 (no
+``host_*`` fields nor verdict reliability: read as None)."""
 Figures = Mapping[str, Any]
 
 
@@ -209,6 +211,24 @@ class Comparison:
     greedy_defects: tuple[Figures, ...] | None
     greedy_near_tie_bound: str | None
     greedy_audit_baseline: str | None
+    verdict_reliable: bool | None
+    verdict_unreliable_reason: str | None
+
+
+@_section("host_")
+class Host:
+    """The host while serving (JSON ``host_*``): load, CPU time over wall time, measured over modelled step time."""
+
+    PREFIX: ClassVar[str]
+    load_start: float | None
+    load_end: float | None
+    cpus: int | None
+    cpu_s: float | None
+    wall_s: float | None
+    cpu_per_wall: float | None
+    step_time_s: float | None
+    model_step_time_s: float | None
+    time_vs_model: float | None
 
 
 @_section()
@@ -238,7 +258,7 @@ class RequestOutput:
 
 SECTIONS: dict[str, type] = {"stream": Stream, "counts": Counts, "run": RunFigures, "window": WindowFigures,
                              "latency": Latency, "energy": Energy, "work": Work, "per_request": PerRequest,
-                             "comparison": Comparison}
+                             "comparison": Comparison, "host": Host}
 _EMPTY = {name: cls() for name, cls in SECTIONS.items() if name != "window"}
 
 
@@ -290,6 +310,7 @@ class RunRecord:
     work: Work = _EMPTY["work"]
     per_request: PerRequest = _EMPTY["per_request"]
     comparison: Comparison = _EMPTY["comparison"]
+    host: Host = _EMPTY["host"]
 
     @property
     def is_baseline(self) -> bool:
@@ -368,7 +389,7 @@ _V2_NAMES = {**_V3_NAMES, "energy_per_token_j": "run_j_per_token", "rows": "requ
 def _upgrade(d: dict[str, Any], version: int) -> dict[str, Any]:
     """``d`` under the current names (version 2 and 3 records wrote the run's and the window's J/token
     as ``energy_per_token_j``; version 2's is the run's)."""
-    if version == RECORD_VERSION:
+    if version >= 4:  # version 4 lacks only fields that read as None
         return d
     names = _V2_NAMES if version == 2 else _V3_NAMES
     out = {names.get(k, k): v for k, v in d.items() if not (version == 3 and k in ("rows", "prompts_unique"))}
@@ -378,5 +399,5 @@ def _upgrade(d: dict[str, Any], version: int) -> dict[str, Any]:
 
 
 __all__ = ["RunRecord", "RequestOutput", "Stream", "Counts", "RunFigures", "WindowFigures", "Latency", "Energy",
-           "Work", "PerRequest", "Comparison", "SECTIONS", "RecordError", "RECORD_VERSION", "READABLE_VERSIONS",
+           "Work", "PerRequest", "Comparison", "Host", "SECTIONS", "RecordError", "RECORD_VERSION", "READABLE_VERSIONS",
            "fields_of_json"]

@@ -200,7 +200,7 @@ def roofline_figures(args: Any, profile: Any, *, batch: int, k: int, drafter_mod
     p = predict_step(args, profile, batch=batch, k=k, context=context, acceptance=a, dtype_bytes=dtype_bytes,
                      drafter=drafter_model)
     label = None if k == 0 else (drafter_model.name if drafter_model is not None else "free")
-    return {"j_per_token": p.j_per_token, "tpot_s": p.tpot_s, "tokens_per_row": p.tokens_per_row,
+    return {"j_per_token": p.j_per_token, "tpot_s": p.tpot_s, "step_time_s": p.step_time_s, "tokens_per_row": p.tokens_per_row,
             "acceptance": a, "context": context, "verify_compute_bound": p.verify_compute_bound,
             "profile": profile.name, "drafter_model": label,
             "source": f"modelled:roofline({profile.name})", "includes_prefill": False}

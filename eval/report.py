@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from refspec.energy.accounting.text import format_closure
 from refspec.energy.accounting.latency import Targets
+from refspec.eval.load import WHAT_TO_DO
 from refspec.eval.outputs import REPORT, write_atomic
 from refspec.eval.plots import write_plots
 from refspec.eval.policy_report import policy_section
@@ -75,6 +76,8 @@ def format_table(records: Sequence[RunRecord]) -> str:
     lines.append(_NOTE)
     lines += [f"note: {note}" for note in (static_note(records), old_records_note(records)) if note]
     lines += [f"verdict: {v}" for r in sorted(records, key=sort_key) if (v := verdict(r))]
+    if any(r.comparison.verdict_reliable is False for r in records):
+        lines.append(WHAT_TO_DO)
     return "\n".join(lines)
 
 
@@ -182,6 +185,8 @@ def _results_md(recs: Sequence[RunRecord]) -> list[str]:
         md += [f"> **{config_label(r)}**: {r.comparison.prefill_warning}\n" for r in rows
                if r.comparison.prefill_warning]
         md += [f"- {v}" for r in rows if (v := verdict(r))] + [""] + windows_md(rows, config_label)
+        if any(r.comparison.verdict_reliable is False for r in rows):
+            md += [f"> **{WHAT_TO_DO[0].upper()}{WHAT_TO_DO[1:]}.**", ""]
     md += [_RESULTS_NOTE, ""]
     note = old_records_note(recs)
     return md + ([f"> {note}", ""] if note else [])

@@ -140,7 +140,17 @@ def vs_baseline_text(r: RunRecord) -> str:
         parts.append(f"{-100 * saving:+.1f}% J/tok ({'saving' if saving >= 0 else 'loss'})")
     if speed is not None:
         parts.append(f"{speed:.2f}x tok/s")
-    return ", ".join(parts)
+    return ", ".join(parts) + (" UNRELIABLE" if r.comparison.verdict_reliable is False else "")
+
+
+def energy_source_words(r: RunRecord) -> str:
+    """``measured by rapl`` (the counter's name) or ``modelled``: what a verdict's energy rests on."""
+    source = r.energy.energy_source or ""
+    if r.energy.energy_measured and source.startswith("measured:"):
+        return "measured by " + source.split(":", 1)[1]
+    if r.energy.energy_measured:
+        return f"measured ({source})"
+    return "simulated" if source.startswith("modelled:simulated") else "modelled"
 
 
 def verdict(r: RunRecord) -> str | None:
@@ -155,7 +165,10 @@ def verdict(r: RunRecord) -> str | None:
            else f"costs {-100 * saving:.1f}% more energy per token than")
     pace = "" if speed is None else f", at {speed:.2f}x the tokens/s"
     which = "J/token, static schedule" if r.is_static else "steady-state window J/token"
-    return f"{where} {how} plain decoding ({which}{pace})."
+    text = f"{where} {how} plain decoding ({which}, energy {energy_source_words(r)}{pace})."
+    if r.comparison.verdict_reliable is False:
+        text += f" UNRELIABLE: {r.comparison.verdict_unreliable_reason}."
+    return text
 
 
 def requests_text(records: Sequence[RunRecord]) -> str:
@@ -183,5 +196,5 @@ def sampling_text(rows: Sequence[RunRecord]) -> str:
 
 __all__ = ["PHASE_ORDER", "fmt", "config_label", "series_label", "sort_key", "corpora", "energy_sources",
            "injection_lines", "has_window", "is_static", "j_window", "j_run", "shown_j", "with_energy", "setting",
-           "phases_text", "ttft_text", "refills_text", "vs_baseline_text", "verdict", "requests_text", "budgets_text",
+           "phases_text", "ttft_text", "refills_text", "vs_baseline_text", "energy_source_words", "verdict", "requests_text", "budgets_text",
            "sampling_text"]

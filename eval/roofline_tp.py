@@ -1,6 +1,6 @@
 """``python -m refspec.eval roofline --tp 1,2,4,8``: the prediction table over tensor-parallel GPUs.
 
-The model is :mod:`refspec.energy.interconnect` (each GPU's share, two ring all-reduces per
+The model is :mod:`refspec.models.tp.interconnect` (each GPU's share, two ring all-reduces per
 layer over the profile's link, replicated drafters); this module prints, per N, the weights one
 GPU reads, the two crossovers of the verify forward, and one row per (acceptance, N, K, batch)
 with its saving against K = 0 at the same N. Every figure is modelled.
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from refspec.config import ModelArgs
-from refspec.energy.interconnect import crossovers, predict_tp_step, share_args
 from refspec.energy.model.hardware import HardwareProfile
 from refspec.energy.model.roofline import DrafterModel
+from refspec.models.tp.interconnect import crossovers, predict_tp_step, share_args
 
 
 def tp_rows(target: ModelArgs, profile: HardwareProfile, *, tps: Sequence[int], batches: Sequence[int],
@@ -23,7 +23,7 @@ def tp_rows(target: ModelArgs, profile: HardwareProfile, *, tps: Sequence[int], 
     speedup against K = 0 at the same N and batch.
 
     Raises:
-        refspec.sharding.TPError: an N the model's heads cannot be shared by.
+        refspec.models.tp.plan.TPError: an N the model's heads cannot be shared by.
     """
     rows = []
     for a in acceptances:

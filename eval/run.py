@@ -32,8 +32,9 @@ from refspec.energy.ledger.writer import mark_aborted
 from refspec.eval import pipeline
 from refspec.eval.baseline import with_baseline
 from refspec.eval.flags import UsageError
+from refspec.eval.load import LoadProbe, host_section
 from refspec.eval.machine import gemm_plan_text, library_versions
-from refspec.eval.record import RequestOutput, RunRecord, Stream
+from refspec.eval.record import Host, RequestOutput, RunRecord, Stream
 from refspec.eval.record_files import append_record
 from refspec.eval.record_figures import accounting_sections, request_figures, roofline_figures, work_section
 from refspec.eval.run_config import RunConfig
@@ -155,9 +156,9 @@ def build_engine(session: Session, cfg: RunConfig, drafter: Any, acceptance_fn: 
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     policy = build_policy(session, cfg, drafter)
     watch = [policy.on_event] if hasattr(policy, "on_event") else []  # a policy calibrating on measured phases
-    return Engine(target.model, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
-                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, verify_fn=session.verify_fn,
-                  acceptance_fn=acceptance_fn, policy=policy)
+    return Engine(target.prepared, drafter, config=EngineConfig(k=cfg.k, sampling=sampling), meter=session.meter,
+                  observers=[ledger, *watch], eos_token_ids=target.eos_token_ids, acceptance_fn=acceptance_fn,
+                  policy=policy)
 
 
 def serve_chunks(session: Session, cfg: RunConfig, engine: Any, ledger: Any, chunks: Sequence[Sequence[Any]],
@@ -218,13 +219,14 @@ def _record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any
         work=work_section(ledger_records, acc.run_ids, [len(p) for p in prompts]), per_request=per_request,
         roofline=roofline_prediction(session, cfg, drafter, prompts, acc.tau,
                                      [q.max_new_tokens for q in stream.requests]),
-        versions=library_versions(), cpu_gemm_plan=gemm_plan_text(), **accounting_sections(acc))
+        versions=library_versions(), cpu_gemm_plan=gemm_plan_text(session.target.prepared.cpu_plan),
+        **accounting_sections(acc))
 
 
 def configuration_record(session: Session, cfg: RunConfig, stream: Any, results: Sequence[Any], *,
                          ledger_path: Path, start_offset: int, run_ids: Sequence[str], drafter: Any,
                          injection: dict[str, Any] | None = None, baseline: RunRecord | None = None,
-                         started_s: float) -> RunRecord:
+                         started_s: float, host: Host | None = None) -> RunRecord:
     """The record of ``cfg`` whose ended ledger runs ``run_ids`` lie in ``ledger_path`` from byte ``start_offset``.
 
     Its figures come from the ledger as written to disk (:func:`refspec.eval.pipeline.read_back`), never
@@ -237,6 +239,7 @@ def configuration_record(session: Session, cfg: RunConfig, stream: Any, results:
         injection: the injected acceptance model's record, or None.
         baseline: the baseline's record at the same batch, for the comparison section.
         started_s: ``time.perf_counter()`` when the configuration started (the record's ``wall_s``).
+        host: the host's load while serving (:meth:`refspec.eval.load.LoadProbe.stop`), or None.
 
     Raises:
         AccountingError: the runs cannot be accounted.
@@ -247,6 +250,8 @@ def configuration_record(session: Session, cfg: RunConfig, stream: Any, results:
     acc = pipeline.account(records, run_ids)
     record = _record(session, cfg, stream, results, records, acc, ledger_path=ledger_path, injection=injection,
                      drafter=drafter)
+    if host is not None:
+        record = dataclasses.replace(record, host=host_section(host, record))
     record = with_baseline(record, baseline, margin_fn=margin_fn(session.target.model))
     return dataclasses.replace(record, wall_s=time.perf_counter() - started_s, created_unix_s=time.time())
 
@@ -299,11 +304,11 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path, re
     ledger = None
     try:
         with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
-            results = _serve_all(session, cfg, ledger, drafter, acceptance_fn, prompts, stream, chunks, run_ids,
-                                 labels)
+            results, host = _serve_all(session, cfg, ledger, drafter, acceptance_fn, prompts, stream, chunks,
+                                       run_ids, labels)
         record = configuration_record(session, cfg, stream, results, ledger_path=ledger_path,
                                       start_offset=ledger.start_offset, run_ids=ledger.run_ids, injection=injection,
-                                      drafter=drafter, baseline=baseline, started_s=t_start)
+                                      drafter=drafter, baseline=baseline, started_s=t_start, host=host)
         window = record.window.j_per_token if record.window is not None else None
         log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(record.counts.tau, ".3f"),
                  record.run.tokens_per_s or 0.0, _g(window, ".4g"), _g(record.run.j_per_token, ".4g"),
@@ -319,11 +324,14 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path, re
 
 def _serve_all(session: Session, cfg: RunConfig, ledger: Any, drafter: Any, acceptance_fn: Any,
                prompts: list[list[int]], stream: Any, chunks: Sequence[Sequence[Any]], run_ids: Sequence[str],
-               labels: Sequence[dict[str, Any]]) -> list[Any]:
-    """Warm up, serve every chunk into ``ledger`` and, under a counter, run the phase loops."""
+               labels: Sequence[dict[str, Any]]) -> tuple[list[Any], Host]:
+    """Warm up, serve every chunk into ``ledger`` and, under a counter, run the phase loops; returns the
+    chunks' results and the host's load while they were served."""
     engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
     session.warm(engine, cfg, prompts)
+    probe = LoadProbe.start()
     results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
+    host = probe.stop()
     if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
         ledger.end_run()  # under a counter: the loops lie outside every window of the run
         loops = pipeline.phase_loops(engine, session.meter, results, batch=cfg.batch, k=cfg.k,
@@ -332,7 +340,7 @@ def _serve_all(session: Session, cfg: RunConfig, ledger: Any, drafter: Any, acce
         pipeline.write_loops(ledger, loops, session.meter.source)
         log.info("phase loops (%s): %s", session.meter.source,
                  ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
-    return results
+    return results, host
 
 
 __all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "build_engine", "serve_chunks",

@@ -9,11 +9,14 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refspec.eval.flags import UsageError, add_sampling_args  # noqa: F401  (re-exported: the CLIs' names)
+
+if TYPE_CHECKING:
+    from refspec.models import PreparedTarget, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,23 @@ def set_threads() -> None:
 
 @dataclasses.dataclass
 class LoadedTarget:
-    """A target model ready to decode, with its tokenizer (None for weight-only directories)."""
+    """A target model ready to decode, with its tokenizer (None for weight-only directories).
+
+    Attributes:
+        name: the model id or directory given.
+        path: its resolved directory.
+        model: the model (what drafters read: its layers, embedding and LM head).
+        tokenizer: its tokenizer, or None.
+        prepared: the model readied for the run, what the engine runs
+            (:func:`refspec.models.prepare_target`: CPU GEMM plan, compiled step or CUDA graphs,
+            tensor-parallel share).
+    """
 
     name: str
     path: Path
-    model: Any
+    model: Transformer
     tokenizer: Any | None
+    prepared: PreparedTarget
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -71,24 +85,31 @@ class LoadedTarget:
         return self.tokenizer.fingerprint() if self.tokenizer is not None else None
 
 
-def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress: bool = True,
-                tp: int = 1) -> LoadedTarget:
-    """Resolve a model id (fetched on first use) or a Hugging Face directory and load it (``tp`` > 1:
-    this rank's share, :func:`refspec.eval.tp_launch.load_tp_model`)."""
-    from refspec.assets import resolve_model
-    from refspec.models import load_model
+def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress: bool = True, tp: int = 1,
+                compile: bool = False, cuda_graphs: bool = False) -> LoadedTarget:
+    """Resolve a model id (fetched on first use) or a Hugging Face directory, load it (``tp`` > 1:
+    this rank's share, :func:`refspec.models.tp.loading.load_sharded`) and ready it for the run
+    (:func:`refspec.models.prepare_target` with ``compile`` and ``cuda_graphs``).
 
-    from refspec.assets import AssetError
+    Raises:
+        UsageError: files that do not load (the message names ``--model``), or ``--tp`` outside a
+            tensor-parallel group.
+    """
+    from refspec.assets import AssetError, resolve_model
     from refspec.assets.tokenizer import TokenizerError
     from refspec.config import ConfigError
+    from refspec.models import load_model, prepare_target
     from refspec.models.loading import CheckpointError
+    from refspec.models.tp.group import active
+    from refspec.models.tp.loading import load_sharded
 
+    group = active() if tp > 1 else None
+    if tp > 1 and group is None:
+        raise UsageError(f"--tp {tp} outside a tensor-parallel group: start it with torchrun")
     try:
         path = resolve_model(name, progress=progress)
-        if tp > 1:
-            from refspec.eval.tp_launch import load_tp_model
-
-            model = load_tp_model(path, dtype)
+        if group is not None:
+            model = load_sharded(path, group, dtype=dtype, device=group.device)
         else:
             model = load_model(path, dtype=dtype, device=device)
         tok = None
@@ -98,7 +119,8 @@ def load_target(name: str, *, dtype: torch.dtype, device: torch.device, progress
             tok = load_tokenizer(path)
     except (AssetError, CheckpointError, ConfigError, TokenizerError) as exc:  # the user's files: say which flag named them
         raise UsageError(f"--model {name}: {exc}") from exc
-    return LoadedTarget(name=name, path=path, model=model, tokenizer=tok)
+    prepared = prepare_target(model, compile=compile, cuda_graphs=cuda_graphs, tp=group)
+    return LoadedTarget(name=name, path=path, model=model, tokenizer=tok, prepared=prepared)
 
 
 def encode_prompt(target: LoadedTarget, text: str, *, chat: bool) -> list[int]:

@@ -31,7 +31,8 @@ class Session:
         device: torch device.
         meter: meter kind (see :class:`~refspec.eval.run_config.RunConfig`).
         cuda_graphs: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
-        compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`.
+        compile_step: the ``--compile`` flag: verify through :class:`~refspec.models.compiled.CompiledStep`
+            (where CUDA graphs do not run).
         phase_loops_s: seconds of each phase-isolated loop after a run metered by a counter
             (:mod:`refspec.phase_loops`): None ten counter periods (at least 1 s), 0 none.
         warmup: run a short unrecorded generation before the first measurement of each
@@ -62,7 +63,6 @@ class Session:
         self.progress = progress
         self._target: LoadedTarget | None = None
         self._meter: Any = None
-        self._verify_fn: Any = None
         self._cuda_graphs: bool | None = None
         self._drafters: dict[tuple, Any] = {}
         self._prompts: dict[tuple, Any] = {}
@@ -76,7 +76,8 @@ class Session:
         if self._target is None:
             t0 = time.perf_counter()
             target = load_target(self.model_name, dtype=self.torch_dtype, device=self.device, progress=self.progress,
-                                 tp=self.tp)
+                                 tp=self.tp, compile=self.compile_step and not self.cuda_graphs,
+                                 cuda_graphs=self.cuda_graphs)
             if target.tokenizer is None:
                 raise UsageError(f"{target.path} has no tokenizer.json; the evaluation encodes corpus prompts and "
                                  f"needs one")
@@ -140,22 +141,6 @@ class Session:
 
                 self._cuda_graphs = cuda_graphs_enabled(self.cuda_graphs_flag, self.device)
         return self._cuda_graphs
-
-    @property
-    def verify_fn(self) -> Any:
-        """The verify callable: a CUDA-graph runner when enabled, else the eager target."""
-        if self._verify_fn is None:
-            if self.cuda_graphs:
-                from refspec.cuda_graphs import make_verify_fn
-
-                self._verify_fn = make_verify_fn(self.target.model, self.device, True)
-            elif self.compile_step:
-                from refspec.models.compiled import CompiledStep
-
-                self._verify_fn = CompiledStep(self.target.model)
-            else:
-                self._verify_fn = self.target.model
-        return self._verify_fn
 
     def drafter(self, cfg: RunConfig) -> Any:
         """The drafter of ``cfg`` (built once per name, tree flag and options), or None."""
@@ -228,8 +213,7 @@ class Session:
         from refspec.engine import Engine
         from refspec.serving import Request
 
-        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=(),
-                       verify_fn=engine.verify_fn)
+        quiet = Engine(engine.target, engine.drafter, config=engine.config, eos_token_ids=())
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(0)
         budget = min(4, cfg.max_new_tokens)

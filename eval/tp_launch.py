@@ -1,10 +1,10 @@
 """``torchrun --nproc-per-node N -m refspec.eval ... --tp N``: the command line's side of tensor
-parallelism (the sharding is :mod:`refspec.models.tp`, the group :mod:`refspec.distributed`).
+parallelism (the rest is :mod:`refspec.models.tp`: the group, the sharding, the rank meter).
 
 Every rank runs the whole command on the same flags (SPMD): it loads its share of the target,
 serves the same stream and takes the same decisions, since every figure a decision reads is the
 same on every rank (tokens after the all-reduces, phase times gathered by
-:class:`~refspec.energy.rank_meter.RankMeter`). Only rank 0 writes the user's files and prints:
+:class:`~refspec.models.tp.rank_meter.RankMeter`). Only rank 0 writes the user's files and prints:
 the other ranks write their ledgers and records into a private scratch directory (holding a copy
 of ``--out``'s records, so a resumed sweep skips the same configurations on every rank), which is
 removed at exit, and print nothing but the line of a collective that failed.
@@ -24,12 +24,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # refspec.distributed imports torch; the error path of a torch-free usage error must not
-    from refspec.distributed import TensorParallel
+if TYPE_CHECKING:  # refspec.models imports torch; the error path of a torch-free usage error must not
+    from refspec.models.tp.group import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ def check_tp_flags(args: argparse.Namespace) -> None:
     Raises:
         TPError: ``--compile``, ``--phase-loops-s`` above 0, or a simulated meter with ``--tp``.
     """
-    from refspec.distributed import TPError
+    from refspec.models.tp.plan import TPError
 
     tp = args.tp
     if tp < 1:
@@ -73,10 +71,10 @@ def start(args: argparse.Namespace) -> "TensorParallel | None":
     (``LOCAL_RANK``) is made current, so every rank's configurations keep the same ids.
 
     Raises:
-        TPError: a launch that cannot work (see :func:`refspec.distributed.check_launch`).
+        TPError: a launch that cannot work (see :func:`refspec.models.tp.group.check_launch`).
         RankLostError: the group did not form.
     """
-    from refspec.distributed import init_tensor_parallel, launch_env, shutdown
+    from refspec.models.tp.group import init_tensor_parallel, launch_env, shutdown
 
     tp = getattr(args, "tp", 1)
     if getattr(args, "print_sbatch", False) or (tp == 1 and launch_env() is None):
@@ -101,7 +99,7 @@ def start(args: argparse.Namespace) -> "TensorParallel | None":
 def rank_out(out: Path | None) -> Path | None:
     """The directory this rank writes: ``out`` on rank 0 (and without tensor parallelism); on
     other ranks a scratch directory holding a copy of ``out``'s records (removed at exit)."""
-    from refspec.distributed import active
+    from refspec.models.tp.group import active
 
     tp = active()
     if tp is None or tp.rank == 0:
@@ -120,9 +118,9 @@ def rank_out(out: Path | None) -> Path | None:
 
 def writes_files() -> bool:
     """Whether this process writes the user's summary and report (rank 0, or no tensor parallelism)."""
-    if "refspec.distributed" not in sys.modules:
+    if "refspec.models.tp.group" not in sys.modules:
         return True
-    from refspec.distributed import active
+    from refspec.models.tp.group import active
 
     tp = active()
     return tp is None or tp.rank == 0
@@ -133,26 +131,16 @@ def prints_error(exc: BaseException) -> bool:
     usage errors), or any rank whose collective failed (rank 0 may be the one that died)."""
     if os.environ.get("RANK", "0") == "0":
         return True
-    lost = sys.modules.get("refspec.distributed")  # not imported yet: no collective ran
+    lost = sys.modules.get("refspec.models.tp.group")  # not imported yet: no collective ran
     return lost is not None and isinstance(exc, lost.RankLostError)
 
 
-def load_tp_model(path: Path, dtype: Any) -> Any:
-    """This rank's share of the model in ``path`` (:func:`refspec.models.tp_loading.load_sharded`)."""
-    from refspec.distributed import TPError, active
-    from refspec.models.tp_loading import load_sharded
-
-    tp = active()
-    if tp is None:
-        raise TPError("--tp > 1 outside a tensor-parallel group")
-    return load_sharded(path, tp, dtype=dtype, device=tp.device)
-
-
 def tp_meter(spec: str, dtype_bytes: int) -> Any:
-    """This rank's meter (:func:`refspec.energy.rank_meter.rank_meter`)."""
-    from refspec.distributed import TPError, active
+    """This rank's meter (:func:`refspec.models.tp.rank_meter.rank_meter`)."""
     from refspec.energy.meters.make import make_meter
-    from refspec.energy.rank_meter import rank_meter
+    from refspec.models.tp.group import active
+    from refspec.models.tp.plan import TPError
+    from refspec.models.tp.rank_meter import rank_meter
 
     tp = active()
     if tp is None:
@@ -160,4 +148,4 @@ def tp_meter(spec: str, dtype_bytes: int) -> Any:
     return rank_meter(spec, tp, lambda s: make_meter(s, dtype_bytes=dtype_bytes, gpu_index=tp.local_rank))
 
 
-__all__ = ["check_tp_flags", "start", "rank_out", "writes_files", "prints_error", "load_tp_model", "tp_meter"]
+__all__ = ["check_tp_flags", "start", "rank_out", "writes_files", "prints_error", "tp_meter"]

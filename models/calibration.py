@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from refspec.models.gemm_forms import COPY_FORMS, DTYPES, FORMS, apply_form, make_copy, packed_supported
+from refspec.models.gemm_forms import COPY_FORMS, DTYPES, FORMS, apply_form, make_copy, packed_supported, row_bucket
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ Timer = Callable[[str, str, str], float]
 
 def bucket_of(rows: int) -> str:
     """The bucket a product of ``rows`` rows belongs to."""
-    return "one" if rows == 1 else "few" if rows < 32 else "many"
+    return BUCKETS[row_bucket(rows)]
 
 
 def candidate_forms(dtype: str) -> tuple[str, ...]:
@@ -91,7 +91,7 @@ class GemmPlan:
     spread: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # {torch dtype: (one, few, many)}: the lookup linear() makes for every product
+        # {torch dtype: (one, few, many)}: what each linear layer's GemmChoice holds
         table = {DTYPES[d]: tuple(f.get(b, "linear") for b in BUCKETS) for d, f in self.forms.items() if d in DTYPES}
         object.__setattr__(self, "_table", table)
         # {torch dtype: ((rows, seconds), ...)} sorted by rows: what product_cost() interpolates
@@ -102,9 +102,11 @@ class GemmPlan:
     def form(self, dtype: torch.dtype, rows: int) -> str:
         """The form for a product of ``rows`` rows in ``dtype`` (``linear`` when unplanned)."""
         forms = self._table.get(dtype)
-        if forms is None:
-            return "linear"
-        return forms[0] if rows == 1 else forms[1] if rows < 32 else forms[2]
+        return "linear" if forms is None else forms[row_bucket(rows)]
+
+    def forms_of(self, dtype: torch.dtype) -> tuple[str, str, str] | None:
+        """The forms of one row, a few rows and many rows in ``dtype`` (None when unplanned)."""
+        return self._table.get(dtype)
 
     def extra_position_cost(self, dtype: torch.dtype) -> float | None:
         """Time of a product of 5 rows over one of 1 row, both in their chosen forms: what

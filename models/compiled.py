@@ -3,9 +3,9 @@ forward, the CPU counterpart of :mod:`refspec.cuda_graphs`.
 
 An eager SmolLM2 step makes about a thousand ATen calls, each with microseconds of Python and
 dispatch around it; compiled, a step is one call into generated C++ (elementwise ops fused,
-products sent to the same BLAS). :class:`CompiledStep` wraps a model with
-``Transformer.forward``'s signature, so it is a constructor choice:
-``Engine(target, verify_fn=CompiledStep(target))``. The eager model stays the reference.
+products sent to the same BLAS). :class:`CompiledStep` is called with ``Transformer.forward``'s
+signature; ``refspec.models.prepare_target(model, compile=True)`` runs a target's steps through
+it. The eager model stays the reference.
 
 How one call runs:
 
@@ -17,7 +17,7 @@ How one call runs:
 2. **run**: the compiled forward on the caller's own cache (written in place, as eagerly).
    Calls it cannot serve run the eager model: more than ``max_tokens_per_row`` tokens per row
    (prefill), input embeddings, or a weight copy gone stale (a weight changed or replaced since
-   :class:`~refspec.models.cpu_speed.WeightCopy` made it: the graph would read the copy). The Linears
+   :class:`~refspec.models.gemm_forms.WeightCopy` made it: the graph would read the copy). The Linears
    checked are the model's at construction: wrap the model after replacing modules.
 3. **account**: the compiled graph records no work; the wrapper records the forward's
    :meth:`~refspec.models.Transformer.forward_shape` as the eager forward would.
@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
+from refspec.cache import StaticKVCache
 from refspec.config import round_up
 from refspec.energy.model.work import record_forward, recording
+from refspec.models.cpu_speed import copied_linears, gemm_form
 from refspec.models.gemm_forms import without_onednn
-from refspec.models.cpu_speed import copied_linears, gemm_plan
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,12 @@ class CompiledStep:
         # the Linears that may multiply through a WeightCopy: their copies are checked before each call
         self._linears = copied_linears(model)
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for attributes the wrapper lacks: args, device, dtype, new_cache, ...
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
     def __repr__(self) -> str:
         return f"CompiledStep(keys={len(self._keys)}, compiles={self.stats.compiles})"
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """The model's own cache: the compiled forward writes it in place, as the eager one does."""
+        return self.model.new_cache(batch, max_len)
 
     def _eager_reason(self, s: int, embeds: torch.Tensor | None, key: tuple) -> str | None:
         if s > self.max_tokens_per_row:
@@ -155,8 +154,8 @@ class CompiledStep:
         if key not in self._keys and len(self._keys) >= self.max_keys:
             return f"max_keys={self.max_keys} shapes are compiled already"
         for lin in self._linears:
-            copy = lin.__dict__.get("copy")
-            if copy is not None and copy.of(lin._parameters["weight"]) is None:
+            copy = None if lin.gemm is None else lin.gemm.copy
+            if copy is not None and copy.of(lin.weight) is None:
                 return "a weight changed since its copy was made"
         return None
 
@@ -185,7 +184,7 @@ class CompiledStep:
             # a new key is one more compiled entry: allow it (dynamo stops compiling at its limit)
             with torch._dynamo.config.patch(recompile_limit=max(8, len(self._keys) + 1)) if new else _NO_PATCH:
                 args = (self.model, tokens, positions, cache, slots, mask, sliding_mask, tk, logits_at, hidden_layers)
-                if gemm_plan().form(self.model.dtype, b * s) == "nodnn":  # the graph's products run as linear() would
+                if gemm_form(self.model, b * s) == "nodnn":  # the graph's products run as linear() would
                     logits, hidden = without_onednn(self._fn, *args)
                 else:
                     logits, hidden = self._fn(*args)
@@ -217,10 +216,4 @@ class CompiledStep:
             log.debug("eager forward: %s", reason)
 
 
-def make_compiled_step(target: Any, enabled: bool, **kwargs: Any) -> Any:
-    """The step callable for an engine: a :class:`CompiledStep` when ``enabled``, else ``target``."""
-    return CompiledStep(target, **kwargs) if enabled else target
-
-
-__all__ = ["CompiledStep", "CompileStats", "CompileError", "make_compiled_step", "DEFAULT_MAX_TOKENS_PER_ROW",
-           "DEFAULT_KEYS_BUCKET"]
+__all__ = ["CompiledStep", "CompileStats", "CompileError", "DEFAULT_MAX_TOKENS_PER_ROW", "DEFAULT_KEYS_BUCKET"]

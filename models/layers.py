@@ -1,5 +1,5 @@
-"""Decoder modules: :class:`Attention`, :class:`MLP`, :class:`RMSNorm` and :class:`Block`, the
-residual form that calls them. The tensor functions they use live in
+"""Decoder modules: :class:`Linear`, :class:`Attention`, :class:`MLP`, :class:`RMSNorm` and
+:class:`Block`, the residual form that calls them. The tensor functions they use live in
 :mod:`refspec.models.ops`; where a step's keys and values go lives in
 :mod:`refspec.models.attention`.
 """
@@ -10,12 +10,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn import Linear  # plain products; refspec.models.cpu_speed plans them on CPUs
 
 from refspec.config import ModelArgs
+from refspec.models.gemm_forms import GemmChoice, linear
 from refspec.models.moe import MoE
 from refspec.models.ops import apply_rope, gated_act, rms_norm
-
 
 
 class AttentionContext(Protocol):
@@ -27,6 +26,20 @@ class AttentionContext(Protocol):
     def __call__(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         """Write ``k, v [B, S, Hkv, D]``, attend with ``q [B, S, H, D]``; returns ``[B, S, H*D]``."""
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product takes the CPU GEMM form chosen for it.
+
+    ``gemm`` is the choice (forms per row count, the weight copy they read), set on a built model
+    by :func:`refspec.models.cpu_speed.plan_gemms`; without one the product is ``F.linear``.
+    """
+
+    gemm: GemmChoice | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``."""
+        return linear(x, self.weight, self.bias, self.gemm)
 
 
 class RMSNorm(nn.Module):
@@ -96,12 +109,15 @@ class Attention(_SplitNames, nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """``x [B, S, E]`` (normed) -> ``[B, S, E]``; ``ctx`` writes K/V and attends."""
         b, s, _ = x.shape
-        qkv = self.wqkv(x).view(b, s, self.h + 2 * self.hkv, self.d)
-        q, k, v = qkv.split((self.h, self.hkv, self.hkv), dim=2)  # [B, S, H | Hkv | Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        h, hkv = self.h, self.hkv
+        qkv = self.wqkv(x).view(b, s, h + 2 * hkv, self.d)  # [B, S, H + 2 Hkv, D]
         cos, sin = ctx.rope[self.sliding]  # [B, S, 1, D] each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is None:  # q and k rotated in one op (each head alike)
+            qk, v = qkv.split((h + hkv, hkv), dim=2)  # [B, S, H + Hkv | Hkv, D]
+            q, k = apply_rope(qk, cos, sin).split((h, hkv), dim=2)
+        else:
+            q, k, v = qkv.split((h, hkv, hkv), dim=2)  # [B, S, H | Hkv | Hkv, D]
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         return self.wo(ctx(self.layer, self.sliding, q, k, v, self.scale))  # [B, S, H*D] -> [B, S, E]
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

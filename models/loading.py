@@ -16,8 +16,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from refspec.config import ModelArgs
-from refspec.models.calibration import GemmPlan
-from refspec.models.cpu_speed import apply_cpu_speed
 from refspec.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -254,21 +252,19 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], path: Pat
     model.eval().requires_grad_(False)
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               gemm_plan: GemmPlan | None = None) -> Transformer:
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Transformer:
     """Build a :class:`Transformer` from a Hugging Face style directory.
 
     The model comes back frozen (its q/k/v and gate/up projections are fused matrices, see
-    :class:`~refspec.models.layers.Attention`). On a CPU it gets the speed-ups of
-    :func:`~refspec.models.cpu_speed.apply_cpu_speed`: products in the GEMM forms timed on this
-    machine (:mod:`refspec.models.calibration`), through weight copies when they take at most
-    ``REFSPEC_CPU_WEIGHT_COPIES_GIB`` (default 2) GiB (0 turns them off).
+    :class:`~refspec.models.layers.Attention`) and as the reference: ``F.linear`` products, no
+    weight copies. ``refspec.models.prepare_target`` readies it for a run (on a CPU, the GEMM
+    forms timed on this machine).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
         dtype: parameter dtype (float32, bfloat16, float16).
         device: where the weights go.
-        gemm_plan: the CPU GEMM plan (default: :func:`~refspec.models.calibration.resolve_plan`).
 
     Raises:
         CheckpointError: missing files, or keys that do not match the architecture.
@@ -282,8 +278,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     with torch.device("meta"):
         model = Transformer(args)
     assign_weights(model, state, path, device)
-    if model.device.type == "cpu":
-        apply_cpu_speed(model, gemm_plan)
     log.info("loaded %s (%s, %d layers) from %s", args.family, dtype, args.num_layers, path)
     return model
 

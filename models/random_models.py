@@ -2,7 +2,7 @@
 
 Timing and energy of 8B-class targets need the real shapes, not the real weights: every
 weight is read once per step whatever its value. :func:`random_model` builds a
-:class:`~refspec.models.Transformer` of an architecture from :data:`refspec.energy.architectures.ARCHS`
+:class:`~refspec.models.Transformer` of an architecture from :data:`refspec.energy.model.architectures.ARCHS`
 (Llama-3.1-8B, Qwen3-8B, Gemma 3 270M..27B, ...) directly on the target device: the modules
 are created on the ``meta`` device (no memory), cast to the run's dtype there, materialised
 with ``to_empty`` on the device and filled in place by an explicit generator. Host RAM never
@@ -33,15 +33,15 @@ log = logging.getLogger(__name__)
 DEFAULT_STD = 0.02
 
 FULL_SIZE_TARGETS = ("llama-3.1-8b", "qwen3-8b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
-"""Architectures of :data:`refspec.energy.architectures.ARCHS` the GPU timing runs use as random targets."""
+"""Architectures of :data:`refspec.energy.model.architectures.ARCHS` the GPU timing runs use as random targets."""
 
 MOE_TARGETS = ("qwen3-30b-a3b", "mixtral-8x7b")
-"""Mixture-of-experts architectures of :data:`~refspec.energy.architectures.ARCHS` (Qwen3-30B-A3B
+"""Mixture-of-experts architectures of :data:`~refspec.energy.model.architectures.ARCHS` (Qwen3-30B-A3B
 fits an H200 in bf16: 61 GB of weights)."""
 
 
 def arch_args(arch: str | ModelArgs | dict[str, Any]) -> ModelArgs:
-    """``ModelArgs`` of an :data:`~refspec.energy.architectures.ARCHS` name, a HF config dict, or ModelArgs."""
+    """``ModelArgs`` of an :data:`~refspec.energy.model.architectures.ARCHS` name, a HF config dict, or ModelArgs."""
     if isinstance(arch, ModelArgs):
         return arch
     if isinstance(arch, dict):
@@ -57,7 +57,7 @@ def shrunk_config(arch: str, *, hidden_size: int = 256, num_layers: int = 2, voc
     architecture keeps its experts and top-k, each expert a quarter of the MLP width).
 
     Args:
-        arch: a name in :data:`~refspec.energy.architectures.ARCHS`.
+        arch: a name in :data:`~refspec.energy.model.architectures.ARCHS`.
         hidden_size: E of the toy.
         num_layers: L of the toy (Gemma keeps its sliding/full pattern over these layers).
         vocab_size: V of the toy.
@@ -98,7 +98,7 @@ def random_model(arch: str | ModelArgs | dict[str, Any], *, device: torch.device
     """A random-weight ``Transformer`` of a real architecture, built on ``device``.
 
     Args:
-        arch: architecture name (:data:`~refspec.energy.architectures.ARCHS`), HF config dict or ModelArgs.
+        arch: architecture name (:data:`~refspec.energy.model.architectures.ARCHS`), HF config dict or ModelArgs.
         device: where the weights live (they are never materialised elsewhere).
         dtype: weight dtype (bf16 for timing runs).
         seed: seed of the generator filling the weights.

@@ -122,11 +122,11 @@ class Transformer(nn.Module):
     def multirow_matrix_bytes(self, rows: int | None = None) -> int | None:
         """Bytes per element the matrices stream in products of 2 or more rows (of ``rows`` rows,
         when given) when that differs from the parameter size, else None; for
-        :attr:`refspec.energy.phases.ForwardShape.matrix_bytes`. A plain model streams its
-        parameters; an LM head swapped in by a speed-up that multiplies through copies of
-        another dtype says so (``multirow_element_bytes``, :mod:`refspec.models.cpu_speed`)."""
-        report = getattr(self.lm_head, "multirow_element_bytes", None)
-        return None if report is None else report(rows)
+        :attr:`refspec.energy.model.work.ForwardShape.matrix_bytes`. A plain model streams its
+        parameters; a CPU GEMM plan that multiplies through copies of another dtype says so
+        (:meth:`~refspec.models.gemm_forms.GemmChoice.multirow_element_bytes`, read off the LM head)."""
+        gemm = self.lm_head.gemm
+        return None if gemm is None else gemm.multirow_element_bytes(self.lm_head.weight, rows)
 
     def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:func:`attention_bias` for this model's head layout."""
@@ -178,7 +178,7 @@ class Transformer(nn.Module):
                 inputs_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run the decoder over new tokens, writing their K/V into ``cache``; records its
-        :meth:`forward_shape` (:func:`refspec.energy.phases.record_forward`).
+        :meth:`forward_shape` (:func:`refspec.energy.model.work.record_forward`).
 
         Args:
             tokens: ``[B, S]`` token ids.

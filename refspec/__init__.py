@@ -11,7 +11,8 @@ The decode core, read top-down:
    sampling); :mod:`refspec.verify_tree` the same for trees (recursive rejection sampling); no
    model calls.
 5. :mod:`refspec.drafting`: the drafter protocol, what a drafter sees (``DecodeState``) and
-   returns (``Draft``).
+   returns (``Draft``); :mod:`refspec.target`: the target protocol, what the loop calls on a
+   target (its forward, packed prefill, cache).
 6. :mod:`refspec.engine`: the one loop, plain decoding being K = 0: draft, verify, accept,
    commit, refill, every phase metered; the step's verify, acceptance, commit and slot filling
    (a packed prefill) in :mod:`refspec.step`, K per step from :mod:`refspec.policy`, the
@@ -20,14 +21,14 @@ The decode core, read top-down:
 7. :mod:`refspec.cuda_graphs`: the verify forward captured once per shape and replayed (its static
    buffers in :mod:`refspec.graph_buffers`).
 8. :mod:`refspec.phase_loops`: each phase of a step alone in a loop, for a counter that cannot
-   see one phase; :mod:`refspec.distributed` and :mod:`refspec.sharding`: tensor parallelism's
-   process group and which heads and MLP columns each rank keeps (the sharding itself is applied
-   to a built model by ``refspec.models.tp``).
+   see one phase.
 
 Rooms beside the core: :mod:`refspec.energy` (meters, ledger, accounting, roofline, latency,
 DVFS, attribution) and :mod:`refspec.assets` (pinned real models, download, GGUF conversion,
-tokenizer). Layers outside it: ``refspec.models`` (targets), ``refspec.drafters`` (one file per
-drafter), ``refspec.eval`` (every command line). The core imports none of these three.
+tokenizer). Layers outside it: ``refspec.models`` (targets, and ``prepare_target``, which readies
+one for a run: CPU GEMM plan, compiled step, CUDA graphs, tensor parallelism in
+``refspec.models.tp``), ``refspec.drafters`` (one file per drafter), ``refspec.eval`` (every
+command line). The core imports none of these three.
 
 Shape glossary, used in every shape comment:
 

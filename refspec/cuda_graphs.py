@@ -1,10 +1,10 @@
 """CUDA graphs for decode steps: static buffers per (batch bucket, tokens per row, keys).
 
-A :class:`GraphRunner` wraps a model with ``Transformer.forward``'s signature and is called
-exactly like it, so a graph is a constructor choice: ``Engine(target, verify_fn=GraphRunner(
-target))`` for verify and plain decode steps, ``DraftModelDrafter(GraphRunner(draft_model),
-...)`` for a drafter's steps. Every other attribute (``args``, ``device``, ``dtype``,
-``num_layers``) is the wrapped model's.
+A :class:`GraphRunner` runs a model's steps and is called exactly like the model's forward;
+``refspec.models.prepare_target(model, cuda_graphs=True)`` runs a target's verify and plain
+decode steps through one (``refspec.models.prepare.PreparedTarget(model, step=runner)`` with a
+runner built here does the same for any runner, e.g. a draft model's), and takes the engine's
+cache from its pool.
 
 How one call runs (SGLang's scheme, adapted to refspec's static cache):
 
@@ -23,7 +23,7 @@ How one call runs (SGLang's scheme, adapted to refspec's static cache):
 
 **The KV pool.** A graph bakes in the addresses of the cache it writes, and the padded rows
 need cache rows of their own. So the runner owns the cache: :meth:`GraphRunner.new_cache`
-(which the engine calls when its ``verify_fn`` has one) returns a :class:`CacheView` of the
+(the engine's cache, through its target's ``new_cache``) returns a :class:`CacheView` of the
 first B rows and T slots of a pool ``[L, R, Hkv, T_pool, D]`` with ``R >= Bp``. Prefill and
 every other eager forward write through the view; graphs write through the pool's first Bp
 rows. One view per runner is live at a time (a new one reuses the pool). Continuous batching
@@ -52,7 +52,6 @@ may flip.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 from typing import Any, Sequence
@@ -137,12 +136,6 @@ class GraphRunner:
         self._bucket_caches: dict[int, StaticKVCache] = {}
         self._entries: dict[StepKey, StaticBuffers] = {}
         self._mempool: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for attributes the runner lacks: args, device, dtype, num_layers, ...
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
 
     def __repr__(self) -> str:
         mode = "cuda-graphs" if self.capture else "eager-static"
@@ -373,28 +366,5 @@ def cuda_graphs_enabled(flag: bool | None, device: torch.device | str) -> bool:
     return bool(flag)
 
 
-def make_verify_fn(target: Any, device: torch.device | str, enabled: bool | None = None, **runner_kwargs: Any) -> Any:
-    """The step callable for an engine (or a draft model for its drafter).
-
-    Args:
-        target: the model.
-        device: the run's device.
-        enabled: the ``--cuda-graphs`` flag (None: on for CUDA, off elsewhere).
-        **runner_kwargs: passed to :class:`GraphRunner`.
-
-    Returns:
-        A capturing :class:`GraphRunner` when graphs are enabled, else ``target`` itself.
-    """
-    if cuda_graphs_enabled(enabled, device):
-        return GraphRunner(target, capture=True, **runner_kwargs)
-    return target
-
-
-def add_cuda_graphs_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--cuda-graphs/--no-cuda-graphs`` (default None: on for CUDA, eager elsewhere)."""
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                        help="capture decode steps as CUDA graphs (default: on for CUDA, eager elsewhere)")
-
-
 __all__ = ["GraphRunner", "CacheView", "RunnerStats", "CudaGraphError", "DEFAULT_BATCH_BUCKETS", "batch_bucket",
-           "cuda_graphs_enabled", "make_verify_fn", "add_cuda_graphs_argument"]
+           "cuda_graphs_enabled"]

@@ -121,9 +121,9 @@ class Drafter(Protocol):
 
     Billing: a drafter declares no cost. The work of ``reset`` (billed to ``prefill``) and of
     ``propose`` (billed to ``draft``) is what the forwards it runs record through
-    :func:`refspec.energy.phases.record_forward`: refspec's ``Transformer`` and drafter heads
+    :func:`refspec.energy.model.work.record_forward`: refspec's ``Transformer`` and drafter heads
     record themselves; a drafter running modules of its own records a
-    :class:`~refspec.energy.phases.ForwardShape` per forward, computed from the tensors it ran.
+    :class:`~refspec.energy.model.work.ForwardShape` per forward, computed from the tensors it ran.
     ``commit`` should run no forward (the engine bills it as bookkeeping).
 
     Method ``reset_rows(self, state, rows, hidden) -> None`` (needed by continuous batching; a
@@ -138,7 +138,7 @@ class Drafter(Protocol):
     call of a run (slots filled before all are busy), so it sizes its buffers as ``reset`` does.
     The next ``propose`` sees every row, the refilled ones included.
 
-    Optional method ``roofline_model(self, target_args) -> refspec.energy.roofline.DrafterModel |
+    Optional method ``roofline_model(self, target_args) -> refspec.energy.model.roofline.DrafterModel |
     None``: the drafter's cost per draft forward for roofline predictions of a steady-state step
     (``target_args`` is the target's ``ModelArgs``); None means a free drafter that runs no
     forwards (n-gram lookup). A drafter without the method gets no prediction.

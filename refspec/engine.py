@@ -21,9 +21,9 @@ steps in :mod:`refspec.step`):
 waits on it while every slot is empty); :meth:`Engine.generate` is one static batch. Rejected KV
 entries stay in the cache but are never attended and are overwritten next step. Finished rows
 and empty slots keep riding along (static shapes) but emit nothing and are not counted active.
-Every phase is bracketed by an :class:`~refspec.energy.phases.EnergyMeter` through a
-:class:`~refspec.energy.phases.MeteredPhase` and reported to observers as a
-:class:`~refspec.energy.phases.PhaseEvent`; the work a phase is billed is what the forwards run
+Every phase is bracketed by an :class:`~refspec.energy.meters.measurement.EnergyMeter` through a
+:class:`~refspec.energy.ledger.events.MeteredPhase` and reported to observers as a
+:class:`~refspec.energy.ledger.events.PhaseEvent`; the work a phase is billed is what the forwards run
 inside it recorded (target, draft model, drafter heads), never a declaration beside them.
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
 from refspec.serving import DecodeFigures, Request, RequestSource, ServeResult
 from refspec.step import AcceptFn, Batch, Committed, accept_chain, commit, decide, new_batch, prefill, verify_forward
+from refspec.target import TargetForward
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +108,15 @@ class Engine:
     """Plain and speculative decoding over a static KV cache.
 
     Args:
-        target: a ``refspec.models.Transformer`` (anything with its ``forward`` and ``prefill``).
+        target: what runs the verify forwards and the prefills and makes the cache
+            (:class:`~refspec.target.TargetForward`): a ``refspec.models.Transformer``, or one
+            readied for a run by ``refspec.models.prepare_target`` (its steps through a compiled
+            step or CUDA graphs, its cache from the graphs' pool).
         drafter: the drafter, or None for plain decoding.
         config: engine settings.
         meter: energy meter bracketing every phase (default: wall time, synchronising CUDA).
         observers: called with every :class:`PhaseEvent` (the ledger is one).
         eos_token_ids: tokens that end a row.
-        verify_fn: callable with the target forward's signature used for verify steps
-            (a CUDA-graph runner may replace the eager target here); when it has a
-            ``new_cache`` method, the engine's cache comes from it.
         acceptance_fn: decides a chain, ``(draft, logits, sampling, generator) -> Acceptance``
             (:data:`refspec.step.AcceptFn`); default :func:`refspec.step.accept_chain`. Timing
             large random-weight targets wraps it to inject a recorded acceptance distribution
@@ -128,11 +129,10 @@ class Engine:
             a request's last tokens come after every phase it took part in was reported.
     """
 
-    def __init__(self, target, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
+    def __init__(self, target: TargetForward, drafter: Drafter | None = None, *, config: EngineConfig = EngineConfig(),
                  meter: EnergyMeter | None = None, observers: Sequence[PhaseObserver] = (),
-                 eos_token_ids: Sequence[int] = (), verify_fn: Callable | None = None,
-                 acceptance_fn: AcceptFn | None = None, policy: SpeculationPolicy | None = None,
-                 on_step: Callable[[int, int], None] | None = None,
+                 eos_token_ids: Sequence[int] = (), acceptance_fn: AcceptFn | None = None,
+                 policy: SpeculationPolicy | None = None, on_step: Callable[[int, int], None] | None = None,
                  on_tokens: Callable[[dict[int, list[int]]], None] | None = None) -> None:
         if drafter is None and config.k:
             raise GenerationError(f"k = {config.k} needs a drafter; plain decoding is k = 0")
@@ -148,7 +148,6 @@ class Engine:
         self.meter = meter if meter is not None else TimeMeter(sync=sync)
         self.observers = list(observers)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=target.device)
-        self.verify_fn = verify_fn if verify_fn is not None else target
         self.acceptance_fn = acceptance_fn if acceptance_fn is not None else accept_chain
         self.on_step = on_step
         self.on_tokens = on_tokens
@@ -162,9 +161,7 @@ class Engine:
     def _cache_for(self, batch: int, max_len: int):
         c = self._cache
         if c is None or c.batch != batch or c.max_len < max_len:
-            # a verify_fn that owns the cache (a CUDA-graph runner's KV pool) provides it
-            new_cache = getattr(self.verify_fn, "new_cache", None) or self.target.new_cache
-            self._cache = c = new_cache(batch, max_len)
+            self._cache = c = self.target.new_cache(batch, max_len)
         c.reset()
         return c
 
@@ -314,7 +311,7 @@ class Engine:
             # 2. verify: the pending token and the drafts of every row, one target forward
             with MeteredPhase(meter, "verify") as verify_phase:
                 base = run.cache.lengths.clone()  # [B] committed length before the step
-                logits, hidden = verify_forward(self.verify_fn, run, draft, base, kv_bucket=cfg.kv_bucket,
+                logits, hidden = verify_forward(self.target, run, draft, base, kv_bucket=cfg.kv_bucket,
                                                 hidden_layers=hidden_layers, sliding_window=window)  # [B, N+1, V]
 
             with MeteredPhase(meter, "commit") as commit_phase:

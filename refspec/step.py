@@ -24,6 +24,7 @@ from refspec.cache import tree_mask
 from refspec.config import round_up
 from refspec.drafting import DecodeState, Draft, Drafter
 from refspec.sampling import SamplingConfig, choose, probs_from_logits
+from refspec.target import TargetForward
 from refspec.verify import Acceptance, emitted_tokens, greedy_accept, speculative_sample
 from refspec.verify_tree import tree_ancestors, tree_greedy_accept, tree_speculative_sample
 
@@ -63,13 +64,13 @@ class Batch:
         return len(self.done_host) - sum(self.done_host)
 
 
-def verify_forward(forward: Callable, run: Batch, draft: Draft, base: torch.Tensor, *, kv_bucket: int,
+def verify_forward(forward: TargetForward, run: Batch, draft: Draft, base: torch.Tensor, *, kv_bucket: int,
                    hidden_layers: tuple[int, ...], sliding_window: int | None
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One target forward over ``[pending, drafts]`` of every row, at slots ``base + i``.
 
     Args:
-        forward: the target forward (the model, a CUDA-graph runner, a compiled step).
+        forward: the target (its steps run eagerly, compiled or through CUDA graphs).
         run: the batch; its cache receives the N+1 new entries of every row.
         draft: the step's chain ``[B, K]`` or tree of N nodes.
         base: ``[B]`` committed cache length of each row before the step.
@@ -200,15 +201,15 @@ def new_batch(cache, batch: int, t_slots: int, max_budget: int, k: int, *, sampl
                  lengths_host=[0] * batch)
 
 
-def prefill(target, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]], budgets: Sequence[int], *,
-            drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
+def prefill(target: TargetForward, run: Batch, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+            budgets: Sequence[int], *, drafter: Drafter | None, sampling: SamplingConfig, eos: torch.Tensor,
             generator: torch.Generator | None, ignore_eos: Sequence[bool] = ()) -> None:
     """Fill slots ``rows`` (ascending) with new requests: one packed target forward over only
     their prompts' tokens (each written into its slot's cache row, the first token from each
     prompt's last logits), then the drafter forgets those rows and reads their prompts.
 
     Args:
-        target: the model (:meth:`~refspec.models.transformer.Transformer.prefill`).
+        target: the target (:meth:`~refspec.target.TargetForward.prefill`).
         run: the batch, updated in place (``done_host`` and ``lengths_host`` included).
         rows: the R slots.
         prompts: R prompts (token ids).

@@ -2,7 +2,7 @@
 
 A session is one ledger run (``DIR/ledger.jsonl``) that every served request lands in. While the
 server runs, ``GET /v1/energy`` accounts the run so far with the eval's accounting
-(:func:`refspec.energy.accounting.account`, read from the ledger on disk): the whole run's J/token
+(:func:`refspec.energy.accounting.headline.account`, read from the ledger on disk): the whole run's J/token
 and the steady-state window's (all slots busy; ramp-up and drain excluded), with the window's
 validity. At shutdown the run ends and the session becomes one record in ``DIR/records.jsonl``,
 the eval's :class:`~refspec.eval.record.RunRecord` built by the eval's own

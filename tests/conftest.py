@@ -106,13 +106,3 @@ def smollm2_plain(smollm2):
         return [list(row) for row in memo[key]]
 
     return plain
-
-
-@pytest.fixture(autouse=True)
-def _restore_gemm_plan():
-    """load_model activates a process-wide CPU GEMM plan; each test starts and ends on the same one."""
-    from refspec.models import cpu_speed
-
-    before = cpu_speed.gemm_plan()
-    yield
-    cpu_speed.use_gemm_plan(before)

@@ -53,12 +53,13 @@ def test_products_run_multiplies_every_matrix_of_a_step_once(tiny_models, monkey
     """The 'products alone' figure times one product per block matrix and the LM head, with the
     step's rows, through the model's own copies."""
     from refspec.eval import bench_timing
-    from refspec.models import cpu_speed
+    from refspec.models import cpu_speed, gemm_forms
 
     model = tiny_models["llama"]
     seen = []
-    real = cpu_speed.linear
-    monkeypatch.setattr(cpu_speed, "linear", lambda x, w, b=None, copy=None: seen.append((x.shape, w.shape)) or real(x, w, b, copy))
+    real = gemm_forms.linear
+    monkeypatch.setattr(gemm_forms, "linear",
+                        lambda x, w, b=None, gemm=None: seen.append((x.shape, w.shape)) or real(x, w, b, gemm))
     outs = bench_timing.products_run(model, 3)()
     lins = cpu_speed.copied_linears(model)
     assert len(lins) == 1 + 4 * model.num_layers and len(outs) == len(seen) == len(lins)

@@ -155,11 +155,12 @@ def test_eagle_prompt_pass_bills_keys_linear_in_the_prompt(tiny_models):
 def test_padded_rows_of_a_graph_runner_are_billed(tiny_models):
     """Eager-static CUDA-graph buffers compute the padded rows of the batch bucket: they are billed."""
     from refspec.cuda_graphs import GraphRunner
+    from refspec.models import PreparedTarget
 
     m = tiny_models["llama"]
     meter = CountingMeter()
     runner = GraphRunner(m, capture=False)
-    Engine(m, NgramDrafter(trim=False), config=EngineConfig(k=2), meter=meter, verify_fn=runner).generate(
+    Engine(PreparedTarget(m, step=runner), NgramDrafter(trim=False), config=EngineConfig(k=2), meter=meter).generate(
         _ragged(3), max_new_tokens=5)
     _assert_billed_equals_run(meter.windows, "graph-runner")
     verify = [w for w in meter.windows if w.name == "verify"]
@@ -187,13 +188,14 @@ def test_weight_copies_are_billed_at_the_bytes_they_stream(tmp_path, monkeypatch
 
     from tiny import copy_plan
 
+    from refspec.models import prepare_target
     from refspec.models.cpu_speed import copied_linears, weight_copy_kind
 
-    copied = load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan())
+    copied = prepare_target(load_model(tmp_path, dtype=torch.bfloat16), cpu_plan=copy_plan()).model
     assert weight_copy_kind(copied) == "fp32"
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    plain = load_model(tmp_path, dtype=torch.bfloat16, gemm_plan=copy_plan())
+    plain = prepare_target(load_model(tmp_path, dtype=torch.bfloat16), cpu_plan=copy_plan()).model
     assert weight_copy_kind(plain) is None
-    extra = {id(lin): lin.copy.t.nbytes - lin.weight.nbytes for lin in copied_linears(copied)}
+    extra = {id(lin): lin.gemm.copy.t.nbytes - lin.weight.nbytes for lin in copied_linears(copied)}
     lm_head = extra[id(copied.lm_head)]
     assert prefill(copied) - prefill(plain) == sum(extra.values()) + lm_head, "target's copies, then the head's LM head"

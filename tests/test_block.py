@@ -354,6 +354,7 @@ def test_block_verify_is_shaped_like_eagles(tiny_models):
     same K: B x (K+1) long tokens, a chain (no tree mask, no slots), num_keys from the cache
     lengths alone, and only the feature layers the drafter reads; one verify per step."""
     from refspec.drafters.eagle import EagleDrafter, HeadConfig, new_head
+    from refspec.models import PreparedTarget
 
     m, k = tiny_models["llama"], 4
     prompts = _prompts(6, seed=4)
@@ -365,11 +366,12 @@ def test_block_verify_is_shaped_like_eagles(tiny_models):
 
         def spy(tokens, positions, cache, calls=calls, **kw):
             want = min(cache.max_len, -(-(int(cache.lengths.max()) + k + 1) // 64) * 64)  # engine's kv_bucket 64
-            calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, sorted(set(kw) - {"num_keys"}),
-                          tuple(kw["hidden_layers"])))
+            given = sorted(name for name, v in kw.items() if name != "num_keys" and v is not None)
+            calls.append((tuple(tokens.shape), tokens.dtype, kw["num_keys"], want, given, tuple(kw["hidden_layers"])))
             return m(tokens, positions, cache, **kw)
 
-        out = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS, verify_fn=spy).generate(
+        spy.new_cache = m.new_cache  # a step makes the cache its forwards write
+        out = Engine(PreparedTarget(m, step=spy), drafter, config=EngineConfig(k=k), eos_token_ids=EOS).generate(
             prompts, max_new_tokens=12)
         assert len(calls) == out.steps, name
         for shape, dtype, keys, want, extra, layers in calls:

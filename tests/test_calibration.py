@@ -101,27 +101,27 @@ def test_measure_times_real_products_in_rounds():
 
 @pytest.mark.parametrize("form", ["column", "wxt", "linear", "packed"])
 def test_linear_takes_the_plans_form_and_equals_the_reference(form):
-    from refspec.models.cpu_speed import WeightCopy, linear, use_gemm_plan
+    from refspec.models.gemm_forms import GemmChoice, WeightCopy, linear
 
     if form == "packed" and not packed_form_runs():
         return  # calibration never offers it here (asserted by packed_form_runs)
-    use_gemm_plan(C.GemmPlan(forms={"fp32": {b: form for b in C.BUCKETS}}, timings_s={}, machine={}))
+    plan = C.GemmPlan(forms={"fp32": {b: form for b in C.BUCKETS}}, timings_s={}, machine={})
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     kind = form if form in G.COPY_FORMS else "column"
-    copy = WeightCopy(w, kind)
+    choice = GemmChoice(dtype=torch.float32, forms=plan.forms_of(torch.float32), copy=WeightCopy(w, kind))
     for rows in (1, 5, 40):
         x = torch.randn(rows, 64, generator=g)
-        assert torch.allclose(linear(x, w, b, copy), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(linear(x, w, b, choice), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         xt = torch.randn(64, rows, generator=g).t()  # a column-major activation
-        assert torch.allclose(linear(xt, w, b, copy), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(linear(xt, w, b, choice), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
     # routing: only the plan's copy form reads the copy
-    copy.t = G.make_copy(kind, torch.zeros_like(w))
-    out = linear(torch.randn(1, 64, generator=g), w, None, copy)
+    choice.copy.t = G.make_copy(kind, torch.zeros_like(w))
+    out = linear(torch.randn(1, 64, generator=g), w, None, choice)
     assert torch.equal(out, torch.zeros(1, 96)) == (form in G.COPY_FORMS)
     w.add_(1.0)  # a changed weight: the stale copy is not read
     x = torch.randn(3, 64, generator=g)
-    assert torch.allclose(linear(x, w, None, copy), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(linear(x, w, None, choice), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_form_in_half_precision_rounds_like_the_reference():
@@ -158,18 +158,22 @@ def test_notable_cpu_flags_are_read_from_the_flags_line(monkeypatch):
     assert C.notable_cpu_flags() == []
 
 
-def test_nodnn_form_equals_the_reference_and_restores_onednn():
-    from refspec.models.cpu_speed import linear, use_gemm_plan
+def test_nodnn_form_equals_the_reference_and_restores_onednn(monkeypatch):
+    from refspec.models.gemm_forms import GemmChoice, linear
 
     timer, _ = table({("bf16", "one"): "nodnn"})
     plan = C.calibrate(("bf16",), timer=timer)
     assert plan.form(torch.bfloat16, 1) == "nodnn" and plan.copy_kind(torch.bfloat16) is None
-    use_gemm_plan(plan)
+    choice = GemmChoice(dtype=torch.bfloat16, forms=plan.forms_of(torch.bfloat16))
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
     x = torch.randn(1, 64, generator=g).bfloat16()
     before = torch._C._get_mkldnn_enabled()
-    out = linear(x, w, b)
+    seen = []
+    real = G.without_onednn
+    monkeypatch.setattr(G, "without_onednn", lambda fn, *a: (seen.append(fn), real(fn, *a))[1])
+    out = linear(x, w, b, choice)
+    assert seen == [F.linear], "the product took the nodnn form"
     assert torch._C._get_mkldnn_enabled() == before
     ref = F.linear(x.double(), w.double(), b.double())
     # one rounding of the fp32 accumulator, and of the bias add
@@ -182,16 +186,15 @@ def test_nodnn_form_equals_the_reference_and_restores_onednn():
 def test_packed_form_passes_gradients_to_its_input():
     """A frozen weight's packed copy is bypassed while a gradient to the input is recorded
     (oneDNN's packed product has no backward: the gradient would silently vanish)."""
-    from refspec.models.cpu_speed import WeightCopy, linear, use_gemm_plan
+    from refspec.models.gemm_forms import GemmChoice, WeightCopy, linear
 
     if not packed_form_runs():
         return  # calibration never offers it here (asserted by packed_form_runs)
-    use_gemm_plan(C.GemmPlan(forms={"fp32": {b: "packed" for b in C.BUCKETS}}, timings_s={}, machine={}))
     g = torch.Generator().manual_seed(4)
     w = torch.randn(96, 64, generator=g)
-    copy = WeightCopy(w, "packed")
+    choice = GemmChoice(dtype=torch.float32, forms=("packed",) * 3, copy=WeightCopy(w, "packed"))
     x = torch.randn(5, 64, generator=g, requires_grad=True)
-    linear(x, w, None, copy).square().sum().backward()
+    linear(x, w, None, choice).square().sum().backward()
     ref = x.detach().clone().requires_grad_(True)
     F.linear(ref, w).square().sum().backward()
     assert x.grad is not None and torch.allclose(x.grad, ref.grad, rtol=1e-5, atol=1e-5)
@@ -210,8 +213,8 @@ def test_without_copies_takes_the_fastest_copy_free_forms():
 
 
 def test_a_model_whose_copies_do_not_fit_runs_copy_free_forms(tmp_path, monkeypatch):
-    from refspec.models import load_model
-    from refspec.models.cpu_speed import gemm_plan, weight_copy_kind
+    from refspec.models import load_model, prepare_target
+    from refspec.models.cpu_speed import weight_copy_kind
     from tiny import save_hf
 
     def timer(dtype, bucket, form):
@@ -219,8 +222,10 @@ def test_a_model_whose_copies_do_not_fit_runs_copy_free_forms(tmp_path, monkeypa
     plan = C.calibrate(("fp32",), timer=timer)
     save_hf("llama", tmp_path)
     monkeypatch.setenv("REFSPEC_CPU_WEIGHT_COPIES_GIB", "0")
-    model = load_model(tmp_path, gemm_plan=plan)
-    assert weight_copy_kind(model) is None and gemm_plan().forms["fp32"] == {b: "wxt" for b in C.BUCKETS}
+    model = load_model(tmp_path)
+    prepared = prepare_target(model, cpu_plan=plan)
+    assert weight_copy_kind(model) is None and prepared.cpu_plan.forms["fp32"] == {b: "wxt" for b in C.BUCKETS}
+    assert model.lm_head.gemm.forms == ("wxt",) * 3
 
 
 def busy(spread: float):

@@ -9,8 +9,9 @@ import torch
 
 from refspec.drafters.ngram import NgramDrafter
 from refspec.engine import Engine, EngineConfig
-from refspec.models.cpu_speed import apply_cpu_speed
-from refspec.models.compiled import CompiledStep, CompileError, make_compiled_step
+from refspec.models.compiled import CompiledStep, CompileError
+from refspec.models.cpu_speed import plan_gemms, weight_copy_kind
+from refspec.models.prepare import PreparedTarget, prepare_target
 from refspec.models.transformer import Transformer
 from tiny import copy_plan, tiny_args
 
@@ -69,7 +70,7 @@ def test_greedy_decode_through_the_compiled_verify_equals_eager(inductor_step):
     # one more for S=1 if the engine's cache is not the 64 slots of the test above)
     for drafter, k in ((None, 0), (NgramDrafter(max_n=3, trim=False, min_n=1), 3)):
         eager = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS)
-        compiled = Engine(m, drafter, config=EngineConfig(k=k), eos_token_ids=EOS, verify_fn=step)
+        compiled = Engine(PreparedTarget(m, step=step), drafter, config=EngineConfig(k=k), eos_token_ids=EOS)
         before = step.stats.compiled_calls
         ref, out = (e.generate(_prompts(2), max_new_tokens=24) for e in (eager, compiled))
         assert out.tokens == ref.tokens and out.accepted_per_step == ref.accepted_per_step
@@ -116,7 +117,8 @@ def test_prefill_and_embeddings_run_eagerly():
 
 def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
     m = _model()
-    assert apply_cpu_speed(m, copy_plan()) == "column"  # column copies for one fp32 row: the graph reads them
+    plan_gemms(m, copy_plan())
+    assert weight_copy_kind(m) == "column"  # column copies for one fp32 row: the graph reads them
     step = CompiledStep(m, backend="eager")
     cache, tok, pos = _step_inputs(m, 1, 1)
     with torch.inference_mode():
@@ -128,7 +130,7 @@ def test_weight_copies_trace_and_a_stale_copy_runs_eagerly():
         out2, _ = step(tok, pos, cache, num_keys=64)
         wo = m.layers[1].attn.wo
         wo.weight = torch.nn.Parameter(wo.weight * 2, requires_grad=False)  # replaced: its copy is stale too
-        m.layers[0].mlp.down.copy = None  # (no copy: that matrix is multiplied by F.linear)
+        m.layers[0].mlp.down.gemm = None  # (no choice: that matrix is multiplied by F.linear)
         ref3, _ = m(tok, pos, cache, num_keys=64)
         out3, _ = step(tok, pos, cache, num_keys=64)
     assert torch.equal(out2, ref2) and not torch.equal(ref2, ref) and torch.equal(out3, ref3)
@@ -149,19 +151,21 @@ def test_work_is_recorded_as_eagerly():
     assert rec.work == ref.work and len(rec.work) == 1
 
 
-def test_make_compiled_step_and_bad_device():
+def test_prepare_target_compiles_on_request_and_refuses_it_off_the_cpu_or_with_graphs():
     m = _model()
-    assert make_compiled_step(m, False) is m
-    assert isinstance(make_compiled_step(m, True, backend="eager"), CompiledStep)
+    assert prepare_target(m).step is m
+    assert isinstance(prepare_target(m, compile=True).step, CompiledStep)
+    with pytest.raises(CompileError, match="ask for one of them"):
+        prepare_target(m, compile=True, cuda_graphs=True)
     with pytest.raises(CompileError, match="CPU"):
-        CompiledStep(m.to("meta"))
+        prepare_target(m.to("meta"), compile=True)
 
 
 def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monkeypatch):
     import json
 
     from refspec.eval import cli
-    from refspec.models import compiled
+    from refspec.models import compiled, prepare
     from test_eval_cli import QUIET, _make_tokenizer
     from tiny import save_hf
 
@@ -172,7 +176,7 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
             super().__init__(model, backend="eager", **kw)
             made.append(self)
 
-    monkeypatch.setattr(compiled, "CompiledStep", Recorded)
+    monkeypatch.setattr(prepare, "CompiledStep", Recorded)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     save_hf("llama", tmp_path / "model")
     _make_tokenizer(tmp_path / "model")
@@ -194,8 +198,8 @@ def test_a_nodnn_plan_runs_the_graph_with_onednn_off():
     from refspec.models.calibration import GemmPlan
 
     m = _model(dtype=torch.bfloat16)
-    apply_cpu_speed(m, GemmPlan(forms={"bf16": {"one": "nodnn", "few": "linear", "many": "linear"}}, timings_s={},
-                                machine={}))
+    plan_gemms(m, GemmPlan(forms={"bf16": {"one": "nodnn", "few": "linear", "many": "linear"}}, timings_s={},
+                           machine={}))
     step = CompiledStep(m, backend="eager")
     cache, tok, pos = _step_inputs(m, 1, 1)
     seen = []

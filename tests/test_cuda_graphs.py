@@ -3,18 +3,17 @@
 CPU tests run the runner in eager-static mode (same bucketing, padding and KV pool, no
 capture). GPU-marked tests compare captured graphs with eager-static runs bit for bit.
 """
-import argparse
 import copy
 
 import pytest
 import torch
 
 from refspec.cache import causal_mask
-from refspec.cuda_graphs import (CacheView, CudaGraphError, GraphRunner, add_cuda_graphs_argument, batch_bucket,
-                                 cuda_graphs_enabled, make_verify_fn)
+from refspec.cuda_graphs import CacheView, CudaGraphError, GraphRunner, batch_bucket, cuda_graphs_enabled
 from refspec.drafters.draft_model import DraftModelDrafter
 from refspec.drafters.ngram import NgramDrafter
 from refspec.engine import Engine, EngineConfig
+from refspec.models.prepare import PreparedTarget, prepare_target
 
 EOS = [2]
 
@@ -28,8 +27,13 @@ def _prompts(n, seed=0):
     return ps
 
 
+def _graph_wrap(capture):
+    """A draft model whose steps run through a runner of their own."""
+    return lambda model: PreparedTarget(model, step=GraphRunner(model, capture=capture, max_tokens_per_row=2))
+
+
 def _make_drafter(name, m, wrap):
-    """(drafter, k) of a name; ``wrap`` turns a draft model into its step callable."""
+    """(drafter, k) of a name; ``wrap`` readies a draft model (its steps through a runner)."""
     if name == "plain":
         return None, 0
     if name == "ngram":
@@ -49,10 +53,11 @@ def _make_drafter(name, m, wrap):
 
 def _engine(m, drafter_name, *, static, capture=False, **kw):
     """An engine whose verify (and draft-model) steps run through runners when ``static``."""
-    wrap = (lambda model: GraphRunner(model, capture=capture, max_tokens_per_row=2)) if static else (lambda x: x)
+    wrap = _graph_wrap(capture) if static else (lambda x: x)
     drafter, k = _make_drafter(drafter_name, m, wrap)
     verify = GraphRunner(m, capture=capture) if static else None
-    return Engine(m, drafter, config=EngineConfig(k=k), verify_fn=verify, eos_token_ids=EOS, **kw), verify
+    target = PreparedTarget(m, step=verify) if static else m
+    return Engine(target, drafter, config=EngineConfig(k=k), eos_token_ids=EOS, **kw), verify
 
 
 # ---- CPU: eager-static ---------------------------------------------------------------------------
@@ -158,10 +163,9 @@ def test_buckets_and_eager_fallbacks(tiny_models):
     assert [batch_bucket(x, (1, 2, 4, 8)) for x in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     m = tiny_models["llama"]
     runner = GraphRunner(m, capture=False, batch_buckets=(1, 2, 4), max_tokens_per_row=4)
-    assert runner.args is m.args and runner.num_layers == m.num_layers, "attributes come from the model"
     prompts = _prompts(6)  # 6 rows > largest bucket 4: every step runs eagerly, still correct
     want = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=8).tokens
-    got = Engine(m, verify_fn=runner, eos_token_ids=EOS).generate(prompts, max_new_tokens=8).tokens
+    got = Engine(PreparedTarget(m, step=runner), eos_token_ids=EOS).generate(prompts, max_new_tokens=8).tokens
     assert got == want
     assert runner.stats.static_calls == 0 and runner.stats.eager_calls > 0
     assert any("largest bucket" in r for r in runner.stats.eager_reasons)
@@ -230,19 +234,15 @@ def test_capture_buckets_prepares_every_bucket_eager_static(tiny_models):
 
 def test_cuda_graph_choice_helpers(tiny_models):
     m = tiny_models["llama"]
-    assert make_verify_fn(m, "cpu") is m, "eager on CPU by default"
-    assert make_verify_fn(m, "cpu", False) is m
+    assert prepare_target(m).step is m, "eager unless graphs are asked for"
     assert cuda_graphs_enabled(None, "cuda") and not cuda_graphs_enabled(None, "cpu")
     with pytest.raises(CudaGraphError, match="needs a CUDA device"):
-        make_verify_fn(m, "cpu", True)
+        cuda_graphs_enabled(True, "cpu")
+    with pytest.raises(CudaGraphError, match="CUDA device"):
+        prepare_target(m, cuda_graphs=True)
     with pytest.raises(CudaGraphError, match="CUDA device"):
         GraphRunner(m, capture=True)
-    p = argparse.ArgumentParser()
-    add_cuda_graphs_argument(p)
-    assert p.parse_args([]).cuda_graphs is None
-    assert p.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
-    assert p.parse_args(["--cuda-graphs"]).cuda_graphs is True
-    assert isinstance(GraphRunner(m, capture=False).new_cache(3, 16), CacheView)
+    assert isinstance(PreparedTarget(m, step=GraphRunner(m, capture=False)).new_cache(3, 16), CacheView)
 
 
 # ---- GPU: graphs equal eager-static bit for bit ------------------------------------------------
@@ -267,10 +267,6 @@ class _Recorder:
         return out
 
 
-def _graph_wrap(capture):
-    return lambda model: GraphRunner(model, capture=capture, max_tokens_per_row=2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,drafter", [("llama", "plain"), ("llama", "ngram"), ("llama", "draft-model"),
                                             ("llama", "eagle"), ("llama", "eagle3"), ("gemma3", "eagle2-tree")])
@@ -284,7 +280,7 @@ def test_graphs_equal_eager_bit_for_bit_bf16(tiny_models, family, drafter):
     for capture in (False, True):
         d, k = _make_drafter(drafter, m, _graph_wrap(capture))
         rec = _Recorder(GraphRunner(m, capture=capture))
-        gen = Engine(m, d, config=EngineConfig(k=k), verify_fn=rec, eos_token_ids=EOS).generate(
+        gen = Engine(PreparedTarget(m, step=rec), d, config=EngineConfig(k=k), eos_token_ids=EOS).generate(
             prompts, max_new_tokens=16)
         runs[capture] = (gen, rec)
     (g_eager, r_eager), (g_graph, r_graph) = runs[False], runs[True]
@@ -304,7 +300,7 @@ def test_graphs_equal_dynamic_tokens_fp32(tiny_models, drafter):
     prompts = _prompts(10)
     want = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=16).tokens
     d, k = _make_drafter(drafter, m, _graph_wrap(True))
-    got = Engine(m, d, config=EngineConfig(k=k), verify_fn=GraphRunner(m), eos_token_ids=EOS).generate(
+    got = Engine(prepare_target(m, cuda_graphs=True), d, config=EngineConfig(k=k), eos_token_ids=EOS).generate(
         prompts, max_new_tokens=16).tokens
     assert got == want
 

@@ -163,7 +163,7 @@ def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter
     """Through oneDNN-packed weight copies (one-row steps and multi-row verification in their
     own kernels) speculative decoding still equals plain decoding, and both equal the reference
     plan's tokens (fp32)."""
-    from refspec.models import load_model
+    from refspec.models import load_model, prepare_target
     from refspec.models.calibration import REFERENCE
     from refspec.models.cpu_speed import weight_copy_kind
     from tiny import packed_form_runs, packed_plan, save_hf
@@ -171,9 +171,9 @@ def test_greedy_speculative_equals_plain_under_the_packed_plan(tmp_path, drafter
     if not packed_form_runs():
         return  # calibration never offers it here (asserted by packed_form_runs)
     save_hf("llama", tmp_path)
-    reference = Engine(load_model(tmp_path, gemm_plan=REFERENCE), eos_token_ids=EOS).generate(
+    reference = Engine(prepare_target(load_model(tmp_path), cpu_plan=REFERENCE), eos_token_ids=EOS).generate(
         _prompts(10), max_new_tokens=24)
-    m = load_model(tmp_path, gemm_plan=packed_plan())
+    m = prepare_target(load_model(tmp_path), cpu_plan=packed_plan()).model
     assert weight_copy_kind(m) == "packed"
     plain = Engine(m, eos_token_ids=EOS).generate(_prompts(10), max_new_tokens=24)
     spec = Engine(m, _drafters(m)[drafter](), config=EngineConfig(k=4), eos_token_ids=EOS).generate(

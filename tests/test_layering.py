@@ -40,11 +40,6 @@ ENERGY_EXCEPTIONS = {("refspec.energy.model.dvfs", "refspec.energy.meters.errors
 
 # Known violations, each an expected failure until the branch that removes it is merged; the list
 # is emptied then, never extended to let a new violation in.
-KNOWN_BAD_ARROWS: set[tuple[str, str]] = {
-    ("refspec.energy.interconnect", "refspec.sharding"),  # interconnect moves to refspec.models.tp
-    ("refspec.energy.rank_meter", "refspec.distributed"),  # rank_meter moves to refspec.models.tp
-}
-KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
@@ -189,7 +184,7 @@ def test_every_layer_is_found(edges):
 
 
 def test_no_arrow_breaks_the_rule(edges):
-    assert sorted(bad_arrows(edges) - KNOWN_BAD_ARROWS) == []
+    assert sorted(bad_arrows(edges)) == []
 
 
 def test_energy_sub_packages_import_only_earlier_ones(edges):
@@ -197,19 +192,7 @@ def test_energy_sub_packages_import_only_earlier_ones(edges):
 
 
 def test_no_import_cycle(edges):
-    assert sorted(sorted(c) for c in cycles(edges) if c not in KNOWN_CYCLES) == []
-
-
-@pytest.mark.xfail(strict=True, reason="a known violation, removed by a branch not merged yet")
-@pytest.mark.parametrize("arrow", sorted(KNOWN_BAD_ARROWS), ids=lambda a: f"{a[0]}->{a[1]}")
-def test_known_bad_arrow_is_gone(edges, arrow):
-    assert arrow not in bad_arrows(edges)
-
-
-@pytest.mark.xfail(strict=True, reason="a known circle, removed by a branch not merged yet")
-@pytest.mark.parametrize("cycle", KNOWN_CYCLES, ids=lambda c: "+".join(sorted(m.rpartition(".")[2] for m in c)))
-def test_known_cycle_is_gone(edges, cycle):
-    assert cycle not in cycles(edges)
+    assert sorted(sorted(c) for c in cycles(edges)) == []
 
 
 # ---- the checker fails on a violation ---------------------------------------------------------

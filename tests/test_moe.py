@@ -11,7 +11,7 @@ from refspec.config import ConfigError, ModelArgs
 from refspec.energy.model.experts import expected_experts, expert_parameters
 from refspec.energy.model.roofline import forward_cost, layer_parameters
 from refspec.energy.model.work import WorkRecorder
-from refspec.models import CheckpointError, load_model
+from refspec.models import CheckpointError, PreparedTarget, load_model
 from refspec.models import moe as moe_mod
 
 EOS = [2]
@@ -221,8 +221,8 @@ def test_graph_replays_equal_eager_and_count_experts_on_cuda(moe_models, dispatc
         eager = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), eos_token_ids=EOS).generate(
             prompts, max_new_tokens=16)
         runner, events = GraphRunner(m, capture=True), []
-        graph = Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=runner, observers=[events.append],
-                       eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
+        graph = Engine(PreparedTarget(m, step=runner), _drafter("ngram", m), config=EngineConfig(k=3),
+                       observers=[events.append], eos_token_ids=EOS).generate(prompts, max_new_tokens=16)
         assert runner.stats.replays >= 3
         assert graph.tokens == eager.tokens
         counts = [w.experts_touched for ev in events if ev.phase == "verify" for w in ev.work]
@@ -344,9 +344,9 @@ def test_ledger_phase_records_carry_the_experts_each_verify_touched(moe_models):
     from refspec.engine import Engine, EngineConfig
 
     m = moe_models["mixtral"][1]
-    for verify_fn in (None, GraphRunner(m, capture=False)):
+    for target in (m, PreparedTarget(m, step=GraphRunner(m, capture=False))):
         events = []
-        Engine(m, _drafter("ngram", m), config=EngineConfig(k=3), verify_fn=verify_fn, observers=[events.append],
+        Engine(target, _drafter("ngram", m), config=EngineConfig(k=3), observers=[events.append],
                eos_token_ids=EOS).generate(_prompts(6), max_new_tokens=12)
         verify = [ev for ev in events if ev.phase == "verify"]
         assert verify

@@ -194,13 +194,14 @@ def test_static_shape_runner_holds_one_step_shape_per_k(tiny_models, name):
     """Through the CUDA-graph runner's static-shape path (eager here, captured on a GPU): output
     equals plain decoding, and the verify shapes are one per K (times the key buckets reached)."""
     from refspec.cuda_graphs import GraphRunner
+    from refspec.models import PreparedTarget
 
     m = tiny_models["llama"]
     prompts = _prompts(4, seed=4)
     plain = Engine(m, eos_token_ids=EOS).generate(prompts, max_new_tokens=20)
     runner = GraphRunner(m, capture=False, keys_bucket=512)
     drafter, k, pattern = _drafter(name, m)
-    spec = Engine(m, drafter, config=EngineConfig(k=k), policy=CyclingK(pattern), verify_fn=runner,
+    spec = Engine(PreparedTarget(m, step=runner), drafter, config=EngineConfig(k=k), policy=CyclingK(pattern),
                   eos_token_ids=EOS).generate(prompts, max_new_tokens=20)
     assert spec.tokens == plain.tokens
     assert {key.tokens_per_row for key in runner._entries} == {kk + 1 for kk in set(pattern)}

@@ -122,15 +122,17 @@ def test_recorded_work_is_the_real_prompt_tokens(tiny_models):
 
 def test_prefill_into_a_cuda_graph_runners_cache_view(tiny_models):
     """The runner's CacheView (a view of its KV pool) takes a packed prefill like a plain cache;
-    the runner passes ``prefill`` through to the model."""
+    a target whose steps run through the runner prefills through the model into it."""
     from refspec.cuda_graphs import GraphRunner
+    from refspec.models import PreparedTarget
 
     model = tiny_models["qwen2"]
     runner = GraphRunner(model, capture=False)
-    view = runner.new_cache(5, 64)
+    target = PreparedTarget(model, step=runner)
+    view = target.new_cache(5, 64)
     plain = model.new_cache(5, 64)
     tokens, rows = torch.cat(_prompts()), torch.tensor(ROWS)
-    a, _ = runner.prefill(tokens, LENGTHS, view, rows)
+    a, _ = target.prefill(tokens, LENGTHS, view, rows)
     b, _ = model.prefill(tokens, LENGTHS, plain, rows)
     assert torch.equal(a, b)
     assert torch.equal(view.k, plain.k) and torch.equal(runner._pool.k[:, :5, :, :64], plain.k)

@@ -18,6 +18,7 @@ from refspec.energy.ledger.read import read_ledger
 from refspec.energy.ledger.writer import Ledger
 from refspec.energy.meters.measurement import Measurement
 from refspec.engine import Engine, EngineConfig, GenerationError
+from refspec.models import PreparedTarget
 from refspec.sampling import SamplingConfig
 from refspec.serving import Request
 from test_billing import DRAFTERS, CountingMeter, _assert_billed_equals_run, _eagle
@@ -178,7 +179,7 @@ def test_a_cuda_graph_runner_serves_refills(tiny_models, plain_alone):
     view, verify keeps running all B rows through the runner's static buffers."""
     m = tiny_models["llama"]
     runner = GraphRunner(m, capture=False)
-    res = Engine(m, verify_fn=runner, eos_token_ids=EOS).serve(_requests(), batch=BATCH)
+    res = Engine(PreparedTarget(m, step=runner), eos_token_ids=EOS).serve(_requests(), batch=BATCH)
     assert _refills(res) >= 3 and runner.stats.static_calls == res.steps
     assert [r.tokens for r in res.requests] == plain_alone("llama")
 

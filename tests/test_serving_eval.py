@@ -14,7 +14,7 @@ from refspec.energy.ledger.read import read_ledger
 from refspec.eval import cli
 from refspec.eval.corpora.prompts import build_prompts, continuation_windows
 from refspec.eval.prompt_sets import corpus_prompts
-from refspec.eval.record import fields_of_json
+from refspec.eval.record import RECORD_VERSION, fields_of_json
 from refspec.eval.requests import default_requests, make_stream, poisson_arrivals
 import test_eval_cli
 from test_eval_cli import QUIET
@@ -108,7 +108,7 @@ def test_continuous_default_record_has_consistent_serving_fields(continuous):
         missing = [f for f in SERVING_FIELDS if f not in r]
         assert not missing, f"{r['config_id']} lacks {missing}"
         assert set(r) <= set(fields_of_json()), f"unknown fields {sorted(set(r) - set(fields_of_json()))}"
-        assert r["record_version"] == 4 and r["schedule"] == "continuous" and r["batches"] == 1
+        assert r["record_version"] == RECORD_VERSION and r["schedule"] == "continuous" and r["batches"] == 1
         assert r["requests"] == 7 and r["requests_unique"] == 5, "5 prompts in the file: 7 requests repeat 2"
         assert r["window_first_step"] == 0, "closed loop: every slot is busy from the first step"
         assert r["window_last_step"] >= r["window_first_step"]

@@ -439,7 +439,7 @@ def test_the_table_closes_with_one_verdict_sentence_per_comparison():
     lines = format_table(rows).splitlines()
     assert lines[-2:] == [
         "verdict: on chat at batch 8, ngram k4 costs 25.0% more energy per token than plain decoding (steady-state "
-        "window J/token, at 1.00x the tokens/s).",
+        "window J/token, energy modelled, at 1.00x the tokens/s).",
         "verdict: on code at batch 8, ngram k4 saves 20.0% energy per token against plain decoding (steady-state "
-        "window J/token, at 1.00x the tokens/s)."]
+        "window J/token, energy modelled, at 1.00x the tokens/s)."]
     assert verdict(rows[0]) is None

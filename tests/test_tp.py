@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from refspec.config import ModelArgs
-from refspec.distributed import check_launch
-from refspec.energy.interconnect import crossovers, predict_tp_step, tp_forward
 from refspec.energy.model.architectures import arch
 from refspec.energy.model.hardware import H200_SXM
 from refspec.energy.model.roofline import predict_step
 from refspec.energy.model.work import ForwardShape
-from refspec.sharding import TPError, shard_plan
+from refspec.models.tp.group import check_launch
+from refspec.models.tp.interconnect import crossovers, predict_tp_step, tp_forward
+from refspec.models.tp.plan import TPError, shard_plan
 from tiny import TINY_HF, save_hf
 from tp_procs import REPO, error_lines, launch
 

@@ -451,7 +451,8 @@ def test_training_gradients_pass_the_targets_lm_head_under_a_packed_gemm_plan(ti
         return  # calibration never offers it here (asserted by packed_form_runs)
     m = copy.deepcopy(tiny_models["llama"])
     packed = C.GemmPlan(forms={"fp32": {b: "packed" for b in C.BUCKETS}}, timings_s={}, machine={})
-    assert cpu_speed.apply_cpu_speed(m, packed) == "packed"
+    cpu_speed.plan_gemms(m, packed)
+    assert cpu_speed.weight_copy_kind(m) == "packed"
     ds = T.collect_features(m, _sequences(8, seed=3), (m.num_layers,), progress=False)
     h = torch.randn(3, m.args.hidden_size, requires_grad=True)
     # outside the loop too, linear() bypasses the packed copy while a gradient to its input is recorded
@@ -470,7 +471,7 @@ def test_training_gradients_pass_the_targets_lm_head_under_a_packed_gemm_plan(ti
     object.__setattr__(trainer, "loss", loss)
     T.train(trainer, m, ds, _cfg(2), tmp_path, progress=False)
     assert all(g is not None and g.abs().sum() > 0 for g in seen)
-    assert cpu_speed.gemm_plan() is packed
+    assert cpu_speed.weight_copy_kind(m) == "packed" and m.lm_head.gemm.forms == ("packed",) * 3
 
 
 def test_bf16_autocast_trains_with_fp32_weights_and_may_change_on_resume(tiny_models, tmp_path):

@@ -3,8 +3,10 @@
 Every rank loads each tiny family whole (the TP 1 reference, decoded on its own, no collective)
 and as its share (TP N), decodes the same prompts with each drafter greedily and sampled with one
 seed, and compares token for token. Rank 0 writes ``{case: {"tp1": tokens, "tpn": tokens}}`` as
-JSON to the file named by its first argument. With ``cuda`` (one GPU per rank, NCCL) the greedy
-cases run eager and through CUDA graphs, whose capture records the all-reduces.
+JSON to the file named by its first argument. A llama loaded whole and cut to the rank's share
+in memory (``prepare_target(model, tp=group)``) decodes as the share read from its files does.
+With ``cuda`` (one GPU per rank, NCCL) the greedy cases run eager and through CUDA graphs, whose
+capture records the all-reduces.
 
 Usage: python tests/tp_worker.py OUT.json MODELS_DIR [cuda]
 """
@@ -17,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from refspec.distributed import init_tensor_parallel
 from refspec.drafters.draft_model import DraftModelDrafter
 from refspec.drafters.eagle import EagleDrafter
 from refspec.drafters.eagle_body import HeadConfig
 from refspec.drafters.eagle_head import new_head
 from refspec.drafters.ngram import NgramDrafter
 from refspec.engine import Engine, EngineConfig
-from refspec.models import load_model
-from refspec.models.tp_loading import load_sharded
+from refspec.models import load_model, prepare_target
+from refspec.models.tp.group import init_tensor_parallel
+from refspec.models.tp.loading import load_sharded
 from refspec.sampling import SamplingConfig
 from refspec.serving import Request
 
@@ -52,12 +54,8 @@ def drafters(model, full, family: str) -> dict:
 def decode(model, drafter, sampled: bool, serve: bool, graphs: bool = False) -> list[list[int]]:
     sampling = SamplingConfig(temperature=0.8, top_k=20) if sampled else SamplingConfig()
     k = 0 if drafter is None else 3
-    verify_fn = None
-    if graphs:
-        from refspec.cuda_graphs import make_verify_fn
-
-        verify_fn = make_verify_fn(model, model.device, True)
-    engine = Engine(model, drafter, config=EngineConfig(k=k, sampling=sampling), eos_token_ids=(), verify_fn=verify_fn)
+    target = prepare_target(model, cuda_graphs=graphs)
+    engine = Engine(target, drafter, config=EngineConfig(k=k, sampling=sampling), eos_token_ids=())
     gen = torch.Generator(device=model.device).manual_seed(11)
     if serve:  # continuous batching: 5 requests on 2 slots, so refills prefill into freed rows
         reqs = [Request(id=i, prompt=tuple(PROMPTS[i % 3]), max_new_tokens=6 + 2 * i) for i in range(5)]
@@ -94,6 +92,11 @@ def main(out_path: str, models_dir: str, device: str = "cpu") -> int:
                     f"{'/graphs' if graphs else ''}")
             results[case] = {"tp1": decode(full, make_tp1[name](), sampled, serve, graphs),
                              "tpn": decode(shard, make_tpn[name](), sampled, serve, graphs)}
+        if family == "llama":
+            cut = prepare_target(load_model(path, device=tp.device), tp=tp).model
+            results[f"{family}/ngram-cut-in-memory/greedy/batch"] = {
+                "tp1": decode(full, NgramDrafter(max_n=3), False, False),
+                "tpn": decode(cut, NgramDrafter(max_n=3), False, False)}
     if tp.rank == 0:
         Path(out_path).write_text(json.dumps(results))
     return 0

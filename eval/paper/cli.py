@@ -2,7 +2,7 @@
 
 On a GPU: random-weight targets of real shapes (two attention families), energy read by the
 GPU's counter over windows it resolves, per-phase energy attributed from phase loops and a
-fit, at least two repeats per variant with their spread. On a CPU: the same grid, toy forwards
+fit, three repeats per variant with their spread. On a CPU: the same grid, toy forwards
 priced at the real shapes with the H200 and H100 profiles through a simulated counter, every
 figure MODELLED. Writes claims.md, claims.json, results.json and four plots under ``--out``,
 rewritten after every variant.
@@ -63,7 +63,9 @@ def parser() -> argparse.ArgumentParser:
                         "refspec.acceptance/1 file; added to the sources")
     p.add_argument("--accept-file", type=Path, default=None, metavar="FILE",
                    help="a refspec.acceptance/1 file as the 'user' level (the same as --accept-model FILE)")
-    p.add_argument("--repeats", type=int, default=2, help="served runs per variant (spread = half their range)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="served runs per variant (spread = half their range; default 3, --quick 2: too few for a "
+                        "verdict, which its claims say)")
     p.add_argument("--min-window-s", type=float, default=5.0,
                    help="shortest steady-state window on a GPU, s (and at least 50 counter periods)")
     p.add_argument("--no-loops", dest="loops", action="store_false", help="skip the phase-isolated loops")
@@ -96,6 +98,8 @@ def _check(args: argparse.Namespace, blocks: list[Any], sources: dict[str, Any])
     from refspec.eval.acceptance_models import AcceptanceModelError
     from refspec.eval.paper import acceptance
 
+    if args.repeats is None:  # the default: 3, the fewest a verdict rests on; --quick 2, which its claims say
+        args.repeats = 2 if args.quick else 3
     if args.repeats < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.kv_bucket < 1:
         raise UsageError("--repeats, --prompt-len, --kv-bucket must be >= 1 and --new-tokens >= 2")
     taus = {}

@@ -84,23 +84,25 @@ class ShapeRun:
 
     def engine(self, drafter: Any, accept: Any, observers: list[Any], on_step: Any = None) -> Any:
         from refspec.engine import Engine, EngineConfig
+        from refspec.models.prepare import PreparedTarget
 
-        return Engine(self.target.model, drafter, config=EngineConfig(k=self.spec.k, kv_bucket=self.args.kv_bucket),
-                      meter=self.meter, observers=observers, verify_fn=self.target.runner, acceptance_fn=accept,
-                      on_step=on_step)
+        return Engine(PreparedTarget(self.target.model, step=self.target.runner), drafter,
+                      config=EngineConfig(k=self.spec.k, kv_bucket=self.args.kv_bucket), meter=self.meter,
+                      observers=observers, acceptance_fn=accept, on_step=on_step)
 
 
 def warm_up(sr: ShapeRun, drafter: Any, accept: Any) -> float:
     """An unrecorded serve at the longest budget: every graph of the shape is captured before a window opens."""
     from refspec.engine import Engine, EngineConfig
+    from refspec.models.prepare import PreparedTarget
 
     t0 = time.perf_counter()
     budget = (3 * sr.args.new_tokens) // 2 if sr.bench.device.type == "cuda" else 4
     reqs = requests_of(sr.batch, sr.batch + 1, prompt_len=sr.args.prompt_len, new_tokens=2 * budget // 3 or 1,
                        vocab=sr.target.model.args.vocab_size, seed=sr.args.seed + 17)
     reqs = [dataclasses.replace(r, max_new_tokens=budget) for r in reqs]
-    quiet = Engine(sr.target.model, drafter, config=EngineConfig(k=sr.spec.k, kv_bucket=sr.args.kv_bucket),
-                   verify_fn=sr.target.runner, acceptance_fn=accept)
+    quiet = Engine(PreparedTarget(sr.target.model, step=sr.target.runner), drafter,
+                   config=EngineConfig(k=sr.spec.k, kv_bucket=sr.args.kv_bucket), acceptance_fn=accept)
     quiet.serve(reqs, batch=sr.batch, max_len=sr.target.max_len)
     if sr.bench.device.type == "cuda":
         torch.cuda.synchronize()

@@ -3,7 +3,7 @@
 * ``results.json``: the header (hardware, meter, counter period, windows, plan), every
   variant's record (its repeats' figures and their summary), skipped shapes, the claims;
 * ``claims.json``: a list with one object per claim (``claim`` 1-7, ``title``, ``verdict``,
-  ``figures``, ``sources``), for the first profile; other profiles' answers ride along under
+  ``evidence``, ``notes``, ``figures``, ``sources``), for the first profile; other profiles' answers ride along under
   ``other_profiles``;
 * ``claims.md``: the claims table, then each claim's checks;
 * at the end, at most four plots (:mod:`refspec.eval.paper.plots`).
@@ -65,8 +65,8 @@ class Outputs:
         out = []
         for i, c in enumerate(per[labels[0]]):
             out.append({**c, "profile": labels[0],
-                        "other_profiles": [{"profile": lab, **{k: per[lab][i][k] for k in ("verdict", "figures",
-                                                                                           "sources")}}
+                        "other_profiles": [{"profile": lab, **{k: per[lab][i][k] for k in ("verdict", "evidence",
+                                                                                           "figures", "sources")}}
                                            for lab in labels[1:]]})
         return out
 
@@ -118,20 +118,34 @@ def sources_of(ctx: dict[str, Any], variants: list[dict[str, Any]]) -> Callable[
     return lambda n: per[n]
 
 
+MODEL_BANNER = (
+    "> **These verdicts restate the model.** No energy counter was read: every energy figure is the roofline's "
+    "(through a simulated counter) and acceptance is injected, so the verdicts of claims marked *model consequence* "
+    "follow from the roofline's arithmetic and the injected figures; they test that the code computes what the model "
+    "says, not that the hardware behaves so. A GPU run would add energy read by the GPU's counter over steady-state "
+    "windows, phase shares attributed from that counter, and times on the engine clock: costs the roofline does not "
+    "see (kernel launches, attention kernels, clocks) could then make a verdict fail.")
+
+
 def claims_markdown(claims: list[dict[str, Any]], data: dict[str, Any]) -> str:
-    """claims.md: the table, then each claim's checks; every energy figure labelled."""
+    """claims.md: the banner of a modelled run, the table with each claim's evidence, then each claim's checks."""
     others = [f"verdict ({o['profile']})" for o in (claims[0]["other_profiles"] if claims else [])]
+    modelled = any(c["evidence"] == "model consequence" for c in claims)
     lines = [f"# The paper's claims on {data.get('hardware', '?')}", "",
              f"Energy: {data.get('energy_label', '?')}. Acceptance: INJECTED (random-weight targets). "
              f"Profile: {claims[0]['profile'] if claims else '?'}. Run "
              f"{'complete' if data.get('complete') else 'in progress or cut'} ({len(data['variants'])} variants, "
-             f"{len(data['skipped'])} shapes skipped).", "",
-             "| " + " | ".join(["claim", "verdict", *others, "what"]) + " |", "|---" * (3 + len(others)) + "|"]
+             f"{len(data['skipped'])} shapes skipped, {data.get('repeats', '?')} repeats per variant).", "",
+             *([MODEL_BANNER, ""] if modelled else []),
+             "| " + " | ".join(["claim", "verdict", *others, "evidence", "what"]) + " |",
+             "|---" * (4 + len(others)) + "|"]
     for c in claims:
         others = "".join(f" {o['verdict']} |" for o in c["other_profiles"])
-        lines.append(f"| {c['claim']} | **{c['verdict']}** |{others} {c['title']} |")
+        lines.append(f"| {c['claim']} | **{c['verdict']}** |{others} {c['evidence']} | {c['title']} |")
     for c in claims:
-        lines += ["", f"## Claim {c['claim']}: {c['title']}", "", f"Verdict: **{c['verdict']}** ({c['profile']})", ""]
+        lines += ["", f"## Claim {c['claim']}: {c['title']}", "",
+                  f"Verdict: **{c['verdict']}** ({c['profile']}); evidence: {c['evidence']}", ""]
+        lines += [f"- note: {n}" for n in c.get("notes", [])]
         for ch in c["figures"]["checks"]:
             nums = ", ".join(f"{k} {v}" for k, v in ch.items() if k not in ("check", "verdict", "targets"))
             lines.append(f"- {ch['verdict']}: {ch['check']}" + (f" ({nums})" if nums else ""))
@@ -144,4 +158,4 @@ def claims_markdown(claims: list[dict[str, Any]], data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Outputs", "energy_label", "claims_markdown", "MAX_FILES"]
+__all__ = ["Outputs", "energy_label", "claims_markdown", "MODEL_BANNER", "MAX_FILES"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from refspec.energy.accounting.headline import Accounting
+from refspec.energy.accounting.headline import CLOSURE_RTOL, Accounting
 
 
 def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
@@ -22,8 +22,8 @@ def format_closure(line_items_j: Mapping[str, float] | None, line_items_sum_j: f
         return "closure: n/a (no energy recorded)"
     terms = " + ".join(f"{name.replace('_', ' ')} {e:.6g}" for name, e in line_items_j.items())
     split = f" ({method} split)" if method else ""
-    # a float sum's rounding (1e-12 of the total) is not an error worth printing
-    error_j = 0.0 if abs(closure_error_j) <= 1e-9 * abs(total_energy_j) else closure_error_j
+    # an error within the closure tolerance is the float sum's rounding: printed as 0
+    error_j = 0.0 if abs(closure_error_j) <= CLOSURE_RTOL * max(1.0, abs(total_energy_j)) else closure_error_j
     return (f"closure{split}: {terms} = {line_items_sum_j:.6g} J; total {total_energy_j:.6g} J; "
             f"error {error_j:.3g} J -> {'OK' if closes else 'FAILED: they do not close'}")
 

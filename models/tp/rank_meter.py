@@ -1,7 +1,7 @@
 """Energy of every rank of a tensor-parallel run, one phase at a time.
 
 Each rank meters its own device; :class:`RankMeter` wraps that meter. Closing a phase also
-takes the phase's time in collectives (:class:`~refspec.distributed.CommClock`). When the
+takes the phase's time in collectives (:class:`~refspec.models.tp.group.CommClock`). When the
 engine first reads the phase's measurement (after the step's host sync) every rank's figures
 are gathered over the host group (one small collective per phase), so every rank holds the
 same :class:`RankMeasurement`:
@@ -12,7 +12,7 @@ same :class:`RankMeasurement`:
 - ``extra`` fields copied into the ledger's phase record: :data:`RANK_FIELDS`.
 
 Counters (NVML, RAPL) cannot see a phase and are read over windows
-(:class:`~refspec.energy.windowed.WindowedMeter`). In a tensor-parallel run rank 0 reads them for
+(:class:`~refspec.energy.meters.windowed.WindowedMeter`). In a tensor-parallel run rank 0 reads them for
 the whole node: NVML's counter of every GPU of the group (per GPU in the counter records'
 ``devices``, so per rank), RAPL's package counter (which both CPU ranks share: it cannot be split
 per rank). The other ranks time their phases only (:func:`rank_meter`).
@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from refspec.distributed import TensorParallel, TPError, broadcast_object, gather_objects
 from refspec.energy.meters.measurement import Measurement, Windows
 from refspec.energy.meters.timers import default_timer
 from refspec.energy.model.work import ForwardShape
+from refspec.models.tp.group import TensorParallel, TPError, broadcast_object, gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class TimerMeter:
 
 
 class RankMeter:
-    """One rank's :class:`~refspec.energy.phases.EnergyMeter` in a tensor-parallel run.
+    """One rank's :class:`~refspec.energy.meters.measurement.EnergyMeter` in a tensor-parallel run.
 
     Everything but ``begin`` and ``end`` is the wrapped meter's (``idle_w``, a counter meter's
     ``finish_run`` ...).
@@ -164,7 +164,7 @@ def _counter_spec(spec: str, tp: TensorParallel) -> str:
 
 def rank_meter(spec: str, tp: TensorParallel, make: Callable[[str], Any]) -> RankMeter:
     """This rank's meter for a ``--meter`` spec (``make`` builds a meter from a spec, as
-    :func:`~refspec.energy.meters.make_meter` does).
+    :func:`~refspec.energy.meters.make.make_meter` does).
 
     Rank 0 builds the spec's meter (a counter kind over every GPU of the node); when that meter
     reads a counter, the other ranks time their phases only, else each builds its own.

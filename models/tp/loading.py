@@ -1,6 +1,6 @@
 """Load one tensor-parallel rank's share of a checkpoint straight from its safetensors files.
 
-The model is built on the meta device and sharded there (:func:`refspec.models.tp.shard_model`),
+The model is built on the meta device and sharded there (:func:`refspec.models.tp.shard.shard_model`),
 so its state dict names the rank's own shapes; each tensor is then read through safetensors'
 ``get_slice``, which reads only the rows or columns the rank keeps (a 70B checkpoint is never
 materialised whole in any process). Names and strictness are :mod:`refspec.models.loading`'s.
@@ -15,11 +15,10 @@ from typing import Any, Callable
 import torch
 
 from refspec.config import ModelArgs
-from refspec.distributed import TensorParallel
-from refspec.models.cpu_speed import apply_cpu_speed
 from refspec.models.loading import CheckpointError, assign_weights, read_checkpoint
-from refspec.models.tp import shard_model
-from refspec.sharding import ShardPlan, shard_plan
+from refspec.models.tp.group import TensorParallel
+from refspec.models.tp.plan import ShardPlan, shard_plan
+from refspec.models.tp.shard import shard_model
 from refspec.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,8 @@ def shard_reader(name: str, plan: ShardPlan, head_dim: int) -> Callable[[Any], t
 
 def load_sharded(path: str | Path, tp: TensorParallel, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> Transformer:
-    """Rank ``tp.rank``'s share of the model in ``path``, ready to decode (frozen, all-reduces in).
+    """Rank ``tp.rank``'s share of the model in ``path`` (frozen, all-reduces in; the reference
+    products until ``refspec.models.prepare_target`` readies it for a run).
 
     Args:
         path: a Hugging Face style directory (``config.json``, safetensors).
@@ -55,7 +55,7 @@ def load_sharded(path: str | Path, tp: TensorParallel, *, dtype: torch.dtype = t
         device: this rank's device.
 
     Raises:
-        refspec.distributed.TPError: an MoE model, or heads ``tp.size`` ranks cannot share.
+        refspec.models.tp.plan.TPError: an MoE model, or heads ``tp.size`` ranks cannot share.
         CheckpointError: missing files, or keys that do not match the architecture.
     """
     path = Path(path)
@@ -75,8 +75,6 @@ def load_sharded(path: str | Path, tp: TensorParallel, *, dtype: torch.dtype = t
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors of a {args.family} model: "
                               f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
     assign_weights(model, state, path, device)
-    if model.device.type == "cpu":  # after sharding: blocks with the all-reduce hooks keep the reference forward
-        apply_cpu_speed(model, None)
     log.info("loaded rank %d of %d of %s (%s): heads %s, K/V heads %s, MLP columns %s", tp.rank, tp.size,
              args.family, dtype, plan.q_heads, plan.kv_heads, plan.mlp)
     return model

@@ -1,5 +1,5 @@
 """How N tensor-parallel ranks share a dense model's heads and MLP columns (pure arithmetic:
-the sharding is :mod:`refspec.models.tp`, its cost :mod:`refspec.energy.interconnect`).
+the sharding is :mod:`refspec.models.tp.shard`, its cost :mod:`refspec.models.tp.interconnect`).
 
 Each rank keeps whole key/value groups (a K/V head with the query heads that read it); with fewer
 K/V heads than ranks each K/V head is replicated on N / Hkv ranks, which split its query heads.

@@ -1,10 +1,10 @@
 """The interconnect in the roofline: what tensor parallelism adds to a forward, and how it moves
 the point where verifying more tokens stops being nearly free.
 
-A forward over N GPUs in Megatron's layout (:mod:`refspec.models.tp`, shares from
-:mod:`refspec.sharding`):
+A forward over N GPUs in Megatron's layout (:mod:`refspec.models.tp.shard`, shares from
+:mod:`refspec.models.tp.plan`):
 
-* **each GPU's share** is :func:`~refspec.energy.roofline.forward_cost` of the architecture of
+* **each GPU's share** is :func:`~refspec.energy.model.roofline.forward_cost` of the architecture of
   its share (its heads, K/V heads and MLP columns; embedding, norms and LM head whole, as
   refspec replicates them): weight bytes and FLOPs of the blocks over N, the LM head's not;
   its KV cache holds Hkv / N heads (at least one). The costliest share (rank 0's when the
@@ -34,7 +34,7 @@ from refspec.energy.model.cost import Cost
 from refspec.energy.model.hardware import PICO, HardwareProfile
 from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel, expected_tokens_per_step, forward_cost
 from refspec.energy.model.work import ForwardShape
-from refspec.sharding import rank_args, shard_plan
+from refspec.models.tp.plan import rank_args, shard_plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ def share_args(args: ModelArgs, tp: int) -> ModelArgs:
     """The architecture of the costliest share of ``args`` over ``tp`` ranks (rank 0's).
 
     Raises:
-        refspec.sharding.TPError: a model ``tp`` ranks cannot share.
+        refspec.models.tp.plan.TPError: a model ``tp`` ranks cannot share.
     """
     return args if tp == 1 else rank_args(args, shard_plan(args, tp, 0))
 
@@ -142,7 +142,7 @@ def predict_tp_step(target: ModelArgs, profile: HardwareProfile, *, tp: int, bat
                     acceptance: float, drafter: DrafterModel | None = EAGLE_HEAD, dtype_bytes: int = 2) -> TPStep:
     """Model one step over ``tp`` GPUs: K replicated draft forwards (or one block forward), one
     tensor-parallel verify forward of K + 1 tokens per row (as
-    :func:`~refspec.energy.roofline.predict_step` for one GPU, which ``tp=1`` reproduces apart
+    :func:`~refspec.energy.model.roofline.predict_step` for one GPU, which ``tp=1`` reproduces apart
     from the link terms, all zero there)."""
     verify = tp_forward(_verify_shape(target, batch, k, context, dtype_bytes), profile, tp)
     draft_time = draft_energy = 0.0

@@ -1,7 +1,7 @@
 """Tensor parallelism applied to a built :class:`~refspec.models.transformer.Transformer`
 (Megatron's layout, as gpt-fast's ``tp.py`` applies it): the model files stay the textbook.
 
-Each of N ranks keeps a share of every block (which share: :mod:`refspec.sharding`):
+Each of N ranks keeps a share of every block (which share: :mod:`refspec.models.tp.plan`):
 
 - **attention**: whole key/value groups, or a share of one replicated K/V head's queries. The
   fused ``wqkv`` keeps its q, k and v rows of those heads (column-parallel, sliced part by
@@ -15,17 +15,18 @@ Each of N ranks keeps a share of every block (which share: :mod:`refspec.shardin
 
 After the all-reduce every rank holds the same residual stream, so all ranks compute the same
 tokens. Each rank's cache holds its own K/V heads (``Transformer.heads``), and its forwards
-report :func:`~refspec.sharding.rank_args`, the architecture of its share, as their work.
-Mixture-of-experts models are refused (:class:`~refspec.sharding.TPError`).
+report :func:`~refspec.models.tp.plan.rank_args`, the architecture of its share, as their work.
+Mixture-of-experts models are refused (:class:`~refspec.models.tp.plan.TPError`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from refspec.distributed import TensorParallel, all_reduce_
-from refspec.sharding import ShardPlan, TPError, check_shardable, rank_args
-from refspec.models.layers import Block
+from refspec.models.layers import Linear
+from refspec.models.transformer import Transformer
+from refspec.models.tp.group import TensorParallel, all_reduce_
+from refspec.models.tp.plan import ShardPlan, TPError, check_shardable, rank_args
 
 
 def _all_reduce_hook(tp: TensorParallel):
@@ -37,21 +38,21 @@ def _all_reduce_hook(tp: TensorParallel):
     return hook
 
 
-def row_parallel(lin: nn.Linear, weight: torch.Tensor, tp: TensorParallel) -> nn.Linear:
+def row_parallel(lin: Linear, weight: torch.Tensor, tp: TensorParallel) -> Linear:
     """``lin`` holding ``weight [out, in / N]``, its input features' share, with a forward hook
     that all-reduces its output (Megatron's row-parallel layer; ``wo`` and ``down`` have no
-    bias). A hook rather than a subclass: speed-ups that swap a module's class keep it
-    (:mod:`refspec.models.cpu_speed`)."""
+    bias). A hook on the layer the block calls: the model's forward stays the one forward."""
     assert lin.bias is None, "a row-parallel bias would be added N times"
     out = _linear(weight, None, lin)
     out.register_forward_hook(_all_reduce_hook(tp))
     return out
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
-    """A new ``nn.Linear`` holding ``weight [out, in]`` and ``bias`` as they are (no copy)."""
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: Linear) -> Linear:
+    """A new :class:`~refspec.models.layers.Linear` holding ``weight [out, in]`` and ``bias`` as
+    they are (no copy, no GEMM choice: the CPU plan is given after sharding)."""
     out_f, in_f = weight.shape
-    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype)
+    lin = Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype)
     lin.weight = nn.Parameter(weight, requires_grad=like.weight.requires_grad)
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=like.weight.requires_grad)
@@ -86,24 +87,25 @@ def _shard_mlp(mlp: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None:
     mlp.intermediate = plan.intermediate
 
 
-def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
+def shard_model(model: Transformer, tp: TensorParallel) -> Transformer:
     """Keep rank ``tp.rank``'s share of every block of ``model`` (in place; real or meta
-    weights) and insert the all-reduces; returns the model.
+    weights) and insert the all-reduces; returns the model. A model that already holds this
+    rank's share (:func:`refspec.models.tp.loading.load_sharded`) is returned as it is.
 
     Raises:
-        TPError: an MoE model, or heads ``tp.size`` ranks cannot share.
+        TPError: an MoE model, heads ``tp.size`` ranks cannot share, or a truncated model.
     """
     args = model.args
     plan = check_shardable(args, tp.size)[tp.rank]
+    share = rank_args(args, plan)
+    if model.work_args == share:
+        return model
     if len(model.layers) != args.num_layers:
         raise TPError("shard the whole model, then truncate it (a self-draft shares the shard)")
-    if any(type(blk) is not Block for blk in model.layers):  # a sped-up block would not call the hooked modules
-        raise TPError("shard a model before refspec.models.cpu_speed is applied (remove_cpu_speed first)")
     for blk in model.layers:
         _shard_attention(blk.attn, plan, tp)
         _shard_mlp(blk.mlp, plan, tp)
-    model.work_args = rank_args(args, plan)
-    model.tp = tp
+    model.work_args = share
     return model
 
 

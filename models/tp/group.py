@@ -1,5 +1,5 @@
 """Tensor-parallel process groups from torchrun's environment, and the collectives a sharded
-target calls (:mod:`refspec.models.tp`).
+target calls (:mod:`refspec.models.tp.shard`).
 
 torchrun starts N processes and tells each its place through the environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from refspec.sharding import TPError
+from refspec.models.tp.plan import TPError
 
 log = logging.getLogger(__name__)
 

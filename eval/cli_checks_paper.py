@@ -32,7 +32,8 @@ def check_paper_flags(args: argparse.Namespace) -> None:
         finite("--budget-s", args.budget_s, low=0, low_open=True, fix="seconds for the whole command")
     finite("--min-window-s", args.min_window_s, low=0, low_open=True, high=3600,
            fix="seconds of the shortest steady-state window")
-    integer("--repeats", args.repeats, low=1, high=100)
+    if args.repeats is not None:
+        integer("--repeats", args.repeats, low=1, high=100)
     integer("--prompt-len", args.prompt_len, low=1, high=PROMPT_LEN_MAX)
     integer("--new-tokens", args.new_tokens, low=2, high=NEW_TOKENS_MAX)
     integer("--kv-bucket", args.kv_bucket, low=1, high=PROMPT_LEN_MAX)

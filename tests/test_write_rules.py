@@ -109,3 +109,17 @@ def test_a_closed_stdout_still_writes_every_file(tiny, tmp_path):  # noqa: F811
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "Broken pipe" not in err and "BrokenPipeError" not in err, err[-2000:]
     assert (out / "report.md").exists() and (out / "summary.json").exists() and list(out.glob("*.png"))
+
+
+def test_nan_and_inf_in_a_record_never_reach_the_plots_as_a_traceback(tiny, tmp_path, capsys):  # noqa: F811
+    """A record with NaN or inf in every figure (a hand edit, a broken counter) still gets a report, or one line."""
+    out = tmp_path / "out"
+    assert cli.main(_sweep(tiny, out, "--k", "0,2")) == 0
+    lines = (out / "records.jsonl").read_text().splitlines()
+    for bad in (float("nan"), float("inf")):
+        rec = json.loads(lines[-1])
+        rec.update({k: bad for k, v in rec.items() if isinstance(v, float)})
+        (out / "records.jsonl").write_text("\n".join([*lines[:-1], json.dumps(rec)]) + "\n")
+        code = cli.main(["report", str(out)])
+        err = capsys.readouterr().err
+        assert code in (0, 2) and "Traceback" not in err, err[-2000:]

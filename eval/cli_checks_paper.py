@@ -1,7 +1,7 @@
 """Checks of ``python -m refspec.eval paper``'s flags that need no torch: they run before the plan prints.
 
 Every number is finite and inside what the grid can run; ``--out`` can become a directory that does
-not hold a finished paper run (its claims would be overwritten without a word); ``--ledgers`` likewise.
+not hold an earlier paper run (its claims would be overwritten without a word); ``--ledgers`` likewise.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ PROMPT_LEN_MAX = 32_768
 """Longest prompt of the grid's requests (tokens): beyond the context of every model it prices."""
 NEW_TOKENS_MAX = 32_768
 FINISHED = ("claims.json", "claims.md", "results.json")
-"""Files of a finished paper run; an ``--out`` holding one is refused."""
+"""Files a paper run writes from its first variant on; an ``--out`` holding one is refused."""
 
 
 def _blocks(text: str | None) -> None:
@@ -46,7 +46,7 @@ def check_paper_flags(args: argparse.Namespace) -> None:
     check_output_dir("--out", args.out)
     done = [n for n in FINISHED if (args.out / n).exists()]
     if done:
-        raise UsageError(f"--out {args.out} holds a finished paper run ({done[0]}); choose another folder or move "
+        raise UsageError(f"--out {args.out} holds an earlier paper run ({done[0]}); choose another folder or move "
                          f"it away")
     if args.ledgers is not None:
         check_output_dir("--ledgers", args.ledgers)

@@ -162,7 +162,7 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("paper-repeats-zero", ["paper", "--plan-only", "--repeats", "0"], "--repeats", False),
     ("paper-out-empty", ["paper", "--out", ""], "--out", False),
     ("paper-out-is-a-file", ["paper", "--quick", "--out", "{file}"], "--out", False),
-    ("paper-out-finished", ["paper", "--quick", "--out", "{paper_done}"], "finished paper run", False),
+    ("paper-out-finished", ["paper", "--quick", "--out", "{paper_done}"], "earlier paper run", False),
     ("paper-unknown-flag", ["paper", "--bogus"], "--bogus", False),
     # the other commands: unknown flags are one line, outputs are checked
     ("calibrate-unknown-flag", ["calibrate", "--bogus"], "--bogus", False),

@@ -95,5 +95,5 @@ def check_sampling(args) -> None:
     integer("--seed", args.seed, low=0, high=SEED_MAX)
 
 
-__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "output_path", "add_sampling_args",
-           "check_sampling", "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]
+__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "output_path",
+           "add_sampling_args", "check_sampling", "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]

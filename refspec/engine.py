@@ -276,6 +276,7 @@ class Engine:
         run = new_batch(self._cache_for(sched.batch, t_slots), sched.batch, t_slots, budget, cfg.k,
                         sampling=cfg.sampling, target_args=self.target.args, dtype_bytes=self.dtype_bytes)
         hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        drafter_name = getattr(drafter, "name", type(drafter).__name__)  # for DrafterError messages
         window = getattr(self.target.args, "sliding_window", None)
         state, events = run.state, []
         step, emitted_total = 0, 0
@@ -301,9 +302,8 @@ class Engine:
                                             length_bound=state.max_length_bound, slot_requests=tuple(slot_req)))
             with MeteredPhase(meter, "draft") as draft_phase:
                 if k:  # a plug-in's mistake is a DrafterError naming it, never a torch error further on
-                    draft = check_draft(drafter.propose(state, k), name=getattr(drafter, "name", type(drafter).__name__),
-                                        batch=sched.batch, k=k, vocab_size=self.target.args.vocab_size,
-                                        sampling=not cfg.sampling.greedy)
+                    draft = check_draft(drafter.propose(state, k), name=drafter_name, batch=sched.batch, k=k,
+                                        vocab_size=self.target.args.vocab_size, sampling=not cfg.sampling.greedy)
                 else:
                     draft = Draft(tokens=state.pending.new_zeros(sched.batch, 0))
             n = draft.tokens.shape[1]

@@ -21,3 +21,24 @@ def test_the_kv_estimate_admits_an_ordinary_batch(tiny, tmp_path):  # noqa: F811
     argv = ["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "4", "--batch", "2",
             "--drafter", "none", "--meter", "time", *QUIET, "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 0
+
+
+def test_under_torchrun_a_bad_flag_fails_before_the_process_group_forms(tiny, tmp_path):  # noqa: F811
+    """Rank 0 of a 2-rank launch whose rank 1 never comes: a refused flag must not wait for it to join."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base = ["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), *QUIET, "--tp", "2"]
+    for extra, needle in ((["--compile"], "--compile"), (["--temperature", "nan"], "--temperature")):
+        proc = subprocess.run([sys.executable, "-m", "refspec.eval", *base, *extra, "--out", str(tmp_path / "o")],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+        assert not (tmp_path / "o").exists()

@@ -42,3 +42,18 @@ def test_under_torchrun_a_bad_flag_fails_before_the_process_group_forms(tiny, tm
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
         assert not (tmp_path / "o").exists()
+
+
+def test_paper_require_measured_energy_exits_3_on_modelled_energy(tmp_path):
+    """On a CPU every paper figure is modelled: --require-measured-energy stops before the grid with status 3."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "refspec.eval", "paper", "--quick", "--device", "cpu",
+                           "--require-measured-energy", "--out", str(tmp_path / "p")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 3 and len(errors) == 1 and "modelled" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "p").exists()

@@ -135,7 +135,7 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
             threads = int(args.threads)
         except ValueError:
             raise UsageError(f"--threads expects a number or auto, got {args.threads!r}") from None
-        integer("--threads", threads, low=1)
+        integer("--threads", threads, low=1, high=4096)
     if sweep:
         batches = int_list("--batch", args.batch, low=1)
         ks = int_list("--k", args.k, low=0) if args.k is not None else None

@@ -58,6 +58,7 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("meter-profile-on-time", [*RUN, "--meter", "time:cpu"], "--meter", False),
     ("threads-zero", [*RUN, "--threads", "0"], "--threads", False),
     ("threads-word", [*RUN, "--threads", "many"], "--threads", False),
+    ("threads-huge", [*RUN, "--threads", "100000"], "--threads", False),
     ("tree-with-ngram", [*RUN, "--tree"], "--tree", False),
     ("export-with-injection", [*RUN, "--accept-model", "geometric:0.5", "--export-acceptance", "{new}/a.json"],
      "--export-acceptance", False),

@@ -6,7 +6,7 @@ section filled (records are frozen); the run fills it as soon as the baseline is
 report again over the records it merges (:func:`attach_baselines`), since records from
 separate Slurm tasks meet there for the first time. Whether the verdict can rest on the two
 records' times is :func:`refspec.eval.load.verdict_reliability`'s. The saving and the speed-up come from
-:func:`refspec.energy.accounting.energy_saving` and :func:`~refspec.energy.accounting.speedup`.
+:func:`refspec.energy.accounting.headline.energy_saving` and :func:`~refspec.energy.accounting.headline.speedup`.
 """
 from __future__ import annotations
 

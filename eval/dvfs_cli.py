@@ -14,7 +14,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m refspec.eval dvfs",
         description="Show the SM clocks DVFS sweeps can lock. Sweeps themselves run from refspec.eval, which "
-                    "calls refspec.energy.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
+                    "calls refspec.energy.model.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
                     "exception and Ctrl-C. Lock clocks only on a GPU of your own, never on a shared or lent "
                     "machine; this command only reads them.")
     parser.add_argument("--gpu", type=int, default=0, help="GPU index")

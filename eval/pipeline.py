@@ -1,18 +1,18 @@
 """The one pipeline every measuring command runs: ``run``, ``sweep`` and ``paper``.
 
 1. :func:`open_ledger`: a ledger run, the engine's observer; under a counter meter its reads
-   are written beside the phase records (:func:`refspec.energy.counter_log.counter_ledger`).
+   are written beside the phase records (:func:`refspec.energy.ledger.counter_records.counter_ledger`).
 2. :func:`serve`: the request stream through :meth:`refspec.engine.Engine.serve`, seeded; each
    further chunk of a stream (static lockstep batches, a paper variant's repeats) is a ledger run
    of its own (``ledger.begin_run``).
 3. :func:`phase_loops` and :func:`write_loops`: under a counter meter, each phase alone in a loop
    at the run's shapes, the per-phase split's second source (:mod:`refspec.phase_loops`).
 4. :func:`read_back` and :func:`account`: the ledger read back from disk, never the engine's own
-   counts, and its runs pooled by :func:`refspec.energy.accounting.pool_runs`.
+   counts, and its runs pooled by :func:`refspec.energy.accounting.headline.pool_runs`.
 
 What a command does around these steps (a configuration's record, a paper variant's figures)
 reads the accounting alone. A run whose figures no record will name is marked aborted in the
-ledger (:func:`refspec.energy.ledger.mark_aborted`).
+ledger (:func:`refspec.energy.ledger.writer.mark_aborted`).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from refspec.energy.accounting.headline import Accounting, pool_runs
+from refspec.energy.accounting.split_gate import GATE
 from refspec.energy.ledger.counter_records import counter_ledger
 from refspec.energy.ledger.writer import Ledger
 from refspec.energy.ledger.read import read_ledger
@@ -72,7 +73,9 @@ def phase_loops(engine: Any, meter: Any, results: Sequence[Any], *, batch: int, 
         batch: the run's slots.
         k: drafts per step.
         prompts: the prompts served.
-        min_s: seconds per loop (None: ten counter periods, at least 1 s).
+        min_s: seconds per loop (None: the split gate's floor, ten counter periods and at least
+            1 s). A shorter loop runs as asked, is logged, and fails the gate: the split is then
+            ``measured-total-only`` with that reason.
         seed: the loops' sampling seed.
         verify_fn: the verify callable of the loops (default the engine's).
 
@@ -81,6 +84,10 @@ def phase_loops(engine: Any, meter: Any, results: Sequence[Any], *, batch: int, 
     """
     from refspec.phase_loops import LoopTarget, run_phase_loops, shapes_of
 
+    floor = GATE.floor_s(getattr(meter, "period_s", None))
+    if min_s is not None and min_s < floor:
+        log.warning("phase loops of %.3g s are under the split gate's floor %.3g s (max(%d counter periods, %g s)): "
+                    "the split will be measured-total-only", min_s, floor, GATE.min_periods, GATE.min_s)
     shapes = shapes_of([e for res in results for e in res.events], batch=batch, k=k, prompts=prompts)
     target = LoopTarget(target=engine.target, drafter=engine.drafter, verify_fn=verify_fn or engine.target,
                         sampling=engine.config.sampling, kv_bucket=engine.config.kv_bucket, accept=engine.acceptance_fn)
@@ -102,7 +109,7 @@ def account(records: Any, run_ids: Sequence[str], *, min_window_s: float | None 
     """The accounting of ``run_ids`` pooled (their steady-state windows at least ``min_window_s`` long to be valid).
 
     Raises:
-        AccountingError: the runs cannot be accounted (:func:`refspec.energy.accounting.pool_runs`).
+        AccountingError: the runs cannot be accounted (:func:`refspec.energy.accounting.headline.pool_runs`).
     """
     extra = {} if min_window_s is None else {"min_window_s": min_window_s}
     return pool_runs(records, list(run_ids), **extra)

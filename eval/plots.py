@@ -7,10 +7,11 @@ is averaged or divided here. Files, in the report directory:
 * ``energy_vs_batch.png``: J per output token against batch per drafter and K, one panel per
   corpus, with the roofline prediction of the same configurations dashed;
 * ``tau_by_corpus.png``: acceptance length tau per corpus per drafter and K, one marker per batch;
-* ``phase_energy.png``: J per output token of each configuration, stacked by phase;
+* ``phase_energy.png``: J per output token of each configuration, stacked by phase (a
+  configuration whose split failed its gate: one hatched bar of its measured total, no phases);
 * ``latency_energy.png``: p99 TPOT against J per output token, one panel per corpus, the
   p99 TPOT target drawn and the lowest-energy configuration meeting every target marked
-  (:func:`refspec.energy.latency.choose`);
+  (:func:`refspec.energy.accounting.latency.choose`);
 * ``window_vs_run.png``: J per output token over the steady-state window and over the whole
   run against batch, per corpus (records with serving window fields only);
 * ``active_rows.png``: active rows per decode step as the ledger recorded them, per corpus and
@@ -30,6 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from refspec.energy.accounting.split_gate import withheld
 from refspec.eval.baseline import compared_j_per_token
 from refspec.eval.outputs import atomic_target
 from refspec.eval.record import RunRecord
@@ -197,24 +199,35 @@ def plot_tau_by_corpus(records: Sequence[RunRecord], path: Path) -> Path | None:
     return save(plt, fig, path)
 
 
+def _withheld(r: RunRecord) -> bool:
+    return withheld(r.energy.phase_energy_method, r.energy.attribution) is not None
+
+
 def plot_phase_energy(records: Sequence[RunRecord], path: Path) -> Path | None:
-    """Stacked bars of J per output token by phase for every configuration."""
-    recs = sorted((r for r in records if r.energy.phase_j_per_token), key=sort_key)
+    """Stacked bars of J per output token by phase for every configuration; a configuration whose
+    split failed its gate gets one hatched bar of its measured total and no phases."""
+    recs = sorted((r for r in records if r.energy.phase_j_per_token or (_withheld(r) and r.run.j_per_token)),
+                  key=sort_key)
     if not recs:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(recs) + 2), 4.5))
     bottom = [0.0] * len(recs)
     for i, phase in enumerate(PHASE_ORDER):
-        vals = [float(r.energy.phase_j_per_token.get(phase, 0.0)) for r in recs]
+        vals = [float((r.energy.phase_j_per_token or {}).get(phase, 0.0)) for r in recs]
         if not any(vals):
             continue
         ax.bar(range(len(recs)), vals, bottom=bottom, label=phase, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, vals)]
     # a counter's energy no phase was given (host time; all of it where the split was not resolved)
-    rest = [float(r.energy.unattributed_energy_j or 0.0) / r.run.tokens if r.run.tokens else 0.0 for r in recs]
+    rest = [float(r.energy.unattributed_energy_j or 0.0) / r.run.tokens if r.run.tokens and not _withheld(r) else 0.0
+            for r in recs]
     if any(rest):
         ax.bar(range(len(recs)), rest, bottom=bottom, label="unattributed", color="0.75")
+    total = [float(r.run.j_per_token) if _withheld(r) else 0.0 for r in recs]
+    if any(total):
+        ax.bar(range(len(recs)), total, label="measured total only (the split failed its gate)", color="white",
+               edgecolor="0.3", hatch="//")
     ax.set_xticks(range(len(recs)))
     ax.set_xticklabels([f"{config_label(r)}\n{r.corpus}" for r in recs], rotation=70, fontsize=6)
     ax.set_ylabel(energy_label(recs) + " by phase")
@@ -222,6 +235,8 @@ def plot_phase_energy(records: Sequence[RunRecord], path: Path) -> Path | None:
     ax.grid(True, axis="y", alpha=0.3)
     methods = sorted({r.energy.phase_energy_method for r in recs if r.energy.phase_energy_method})
     split = f"; split {', '.join(methods)}" if methods else ""
+    failed = sum(map(_withheld, recs))
+    split += f"; {failed} split(s) withheld, reasons in report.md" if failed else ""
     return save(plt, fig, path, "Phase energy per output token (" + "; ".join(energy_sources(recs)) + split + ")")
 
 

@@ -1,12 +1,12 @@
 """The figures a run record carries, taken from the accounting and the ledger; nothing computed twice.
 
-:func:`accounting_sections` copies a pooled :class:`~refspec.energy.accounting.Accounting`
+:func:`accounting_sections` copies a pooled :class:`~refspec.energy.accounting.headline.Accounting`
 into the record's sections under the record's names; :func:`work_section` reads the refill
 groups, prefill work, experts touched and the K a policy chose from the ledger records of the
 configuration; :func:`request_figures` splits the energy among the requests
-(:func:`refspec.energy.per_request.split_energy`), checks each request's acceptance against the
+(:func:`refspec.energy.accounting.per_request.split_energy`), checks each request's acceptance against the
 ledger and takes its latencies from the accounting (``Accounting.requests``, computed once by
-:mod:`refspec.energy.serving_window`). :func:`roofline_figures` gives the analytic
+:mod:`refspec.energy.accounting.serving_window`). :func:`roofline_figures` gives the analytic
 (modelled, never measured) J/token and TPOT of a steady-state step of the same configuration.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from refspec.energy.accounting.headline import Accounting
 from refspec.energy.ledger.format import experts_touched
-from refspec.energy.per_request import PARTS, pooled_acceptance, request_acceptance, split_energy, split_profile
+from refspec.energy.accounting.per_request import (PARTS, pooled_acceptance, request_acceptance, split_energy, split_profile)
 from refspec.energy.accounting.serving_window import percentile
 from refspec.eval.acceptance_models import acceptance_from_tau
 from refspec.eval.prefill_work import prefill_fields
@@ -77,7 +77,7 @@ def describe_source(source: str) -> str:
         return f"modelled (not measured) by roofline profile {profile}, {how}"
     if source.startswith("modelled:simulated-counter("):
         inner = source[len("modelled:simulated-counter("):].rstrip(")")
-        return f"simulated (not measured): a counter ({inner}) sampling the roofline's modelled energy"
+        return f"simulated (not measured): a counter ({inner}) sampling a simulated device's power law"
     if source.startswith("none"):
         return "not recorded (time-only meter)"
     return f"unknown source {source!r}"
@@ -116,12 +116,14 @@ def work_section(records: Sequence[Record], run_ids: Sequence[str], prompt_lengt
 
 # ---- per request -------------------------------------------------------------------------------
 def _split(ledger: Sequence[Record], run_ids: Sequence[str], phases: Sequence[Record], profile: Any) -> Any:
-    """The energy split per request, or None under a time-only meter (acceptance and latencies only)."""
+    """The energy split per request, or None under a time-only meter or when the phase split failed
+    its gate (acceptance and latencies only: no request is charged from a split that was withheld)."""
     runs = set(run_ids)
     has_energy = any(r.get("energy_j") is not None for r in phases) or any(
         r.get("kind") == "counter" and r.get("run_id") in runs for r in ledger)
-    return split_energy(ledger, run_ids, split_profile(profile, {str(r["source"]) for r in phases})) \
+    split = split_energy(ledger, run_ids, split_profile(profile, {str(r["source"]) for r in phases})) \
         if has_energy else None
+    return None if split is not None and split.method == "measured-total-only" else split
 
 
 def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence[Any],
@@ -135,10 +137,10 @@ def request_figures(ledger: Sequence[Record], acc: Accounting, results: Sequence
         results: the engine's ``ServeResult`` of each run (per-request accepted drafts per step).
         asked: each request as served (id, prompt, budget, arrival, tokens).
         profile: the hardware profile of the split's proportions (default: the meter's, see
-            :func:`refspec.energy.per_request.split_profile`).
+            :func:`refspec.energy.accounting.per_request.split_profile`).
 
     Raises:
-        refspec.energy.per_request.PerRequestError: the engine's counts disagree with the ledger.
+        refspec.energy.accounting.per_request.PerRequestError: the engine's counts disagree with the ledger.
     """
     run_ids = [r for r in acc.run_ids if r is not None]
     phases = [r for r in ledger if r.get("kind") == "phase" and r.get("run_id") in set(run_ids)]

@@ -1,7 +1,7 @@
 """Reports of run records: the CLI's text table and ``report.md`` with its plots.
 
 Input: :class:`~refspec.eval.record.RunRecord` s from ``records.jsonl`` and any Slurm task
-files (:func:`refspec.eval.record.read_records`), their comparisons attached
+files (:func:`refspec.eval.record_files.read_records`), their comparisons attached
 (:func:`refspec.eval.baseline.attach_baselines`). Every figure printed is a record's, computed
 by :mod:`refspec.energy.accounting`; the report formats, never recomputes. It states where the
 energy came from (measured by which counter, or modelled by which roofline profile), labels
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from refspec.energy.accounting.text import format_closure
 from refspec.energy.accounting.latency import Targets
+from refspec.energy.accounting.split_gate import withheld
 from refspec.eval.load import WHAT_TO_DO
 from refspec.eval.outputs import REPORT, write_atomic
 from refspec.eval.plots import write_plots
@@ -112,17 +113,23 @@ def _md_table(records: Sequence[RunRecord]) -> list[str]:
 
 
 def _split_text(r: RunRecord) -> str:
-    """How the phase split was obtained, with the attribution's agreement and residual."""
+    """How the phase split was obtained, with the attribution's agreement and residuals; a split that
+    failed its gate says so with the reasons and shows no shares."""
     e = r.energy
     method, a = e.phase_energy_method, e.attribution or {}
-    if not method or not method.startswith(("attributed", "measured-total")):
+    reason = withheld(method, e.attribution)
+    if reason is not None:
+        return f"phase split withheld, {reason}"
+    if not method or not method.startswith("attributed"):
         return f"phase split: {method or 'none'}"
-    parts = [f"phase split: {method}"]
+    parts = [f"phase split: {method} (split gate passed)"]
     if a.get("agreement") is not None:
         parts.append(f"loops vs fit agree within {100 * a['agreement']:.1f} points")
     if a.get("additivity_residual") is not None:
         parts.append(f"additivity residual {100 * a['additivity_residual']:+.1f}%")
-    if e.phase_share_true:
+    if a.get("interaction_residual") is not None:
+        parts.append(f"interaction residual {100 * a['interaction_residual']:+.1f}%")
+    if e.phase_share_true and e.phase_share:
         err = max(abs(e.phase_share[p] - t) for p, t in e.phase_share_true.items() if p in e.phase_share)
         parts.append(f"largest error against the simulated truth {100 * err:.1f} points")
     return "; ".join(parts)

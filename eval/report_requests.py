@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
+from refspec.energy.accounting.split_gate import withheld
 from refspec.eval.outputs import write_atomic
 from refspec.eval.plots import energy_label, panels, save
 from refspec.eval.record import RunRecord
@@ -42,26 +43,36 @@ def write_request_metrics(path: Path, records: Sequence[RunRecord]) -> int:
 
 
 # ---- the report -------------------------------------------------------------------------------
+def _withheld(r: RunRecord) -> str | None:
+    """Why the record's phase split (and so its per-request split) is not shown, or None."""
+    return withheld(r.energy.phase_energy_method, r.energy.attribution)
+
+
 def _has(r: RunRecord) -> bool:
     return r.per_request.request_energy_p50_j is not None
 
 
 def closure_md(records: Sequence[RunRecord], label: Label) -> list[str]:
-    """Per configuration: J charged to requests + unattributed (by name) = the total energy."""
-    rows = [r for r in records if r.per_request.request_energy_closes is not None]
+    """Per configuration: J charged to requests + the named items (idle slots, no request, host) against
+    the total energy, the residual apart; a split that failed its gate charges no request and says why."""
+    rows = [r for r in records if r.per_request.request_energy_closes is not None or _withheld(r) is not None]
     if not rows:
         return []
-    md = ["Per request (docs/accounting.md): the J charged to requests plus what no request caused must add up "
-          "to the total energy.", ""]
+    md = ["Per request (docs/accounting.md): the J charged to requests plus the named items no request caused "
+          "(each priced from the recorded work) against the total energy; the residual is what neither explains.",
+          ""]
     for r in rows:
         q = r.per_request
+        if (reason := _withheld(r)) is not None:
+            md.append(f"- {label(r)}, {r.corpus}: no per-request split, {reason}; total {r.run.energy_j:.6g} J")
+            continue
         lost = q.request_unattributed_j or {}
-        names = ", ".join(f"{k} {v:.6g}" for k, v in lost.items())
+        names = " + ".join(f"{k} {v:.6g}" for k, v in lost.items())
         ok = "closes" if q.request_energy_closes else "DOES NOT CLOSE"
         md.append(f"- {label(r)}, {r.corpus}: `{len(r.request_outputs)} requests "
-                  f"{q.request_energy_sum_j:.6g} J + unattributed {sum(lost.values()):.6g} J ({names}) = "
+                  f"{q.request_energy_sum_j:.6g} J + {names or 'no named items'} = "
                   f"{q.request_energy_sum_j + sum(lost.values()):.6g} J; total {r.run.energy_j:.6g} J; "
-                  f"error {q.request_closure_error_j:.3g} J; {ok}`")
+                  f"residual {q.request_closure_error_j:.3g} J; {ok}`")
     return md + [""]
 
 
@@ -118,8 +129,9 @@ def requests_md(records: Sequence[RunRecord], label: Label) -> list[str]:
     return md + ["A request's joules: the shared cost of each phase it took part in (weights, fixed per-forward "
                  "costs) divided among the phase's active rows, plus the per-row work its own row did (tokens, "
                  "keys attended, its prompt), in the roofline model's proportions of the recorded work; empty or "
-                 "finished slots stay unattributed. Acceptance rate at position i: verify steps that accepted at "
-                 "least i drafts over steps that offered i; tau = 1 + their sum at a fixed K.", ""]
+                 "finished slots, phases without a request and the host time between phases are named items. "
+                 "A configuration whose phase split failed its gate has no per-request joules. Acceptance rate at "
+                 "position i: verify steps that accepted at least i drafts over steps that offered i; tau = 1 + their sum at a fixed K.", ""]
 
 
 # ---- the plots --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The report's serving parts: the window beside the run, latency targets, and the greedy audit.
 
 Which J/token a record shows is :mod:`refspec.eval.report_text`'s (the window's; a static or
-old record's run's). The selection under targets is :func:`refspec.energy.latency.choose`,
+old record's run's). The selection under targets is :func:`refspec.energy.accounting.latency.choose`,
 which reads a mapping per record (:func:`latency_view`); the greedy audit's figures come from
 :mod:`refspec.eval.baseline`. Nothing here computes a figure; it selects and formats.
 """
@@ -54,7 +54,7 @@ def windows_md(rows: Sequence[RunRecord], label: Label) -> list[str]:
     recs = [r for r in rows if has_window(r)]
     if not recs:
         return []
-    md = ["Steady-state windows (decode steps first..last, from the ledger by refspec.energy.serving_window):", "",
+    md = ["Steady-state windows (decode steps first..last, from the ledger by refspec.energy.accounting.serving_window):", "",
           "| configuration | steps | window s | window tokens | mean active rows, window / run | window tokens/s "
           "| note |", "|---|---|---:|---:|---:|---:|---|"]
     for r in recs:
@@ -163,7 +163,7 @@ class CorpusChoice:
 
 
 def latency_view(r: RunRecord) -> dict[str, Any]:
-    """What :mod:`refspec.energy.latency` reads of a record: its identity, p99 latencies, window
+    """What :mod:`refspec.energy.accounting.latency` reads of a record: its identity, p99 latencies, window
     validity, and the J/token the report shows (:func:`refspec.eval.report_text.shown_j`)."""
     return {"batch": r.batch, "drafter": r.drafter, "k": r.k, "tpot_p99_s": r.latency.tpot_p99_s,
             "ttft_p99_s": r.latency.ttft_p99_s, "energy_per_token_j": shown_j(r),
@@ -236,7 +236,7 @@ def targets_md(records: Sequence[RunRecord], targets: Targets | None, choices: M
                         "p99 TTFT); the plot shows the trade-off without one.", ""]
     lines += [f"Targets: {targets.text()}. Chosen per corpus: the configuration (batch, drafter, k) with the lowest "
               "steady-state J/token (the window's; a record without window fields competes with its run J/token "
-              "and is marked) among those meeting every target (refspec.energy.latency.choose). The others show "
+              "and is marked) among those meeting every target (refspec.energy.accounting.latency.choose). The others show "
               "by how much they miss each target, and their J/token against the choice.", ""]
     note = old_records_note(records)
     if note:

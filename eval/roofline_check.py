@@ -4,8 +4,8 @@ For every (batch B, draft length K) the engine decodes random prompts with the `
 drafter (K = 0: plain decoding), so each step runs one target forward over K + 1 positions per
 row, the shape a drafter of K tokens makes the target verify. The engine's own phase events
 give, per step, the measured wall time of ``verify`` (the target forward) and of the whole
-step (draft + verify + commit), and the exact :class:`~refspec.energy.phases.ForwardShape` of the
-verify forward. The roofline model (:mod:`refspec.energy.roofline`) turns that shape into a time on
+step (draft + verify + commit), and the exact :class:`~refspec.energy.model.work.ForwardShape` of the
+verify forward. The roofline model (:mod:`refspec.energy.model.roofline`) turns that shape into a time on
 the CPU profile measured in the same process (matrix-vector bandwidth, matmul peak), so the
 comparison is like for like: same shapes, same machine, same moment.
 
@@ -85,7 +85,7 @@ def check_roofline(model, *, batches: Sequence[int], ks: Sequence[int], prompt_l
         prompt_len: tokens per random prompt.
         new_tokens: tokens generated per row (steps timed: about ``new_tokens - skip``).
         skip: first steps left out of the medians (allocation, caches warming).
-        profile: a :class:`~refspec.energy.roofline.HardwareProfile`; default: this CPU, measured now
+        profile: a :class:`~refspec.energy.model.hardware.HardwareProfile`; default: this CPU, measured now
             for the model's dtype.
         seed: prompt generator seed.
 

@@ -1,6 +1,6 @@
 """``python -m refspec.eval roofline``: the batch x k prediction table, plots and CSV of the roofline model.
 
-The model itself (hardware profiles, forward costs, one speculative step) is :mod:`refspec.energy.roofline`;
+The model itself (hardware profiles, forward costs, one speculative step) is :mod:`refspec.energy.model.roofline`;
 this module only turns its predictions into a table, PNG plots and a CSV. Every energy it shows is
 modelled, never measured.
 """
@@ -117,7 +117,7 @@ def prediction_table(target: ModelArgs, profile: HardwareProfile, *, batches: Se
         (k = 0 TPOT / TPOT), verify_intensity, bound ("memory" or "compute"); for a
         mixture-of-experts target also experts_per_layer (expected distinct experts one MoE
         layer reads in the verify forward), dense_j_per_token and dense_saving (the same for
-        :func:`~refspec.energy.architectures.dense_equivalent`, a dense model of equal active
+        :func:`~refspec.energy.model.architectures.dense_equivalent`, a dense model of equal active
         parameters).
     """
     rows = []
@@ -147,7 +147,7 @@ def loss_lines(target: ModelArgs, profile: HardwareProfile, *, ks: Sequence[int]
                context: int, drafter: DrafterModel = EAGLE_HEAD, dtype_bytes: int = 2,
                max_batch: int = 4096) -> list[str]:
     """One line per (acceptance, k > 0): the batches where speculation loses energy
-    (:func:`~refspec.energy.roofline.loss_regions`), each bound as B and B x (K+1) verified
+    (:func:`~refspec.eval.roofline_cli.loss_regions`), each bound as B and B x (K+1) verified
     tokens; an MoE target's line names the experts per layer verification reads there and the
     dense equivalent's regions beside."""
     dense = dense_equivalent(target) if target.is_moe else None

@@ -1,7 +1,7 @@
 """The CLI edge: turning user flags into a loaded target, tokenizer and engine settings.
 
-Everything here is for command-line tools (``refspec.generate``, ``refspec.bench``,
-``refspec.eval``); library users build models and engines directly.
+Everything here is for the command-line tools (``python -m refspec.eval`` and its ``generate``,
+``bench``, ...); library users build models and engines directly.
 """
 from __future__ import annotations
 

@@ -1,26 +1,39 @@
-"""Phase-isolated loops: each phase of a step run alone, long enough for an energy counter.
+"""Phase-isolated loops: each phase of a step run alone, long enough for an energy counter, and
+the whole step interleaved as the run ran it.
 
 A counter that updates every 20-100 ms cannot see a phase of a few milliseconds, so a measured
-run's per-phase split needs another source (:mod:`refspec.energy.attribution`, method A): after
+run's per-phase split needs another source (:mod:`refspec.energy.accounting.attribution`, method A): after
 the run, each phase is repeated alone at the run's own shapes (B rows, K drafts, the keys the
-run's verifies attended, its refill group) for at least ten counter periods, and the counter is
-read only at each loop's bounds. Joules per call of each phase then come from loops the counter
-resolves; the accounting checks that they add up to the measured run.
+run's verifies attended, its refill group) for at least ten counter periods and one second
+(:data:`refspec.energy.accounting.split_gate.GATE`), and the counter is read only at each loop's bounds.
+The accounting prices each phase of the run at its loop's power, and checks the split
+(:mod:`refspec.energy.accounting.phase_energy`).
 
-The loops use the step functions of :mod:`refspec.step` on a batch of their own:
+The loops use the step functions of :mod:`refspec.step` on a batch of their own, and each call
+does the work the run's phase does (``tests/test_phase_loops.py`` compares them forward by
+forward):
 
 1. **set-up**: B slots are prefilled with the run's first prompts and decoded with the run's
    drafter until the attended keys reach the run's typical verify (no EOS, unbounded budgets,
    so every row stays active, as in a steady state);
-2. **draft**: ``drafter.propose`` on that state (a proposal reads the state, it does not move it);
+2. **draft**: ``drafter.commit`` of the last step, then ``drafter.propose``: the commit hands the
+   drafter that step's features again, so every call catches them up as the run's draft does
+   (EAGLE's head forwards over the verified positions); the commit runs no forward (the
+   drafter protocol), only its bookkeeping moves from the commit loop to this one;
 3. **verify**: the target forward over the same pending tokens and drafts (it rewrites the same
    cache slots);
-4. **commit**: acceptance and commit of that verify's logits (each call first puts the rows
-   back to their length before the step, so every call commits the same step);
-5. **prefill**: the run's refill group (R prompts) prefilled into R slots.
+4. **commit**: acceptance and the engine's commit of that verify's logits (each call first puts
+   the rows back to their length before the step, so every call commits the same step);
+5. **step**: the run's whole step, interleaved as the engine runs it (draft, verify, then
+   acceptance, commit and ``drafter.commit``), rows put back before each call; its phases'
+   times are kept, so the accounting can compare its energy with the isolated loops' (the
+   interaction check: phases that change each other's power show there);
+6. **prefill**: the run's refill group (R prompts) prefilled into R slots (last: it overwrites
+   the set-up's rows).
 
-Each iteration is bracketed by the meter as ``loop:<phase>``, so a simulated counter learns the
-true energy of what ran; the counter itself is read only at the loop's bounds.
+Each phase call is bracketed by the meter as ``loop:<phase>`` (``loop:step:<phase>`` inside the
+step loop), so a simulated counter learns the true energy of what ran; the counter itself is
+read only at each loop's bounds.
 """
 from __future__ import annotations
 
@@ -33,14 +46,14 @@ import torch
 
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
-from refspec.energy.attribution import Loop
+from refspec.energy.accounting.attribution import Loop
+from refspec.energy.accounting.split_gate import GATE
 from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
 from refspec.sampling import SamplingConfig
 from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batch, prefill, verify_forward
 
-LOOP_PHASES = ("draft", "verify", "commit", "prefill")
-MIN_PERIODS = 10
-"""A loop lasts at least this many counter periods."""
+LOOP_PHASES = ("draft", "verify", "commit", "step", "prefill")
+"""The loops, in the order they run (``step``: the whole step interleaved; ``prefill`` last)."""
 WALL_CAP = 20
 """A loop never runs longer than this many times its length on the host clock (a slow modelled clock)."""
 UNBOUNDED = 1 << 30
@@ -53,7 +66,7 @@ class LoopShapes:
 
     Attributes:
         batch: B slots (every one active).
-        k: drafts per step (0: plain decoding; the draft loop is skipped).
+        k: drafts per step (0: plain decoding, whose draft phase only makes the empty draft).
         prompts: at least B prompts from the run's stream (slot i gets prompt i).
         keys: attended keys of a typical verify of the run (the set-up decodes until reached).
         refill: R, the run's typical refill group (prompts 0..R-1 are prefilled into slots 0..R-1).
@@ -98,7 +111,7 @@ def _cache(t: LoopTarget, batch: int, slots: int):
     return cache
 
 
-def _set_up(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.Generator | None,
+def set_up_batch(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.Generator | None,
             max_steps: int = 256) -> tuple[Batch, Draft, torch.Tensor]:
     """A batch of B active rows decoded to the run's keys; returns it, a draft and its base."""
     b, k = shapes.batch, shapes.k
@@ -128,90 +141,152 @@ def _set_up(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: torch.
     raise AssertionError("unreachable: the set-up returns at its last step")
 
 
-def _loop(meter, name: str, body: Callable[[], None], min_s: float, sync: Callable[[], None],
-          rows: int | None = None) -> Loop:
-    """Repeat ``body`` for at least ``min_s`` seconds; the counter is read at the loop's bounds only."""
+def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync: Callable[[], None], *,
+          rows: int | None = None, keep_times: bool = False) -> Loop:
+    """Repeat ``body`` (one call, bracketing its own phases) for at least ``min_s`` seconds of the
+    counter's clock; the counter is read at the loop's bounds only. ``keep_times``: sum each
+    phase's time (the step loop, whose commit holds the host sync, so no read waits on the device)."""
     clock = getattr(meter, "clock", time.perf_counter)  # the counter's time base (modelled under a GPU profile)
     sync()
     first = meter.counter.read()
     t0, wall0, iterations = clock(), time.perf_counter(), 0
+    times: dict[str, float] = {}
     while True:
-        with MeteredPhase(meter, f"loop:{name}"):
-            body()
+        for phase in body():
+            if keep_times:
+                name = phase.name.rpartition(":")[2]
+                times[name] = times.get(name, 0.0) + phase.measurement.time_s
         iterations += 1
         if iterations % 8 == 0:
             sync()  # a GPU's queue stays short, so the host clock tracks the work
         wall = time.perf_counter() - wall0
-        # a modelled clock stands still over a phase without forwards (commit): the wall clock ends it
+        # a modelled clock stands still over a phase without forwards: the wall clock ends it
         if clock() - t0 >= min_s or (clock() == t0 and wall >= min_s) or wall >= WALL_CAP * min_s:
             break
     sync()
     last = meter.counter.read()
     return Loop(energy_j=last.energy_j - first.energy_j, time_s=last.wall_s - first.wall_s, iterations=iterations,
-                rows=rows)
+                rows=rows, phase_time_s=times if keep_times else None)
+
+
+def _phase(meter, name: str, fn: Callable[[], object]) -> MeteredPhase:
+    """``fn()`` inside one metered phase ``name``; returns the closed phase."""
+    with MeteredPhase(meter, name) as phase:
+        fn()
+    return phase
+
+
+class _Loops:
+    """The loop bodies over one set-up batch: each call does what the run's phase does."""
+
+    def __init__(self, t: LoopTarget, shapes: LoopShapes, meter, gen: torch.Generator) -> None:
+        self.t, self.shapes, self.meter, self.gen = t, shapes, meter, gen
+        dev = t.target.device
+        self.no_eos = torch.tensor([-1], dtype=torch.long, device=dev)
+        self.hidden_layers = tuple(t.drafter.hidden_layers) if t.drafter is not None else ()
+        self.window = getattr(t.target.args, "sliding_window", None)
+        self.run, self.draft, self.base = set_up_batch(t, shapes, self.no_eos, gen)
+        self.logits, self.hidden = self.verify(self.draft, self.base)
+        self.base_host = list(self.run.lengths_host)
+        self.refill = [list(p) for p in shapes.prompts[:shapes.refill]]
+
+    def verify(self, draft: Draft, base: torch.Tensor):
+        return verify_forward(self.t.verify_fn, self.run, draft, base, kv_bucket=self.t.kv_bucket,
+                              hidden_layers=self.hidden_layers, sliding_window=self.window)
+
+    def rows_back(self) -> None:
+        """Every row back to its length before the step, so each call repeats the same step."""
+        self.run.cache.lengths.copy_(self.base)
+        self.run.lengths_host = list(self.base_host)
+
+    def commit(self, logits: torch.Tensor, hidden, draft: Draft, base: torch.Tensor) -> None:
+        """Acceptance and the engine's commit of one verify."""
+        acc, chain, kept = decide(draft, logits, hidden, base, self.run.cache, sampling=self.t.sampling,
+                                  generator=self.gen, accept=self.t.accept)
+        commit(self.run, acc, chain, kept, base, self.no_eos)
+
+    def propose(self) -> Draft:
+        """The run's draft: the drafter's proposal, or (plain decoding) the empty draft the engine makes."""
+        if self.shapes.k and self.t.drafter is not None:
+            return self.t.drafter.propose(self.run.state, self.shapes.k)
+        return Draft(tokens=self.run.state.pending.new_zeros(self.shapes.batch, 0))
+
+    def draft_call(self) -> list[MeteredPhase]:
+        if self.shapes.k and self.t.drafter is not None:
+            self.t.drafter.commit(self.run.state)  # the last step's features, again: this call catches them up
+        return [_phase(self.meter, "loop:draft", self.propose)]
+
+    def verify_call(self) -> list[MeteredPhase]:
+        return [_phase(self.meter, "loop:verify", lambda: self.verify(self.draft, self.base))]
+
+    def commit_call(self) -> list[MeteredPhase]:
+        self.rows_back()
+        return [_phase(self.meter, "loop:commit", lambda: self.commit(self.logits, self.hidden, self.draft, self.base))]
+
+    def step_call(self) -> list[MeteredPhase]:
+        """One step as the engine runs it (its draft takes the features the previous call committed)."""
+        self.rows_back()
+        drafter, out = self.t.drafter, {}
+        phases = [_phase(self.meter, "loop:step:draft", lambda: out.update(draft=self.propose()))]
+
+        def verify() -> None:
+            out["base"] = self.run.cache.lengths.clone()
+            out["logits"], out["hidden"] = self.verify(out["draft"], out["base"])
+
+        def step_commit() -> None:
+            self.commit(out["logits"], out["hidden"], out["draft"], out["base"])
+            if drafter is not None:
+                drafter.commit(self.run.state)
+
+        phases.append(_phase(self.meter, "loop:step:verify", verify))
+        phases.append(_phase(self.meter, "loop:step:commit", step_commit))
+        return phases
+
+    def prefill_call(self) -> list[MeteredPhase]:
+        return [_phase(self.meter, "loop:prefill", lambda: prefill(
+            self.t.target, self.run, list(range(self.shapes.refill)), self.refill, [UNBOUNDED] * len(self.refill),
+            drafter=self.t.drafter, sampling=self.t.sampling, eos=self.no_eos, generator=self.gen))]
 
 
 def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | None = None,
                     phases: Sequence[str] = LOOP_PHASES, seed: int = 0) -> dict[str, Loop]:
-    """Each phase of the run's step, alone in a loop the meter's counter resolves.
+    """Each phase of the run's step alone, and the whole step, in loops the meter's counter resolves.
 
     Args:
         t: the run's target, drafter, verify callable and settings.
         shapes: the run's shapes.
         meter: a counter meter (``counter.read()``, ``period_s``, ``begin``/``end``); the loops
             leave it with no run open.
-        min_s: seconds per loop; default ten counter periods, at least one second.
-        phases: which loops to run (the draft loop needs K >= 1).
+        min_s: seconds per loop on the counter's clock; default the split gate's floor (ten
+            counter periods, at least one second). A shorter loop runs, and fails the gate.
+        phases: which loops to run, in order (the prefill loop overwrites the set-up's rows, so
+            it comes last).
         seed: the sampling generator's seed.
 
     Returns:
-        phase -> :class:`~refspec.energy.attribution.Loop` (energy over the loop, its duration, iterations).
+        phase -> :class:`~refspec.energy.accounting.attribution.Loop` (energy over the loop, its duration,
+        iterations; the ``step`` loop also its phases' times).
     """
     if len(shapes.prompts) < shapes.batch or not 1 <= shapes.refill <= shapes.batch:
         raise ValueError(f"loops need {shapes.batch} prompts and a refill group of 1..{shapes.batch}, got "
                          f"{len(shapes.prompts)} prompts and {shapes.refill}")
     dev = t.target.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    min_s = max(MIN_PERIODS * meter.period_s, 1.0) if min_s is None else min_s
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    no_eos = torch.tensor([-1], dtype=torch.long, device=dev)
-    hidden_layers = tuple(t.drafter.hidden_layers) if t.drafter is not None else ()
-    window = getattr(t.target.args, "sliding_window", None)
+    min_s = GATE.floor_s(meter.period_s) if min_s is None else min_s
+    out: dict[str, Loop] = {}
     with torch.inference_mode():
-        run, draft, base = _set_up(t, shapes, no_eos, gen)
-        logits, hidden = verify_forward(t.verify_fn, run, draft, base, kv_bucket=t.kv_bucket,
-                                        hidden_layers=hidden_layers, sliding_window=window)
-
-        base_host = list(run.lengths_host)
-
-        def step_commit() -> None:
-            run.cache.lengths.copy_(base)  # every call commits the same step: rows stay inside the cache
-            run.lengths_host = list(base_host)
-            acc, chain, kept = decide(draft, logits, hidden, base, run.cache, sampling=t.sampling, generator=gen,
-                                      accept=t.accept)
-            commit(run, acc, chain, kept, base, no_eos)
-            if t.drafter is not None:
-                t.drafter.commit(run.state)
-
-        refill = [list(p) for p in shapes.prompts[:shapes.refill]]
-        bodies: dict[str, Callable[[], None]] = {
-            "draft": lambda: t.drafter.propose(run.state, shapes.k),
-            "verify": lambda: verify_forward(t.verify_fn, run, draft, base, kv_bucket=t.kv_bucket,
-                                             hidden_layers=hidden_layers, sliding_window=window),
-            "commit": step_commit,
-            "prefill": lambda: prefill(t.target, run, list(range(shapes.refill)), refill, [UNBOUNDED] * len(refill),
-                                       drafter=t.drafter, sampling=t.sampling, eos=no_eos, generator=gen),
-        }
-        out: dict[str, Loop] = {}
+        loops = _Loops(t, shapes, meter, torch.Generator(device=dev).manual_seed(seed))
+        bodies = {"draft": loops.draft_call, "verify": loops.verify_call, "commit": loops.commit_call,
+                  "step": loops.step_call, "prefill": loops.prefill_call}
         try:
-            for name in phases:  # the prefill loop last: it overwrites the set-up's rows
-                if name == "draft" and (t.drafter is None or not shapes.k):
-                    continue
+            for name in phases:
+                if name == "step" and t.drafter is not None:
+                    t.drafter.commit(loops.run.state)  # as after a step: the first call catches it up
                 rows = shapes.refill if name == "prefill" else None  # refills differ in rows: priced per row
-                out[name] = _loop(meter, name, bodies[name], min_s, sync, rows)
+                out[name] = _loop(meter, bodies[name], min_s, sync, rows=rows, keep_times=name == "step")
         finally:
             meter.abandon_run()  # the loops' phases opened a counter run the ledger never closes
     return out
 
 
-__all__ = ["LOOP_PHASES", "LoopShapes", "LoopTarget", "run_phase_loops", "shapes_of"]
+__all__ = ["LOOP_PHASES", "LoopShapes", "LoopTarget", "run_phase_loops", "set_up_batch", "shapes_of"]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The paper's claims on a lent GPU with no network: install the project offline, then
-# `python -m refspec.eval paper` (docs/gpu.md). Results go to $OUT (default ./paper_out): claims.md,
-# claims.json, results.json (all rewritten after every variant), four plots and paper.log.
+# `python -m refspec.eval paper` (docs/gpu.md), then the phase loops checked by a fit over three mixes
+# (scripts/mix_check.py). Results go to $OUT (default ./paper_out): claims.md, claims.json,
+# results.json (all rewritten after every variant), four plots and paper.log (the mix check's lines too).
 #
 # Usage: bash scripts/gpu_check.sh [python -m refspec.eval paper flags]
-#   on the GPU:      bash scripts/gpu_check.sh             (plans 351 s in all; device tool timeout_s 540)
+#   on the GPU:      bash scripts/gpu_check.sh             (plans 481 s in all; device tool timeout_s 540)
 #   shorter rerun:   bash scripts/gpu_check.sh --blocks core --budget-s 150
 #   rehearsal (CPU): bash scripts/gpu_check.sh --device cpu --quick
 #
@@ -49,4 +50,17 @@ fi
 "$VPY" -c "import refspec, refspec.models, refspec.drafters, refspec.eval; print('[gpu_check.sh] refspec from', refspec.__path__[0])"
 
 # 3. the claims
-exec "$VPY" -m refspec.eval paper --out "$OUT" "$@"
+"$VPY" -m refspec.eval paper --out "$OUT" "$@"
+
+# 4. the phase loops checked by one fit over three K x batch mixes (scripts/mix_check.py): on the GPU's
+#    counter, loops of at least max(10 periods, 1 s); where no GPU answers, a toy on a simulated counter.
+#    Its lines land in paper.log; its ledgers stay in $MIX_DIR (the device returns at most 8 files).
+MIX_DIR=${MIX_DIR:-/tmp/refspec-mix}
+if "$VPY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  MIX=(--device cuda --meter nvml)
+else
+  MIX=(--device cpu --toy --meter simulated:cpu:period_ms=10:sample_ms=10 --mixes 4x8,2x4,6x6 --requests-per-slot 2
+       --max-new-tokens 16)
+fi
+echo "[gpu_check.sh] $(date -u +%FT%TZ) mix check: ${MIX[*]}"
+exec "$VPY" scripts/mix_check.py --out "$MIX_DIR" "${MIX[@]}"

@@ -16,7 +16,7 @@ read a sysfs-style file read), so a read costs what reading ``energy_uj`` costs:
   windowed meter; no CUDA sync on a CPU);
 * ``roofline``: :class:`~refspec.energy.meters.direct.RooflineMeter` in wall-time mode (the CPU's
   ``auto``), which prices every phase's forwards;
-* ``simulated``: :class:`~refspec.energy.simulated.SimulatedMeter` on the CPU profile.
+* ``simulated``: :class:`~refspec.energy.meters.simulated.SimulatedMeter` on the CPU profile.
 
 Usage::
 

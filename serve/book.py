@@ -2,14 +2,14 @@
 
 :class:`RequestBook` is an engine observer beside the ledger: every phase event is split among
 its requests the moment it is reported, by the same rule and code the session's record uses
-afterwards (:func:`refspec.energy.per_request.split_record`: the phase's energy in the roofline's
+afterwards (:func:`refspec.energy.accounting.per_request.split_record`: the phase's energy in the roofline's
 proportions of its recorded work), and every commit adds each request's accepted drafts. So a
 request's response, sent right after its last step, carries the joules the ledger charges it.
 
 A meter that reads each phase (the roofline model, a direct counter) gives each phase its energy
 when it ends. A counter that cannot see a phase (NVML, RAPL, the simulated counter) gives it only
 when the session's ledger run ends and the counter windows are attributed
-(:mod:`refspec.energy.phase_energy`); until then a response says ``joules`` null, and the
+(:mod:`refspec.energy.accounting.phase_energy`); until then a response says ``joules`` null, and the
 session's record holds every request's figure.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from refspec.energy.model.hardware import HardwareProfile
 from refspec.energy.ledger.format import phase_record
-from refspec.energy.per_request import RequestAcceptance, split_record
+from refspec.energy.accounting.per_request import RequestAcceptance, split_record
 from refspec.energy.ledger.events import PhaseEvent
 
 SPLIT_GATES = "not evaluated"
@@ -41,7 +41,7 @@ class RequestBook:
 
     Args:
         profile: the hardware profile whose modelled parts set each phase's split
-            (:func:`refspec.energy.per_request.split_profile`).
+            (:func:`refspec.energy.accounting.per_request.split_profile`).
         source: the meter's source string (``measured:...`` / ``modelled:...``).
         speculative: a drafter runs (else the acceptance figures are None, as vLLM's are).
         k: the largest K a step may draft.
@@ -59,7 +59,7 @@ class RequestBook:
 
     @property
     def split_method(self) -> str:
-        """How a phase's energy is known (the names of :data:`refspec.energy.phase_energy.METHODS`)."""
+        """How a phase's energy is known (the names of :data:`refspec.energy.accounting.phase_energy.METHODS`)."""
         if not self.energy_known:
             return "attributed when the session's ledger run ends (a counter that cannot see a phase)"
         return "modelled" if self.source.startswith("modelled") else "measured-direct"
@@ -97,7 +97,7 @@ class RequestBook:
                 "gates": SPLIT_GATES}
 
     def acceptance(self, rid: int) -> RequestAcceptance:
-        """Request ``rid``'s verify steps so far (:class:`~refspec.energy.per_request.RequestAcceptance`)."""
+        """Request ``rid``'s verify steps so far (:class:`~refspec.energy.accounting.per_request.RequestAcceptance`)."""
         with self._lock:
             steps = list(self._steps.get(rid, ()))
         return RequestAcceptance(id=rid, k_per_step=tuple(k for k, _ in steps),

@@ -83,7 +83,7 @@ class Server:
     """
 
     def __init__(self, settings: ServeSettings, session: Any, cfg: Any, out_dir: Path) -> None:
-        from refspec.energy.per_request import split_profile
+        from refspec.energy.accounting.per_request import split_profile
         from refspec.eval import pipeline
         from refspec.eval.outputs import LEDGER
         from refspec.eval.run import build_engine, resolve_defaults

@@ -15,7 +15,7 @@ EVAL = ROOT / "eval"
 FLOORS = (
     ("flags", "interrupts", "outputs", "machine", "mixed_corpus", "acceptance_models", "injection", "audit",
      "audit_noise", "bench_timing", "roofline_check", "roofline_policy", "corpora"),
-    ("prompt_sets", "requests", "policy_setup", "run_config", "record", "record_files", "prefill_work", "runtime",
+    ("prompt_sets", "requests", "policy_setup", "run_config", "record", "load", "record_files", "prefill_work", "runtime",
      "tp_launch", "roofline_tp"),
     ("pipeline", "record_figures", "baseline", "session"),
     ("run", "sweep", "sweep_dir"),

@@ -238,16 +238,18 @@ def test_claim7_is_never_given_a_verdict_where_clocks_are_read_only():
 
 
 # ---- the plan -----------------------------------------------------------------------------------
-def test_the_gpu_plan_fits_360_s_with_install_and_closing_included():
+def test_the_gpu_plan_fits_540_s_with_install_and_closing_included():
     from refspec.eval.paper.cli import GPU_BUDGET_S, _check, _sources, parser
 
-    args = parser().parse_args(["--repeats", "2"])  # three (the default) need about 460 s: the budget cuts shapes
+    args = parser().parse_args([])  # the default three repeats: fewer resolve no energy claim
     blocks = grid.select(args)
     taus = _check(args, blocks, _sources(args))
-    plans = [grid.plan_block(b, gpu_plan_profile(), taus, windows=grid.Windows.for_period(0.1, 5.0), repeats=2,
-                             prompt_len=args.prompt_len, new_tokens=args.new_tokens, host=True) for b in blocks]
+    plans = [grid.plan_block(b, gpu_plan_profile(), taus, windows=grid.Windows.for_period(0.1, 5.0),
+                             repeats=args.repeats, prompt_len=args.prompt_len, new_tokens=args.new_tokens, host=True)
+             for b in blocks]
     total = sum(grid.FIXED_GPU_S.values()) + sum(p["planned_s"] for p in plans)
-    assert total <= 360.0 and GPU_BUDGET_S + grid.FIXED_GPU_S["install (shell)"] <= 360.0
+    assert args.repeats >= 3
+    assert total <= GPU_BUDGET_S + grid.FIXED_GPU_S["install (shell)"] <= 540.0  # the device call's limit
     assert {b.arch for b in blocks} == {"llama-3.1-8b", "qwen3-8b"}  # two attention families
     runs = [v for p in plans for s in p["shapes"] for v in s["variants"]]
     assert all(v["requests"] >= 2 and v["seconds"] >= 5.0 for v in runs)  # windows of at least 5 s

@@ -1,4 +1,4 @@
-"""Energy and acceptance per request (refspec.energy.per_request), on ledgers built by hand and
+"""Energy and acceptance per request (refspec.energy.accounting.per_request), on ledgers built by hand and
 through the engine: equal requests pay equal shares, a request alone pays a step's shared cost,
 the split closes on the run's energy, per-position acceptance reproduces tau, and a request's
 histogram is what its own verify decisions accepted."""
@@ -19,8 +19,7 @@ from refspec.energy.meters.measurement import Measurement
 from refspec.energy.model.hardware import H200_SXM
 from refspec.energy.model.roofline import forward_cost
 from refspec.energy.model.work import ForwardShape
-from refspec.energy.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates,
-                                        request_acceptance, split_energy)
+from refspec.energy.accounting.per_request import (PARTS, PerRequestError, forward_parts, pooled_acceptance, rates, request_acceptance, split_energy)
 
 ARGS = tiny_args("llama")
 K = 2
@@ -262,7 +261,7 @@ def test_the_documented_example():
     """docs/accounting.md section 7, by hand: section 6's verify forward split per request."""
     from test_roofline import TINY
 
-    from refspec.energy.per_request import split_record
+    from refspec.energy.accounting.per_request import split_record
 
     shape = ForwardShape(args=TINY, rows=2, tokens_per_row=3, context_tokens=20, dtype_bytes=2)
     parts = forward_parts(shape, H200_SXM)
@@ -278,9 +277,44 @@ def test_the_documented_example():
     assert rest["idle_slots"] == pytest.approx(6.2678e-7, rel=1e-4)
 
 
-def test_under_a_counter_the_attributed_phases_and_the_rest_close_on_the_counters_total(tmp_path):
-    """A counter that cannot see a phase: each phase's attributed joules are split, and the energy
-    the attribution gave to no phase is the named item outside_phases."""
+def _counter_ledger(tmp_path, **kw):
+    """test_attribution's hand-built counter run (one request at a time, host time between steps)."""
+    import json
+
+    from test_attribution import built
+
+    records, _, w = built(**kw)
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return read_ledger(path, strict=True), w
+
+
+def test_under_a_counter_the_host_time_is_a_named_item_and_the_residual_is_the_additivity_residual(tmp_path):
+    from test_attribution import HOST_W, every_loop
+
+    records, w = _counter_ledger(tmp_path, idle_w=HOST_W, loops=every_loop(verify=255.0))
+    split = split_energy(records, ["r"], H200_SXM)
+    acc = account(records, min_window_s=5.0)
+    assert split.method == "attributed-loops" and split.total_j == pytest.approx(w["e"])
+    # the host time priced at the header's idle power, as the accounting prices it
+    assert split.unattributed_j["host"] == pytest.approx(HOST_W * w["gap"]) == pytest.approx(acc.attribution["host_j"])
+    # what is left is the loops' misprice of verify (5 W too much): the additivity residual's joules
+    assert split.closure_error_j == pytest.approx(acc.attribution["additivity_residual"] * w["e"])
+    assert split.closes and split.tolerance == 0.05 and not split.split_gate_reasons
+    assert sum(split.shares.values()) == pytest.approx(1.0) and split.shares["residual"] < 0
+
+
+def test_a_split_that_failed_its_gate_charges_no_request_and_does_not_close(tmp_path):
+    records, w = _counter_ledger(tmp_path, idle_w=40.0, steady=True)  # no loops, an undetermined fit
+    split = split_energy(records, ["r"], H200_SXM)
+    assert split.method == "measured-total-only" and not split.closes
+    assert all(r.energy_j == 0.0 for r in split.requests.values())
+    assert split.closure_error_j == pytest.approx(split.unattributed_j["host"] - w["e"])
+    assert "the fit is undetermined" in split.split_gate_reasons[0]
+
+
+def test_an_engine_run_under_a_counter_names_the_host_time(tmp_path):
+    """Through the engine, a simulated counter on the modelled clock: its host gaps are the host item."""
     from tiny import TINY_HF
 
     from refspec.drafters.ngram import NgramDrafter
@@ -293,12 +327,13 @@ def test_under_a_counter_the_attributed_phases_and_the_rest_close_on_the_counter
     model = random_model(dict(TINY_HF["llama"]), dtype=torch.float32)
     meter = make_meter("simulated:h200:period_ms=0.002:sample_ms=0.0005:noise=0.1:seed=3:sub_window_s=0.00002")
     reqs = [Request(id=i, prompt=tuple(range(3 + i, 9 + 2 * i)), max_new_tokens=b) for i, b in enumerate([20, 6, 14])]
-    with counter_ledger(meter, Ledger(tmp_path / "l.jsonl", run_id="sim")) as ledger:
+    with counter_ledger(meter, Ledger(tmp_path / "l.jsonl", run_id="sim", idle_w=meter.idle_w)) as ledger:
         Engine(model, NgramDrafter(max_n=3, trim=False), config=EngineConfig(k=3), meter=meter,
                observers=[ledger]).serve(reqs, batch=2)
     records = read_ledger(tmp_path / "l.jsonl", strict=True)
     split = split_energy(records, ["sim"], H200_SXM)
     acc = account(records)
-    assert split.method.startswith("attributed") and split.total_j == pytest.approx(acc.total_energy_j, rel=1e-12)
-    assert split.unattributed_j["outside_phases"] == pytest.approx(acc.unattributed_energy_j, rel=1e-12, abs=1e-15)
-    assert split.closes and set(split.requests) == {0, 1, 2} and all(r.energy_j > 0 for r in split.requests.values())
+    assert split.total_j == pytest.approx(acc.total_energy_j, rel=1e-12)
+    assert split.unattributed_j["host"] == pytest.approx(meter.idle_w * acc.attribution["host_s"])
+    # milliseconds of run: no split can bear it, so no request is charged and closure fails, saying why
+    assert split.method == "measured-total-only" and not split.closes and split.split_gate_reasons

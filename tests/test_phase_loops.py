@@ -1,4 +1,5 @@
-"""Phase-isolated loops: the counter is read at loop bounds only, each loop runs the run's shapes."""
+"""Phase-isolated loops: the counter is read at loop bounds only, each loop call does the work of the
+run's phase (forward by forward, the drafter's catch-up included), the step loop runs the whole step."""
 import time
 
 import pytest
@@ -59,7 +60,10 @@ def test_each_loop_reads_the_counter_at_its_bounds_only(tiny_models, k):
     drafter = NgramDrafter(max_n=2, trim=False) if k else None
     loops = run_phase_loops(LoopTarget(target=m, drafter=drafter, verify_fn=m, sampling=SamplingConfig()),
                             _shapes(k), meter, min_s=0.05)
-    assert set(loops) == ({"draft", "verify", "commit", "prefill"} if k else {"verify", "commit", "prefill"})
+    assert set(loops) == {"draft", "verify", "commit", "step", "prefill"}, "plain decoding's draft makes an empty one"
+    assert set(loops["step"].phase_time_s) == ({"draft", "verify", "commit"})
+    assert sum(loops["step"].phase_time_s.values()) <= loops["step"].time_s
+    assert all(lp.phase_time_s is None for p, lp in loops.items() if p != "step")
     for name, loop in loops.items():
         assert loop.iterations >= 2 and loop.time_s >= 0.05, name
         assert loop.energy_j == pytest.approx(POWER_W * loop.time_s, rel=1e-3), name  # energy and time read microseconds apart
@@ -68,6 +72,53 @@ def test_each_loop_reads_the_counter_at_its_bounds_only(tiny_models, k):
     with MeteredPhase(meter, "draft"):  # the loops left no counter run open: the next phase starts one
         pass
     assert counter.reads == 2 * len(loops) + 2
+
+
+def _signature(work) -> tuple:
+    """What a phase call ran, forward by forward, apart from how many keys it read."""
+    return tuple((w.args.num_layers if w.layers is None else w.layers, w.rows, w.tokens_per_row, w.lm_head_rows,
+                  w.extra_weight_bytes) for w in work)
+
+
+@pytest.mark.parametrize("drafter_kind", ["eagle", "ngram"])
+def test_each_loop_call_does_the_work_of_the_runs_phase(tiny_models, drafter_kind):
+    """The loops price the run's phases only if they run the run's work: the drafter's catch-up of the
+    verified positions in every draft, none in a commit; and the step loop all three."""
+    import collections
+
+    from refspec.drafters.eagle import EagleDrafter
+    from refspec.drafters.eagle_head import HeadConfig, new_head
+    from refspec.engine import Engine, EngineConfig
+    from refspec.phase_loops import set_up_batch, shapes_of
+    from refspec.serving import Request
+
+    m = tiny_models["llama"]
+    drafter = (EagleDrafter(new_head(HeadConfig.for_target("eagle", m.args)).eval(), m) if drafter_kind == "eagle"
+               else NgramDrafter(max_n=2, trim=False))
+    meter = WorkSpy(CountingCounter())
+    prompts = _shapes(3).prompts
+    requests = [Request(id=i, prompt=tuple(prompts[i % 4]), max_new_tokens=12) for i in range(6)]
+    res = Engine(m, drafter, config=EngineConfig(k=3), meter=meter).serve(requests, batch=3)
+    run = {p: collections.Counter(_signature(w) for w in meter.work[p]) for p in ("draft", "verify", "commit")}
+    shapes = shapes_of(res.events, batch=3, k=3, prompts=prompts)
+    run_phase_loops(LoopTarget(target=m, drafter=drafter, verify_fn=m, sampling=SamplingConfig()), shapes, meter,
+                    min_s=0.02)
+    for phase in ("draft", "verify", "commit"):
+        usual = run[phase].most_common(1)[0][0]  # the steady state's (the first draft has nothing to catch up)
+        for name in (f"loop:{phase}", f"loop:step:{phase}"):
+            assert {_signature(w) for w in meter.work[name]} == {usual}, (name, usual)
+    if drafter_kind == "eagle":
+        draft = run["draft"].most_common(1)[0][0]
+        assert draft[0][2] == 3 + 1 and len(draft) == 3, "a catch-up of K + 1 positions, then K - 1 head forwards"
+        # a draft that re-proposes on a caught-up drafter (the old loop) skips the catch-up: the
+        # comparison above would fail on it
+        with torch.inference_mode():
+            batch, _, _ = set_up_batch(LoopTarget(target=m, drafter=drafter, verify_fn=m, sampling=SamplingConfig()),
+                                       shapes, torch.tensor([-1]), None)
+            for _ in range(2):
+                with MeteredPhase(meter, "again"):
+                    drafter.propose(batch.state, 3)
+        assert _signature(meter.work["again"][-1]) != draft
 
 
 def test_loops_run_the_runs_shapes(tiny_models):
@@ -110,13 +161,36 @@ def test_a_counter_metered_run_writes_its_loops(tmp_path, tiny):
         if r["kind"] == "loop":
             loops.setdefault(r["run_id"].split(".")[0], set()).add(r["phase"])
             assert r["iterations"] >= 1 and r["time_s"] >= 0.1 and r["energy_j"] > 0
-    assert sorted(map(sorted, loops.values())) == [["commit", "draft", "prefill", "verify"],
-                                                   ["commit", "prefill", "verify"]]
+    assert sorted(map(sorted, loops.values())) == [["commit", "draft", "prefill", "step", "verify"]] * 2
     from refspec.energy.accounting.headline import account
 
     for run_id in {r["run_id"] for r in lines if r["kind"] == "loop"}:
         acc = account([r for r in lines if r.get("run_id") == run_id])
-        assert acc.phase_energy_method == "attributed-loops", "the loops are the split's first source"
+        # loops of 0.1 s are under the gate's floor of a second: the split is refused, the total stands
+        assert acc.phase_energy_method == "measured-total-only" and acc.total_energy_j > 0
+        assert "under the floor max(10 periods, 1 s) = 1 s" in acc.attribution["split_gate"]["reasons"][0]
+        assert acc.phase_share is None and acc.phase_j_per_token is None, "a refused split has no shares"
+    # the report treats the refused split as the total only, with the gate's reasons, everywhere
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("phase split withheld, measured-total-only: loop ") == 2
+    assert report.count("no per-request split, measured-total-only: loop ") == 2
+    assert (tmp_path / "phase_energy.png").is_file(), "the plot draws the measured totals, hatched"
+    records = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().split("\n") if x.strip()]
+    assert all(r["attribution"]["split_gate"]["passed"] is False and r["phase_share"] is None for r in records)
+    assert all(r["request_energy_p50_j"] is None and r["request_energy_closes"] is None for r in records)
+    assert all(o["energy_j"] is None for r in records for o in r["request_outputs"]), "no request charged"
+
+
+def test_loops_shorter_than_the_gates_floor_are_logged(tmp_path, tiny, caplog):
+    """--phase-loops-s under max(10 counter periods, 1 s) runs as asked and says the split will be refused."""
+    from refspec.eval import cli
+
+    rc = cli.main(["--model", str(tiny["model"]), "--corpus", str(tiny["prompts"]), "--max-new-tokens", "4",
+                   "--no-progress", "--no-warmup", "--batch", "2", "--requests", "2",
+                   "--meter", "simulated:cpu:period_ms=200:sample_ms=50", "--phase-loops-s", "0.05",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    assert "phase loops of 0.05 s are under the split gate's floor 2 s" in caplog.text
 
 
 def test_a_clock_that_stands_still_does_not_hang_a_loop(tiny_models):

@@ -1,8 +1,11 @@
-"""The simulated counter: the roofline's per-phase energy as truth, sampled like NVML. A phase
-read per phase is wrong; the run's windows carry what attribution needs."""
+"""The simulated device: its own power law (not the roofline's), lag, host power and warm-up, a
+counter sampling it like NVML with a drifting clock. A phase read per phase is wrong; the run's
+windows carry what attribution needs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import random
 import sys
 from pathlib import Path
@@ -11,26 +14,31 @@ import pytest
 import torch
 
 from refspec.config import ModelArgs
-from refspec.energy.attribution import nnls_phase_power
+from refspec.energy.accounting.attribution import nnls_phase_power
 from refspec.energy.ledger.counter_records import counter_ledger
-from refspec.energy.ledger.read import read_ledger
+from refspec.energy.meters.device_law import SPEC_KEYS, DeviceLaw, cpu_law, gpu_law
+from refspec.energy.model.hardware import H200_SXM, HardwareProfile
 from refspec.energy.ledger.writer import Ledger
+from refspec.energy.ledger.read import read_ledger
+from refspec.energy.meters.spec import SIMULATED_LAW, MeterSpecError
 from refspec.energy.meters.make import make_meter
-from refspec.energy.model.hardware import HardwareProfile
-from refspec.energy.model.roofline import forward_cost, total_cost, work_time_s
 from refspec.energy.model.work import ForwardShape
-from refspec.energy.simulated import PowerTrace, SimulatedCounter, SimulatedMeter
+from refspec.energy.model.roofline import forward_cost, work_time_s
+from refspec.energy.meters.simulated import PowerTrace, SimulatedCounter, SimulatedMeter
 
 TINY = ModelArgs.from_hf_config(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                      tie_word_embeddings=True))
 DRAFT = ForwardShape(args=TINY, rows=1, tokens_per_row=1, context_tokens=8, dtype_bytes=4)
 VERIFY = ForwardShape(args=TINY, rows=4, tokens_per_row=4, context_tokens=64, dtype_bytes=4)
-# static 10 W, idle 2 W; one DRAFT forward's bytes cost 30 mJ, so 2 ms per DRAFT draws 25 W, and
-# 1 ms per VERIFY (about 36 mJ) about 46 W; a commit (no forward) draws the static 10 W
-PJ_PER_BYTE = 0.030 / forward_cost(DRAFT).bytes * 1e12
 TOY = HardwareProfile(name="toy", peak_flops=1e9, bandwidth_Bps=1e9, static_w=10.0, pj_per_flop=0.0,
-                      pj_per_byte=PJ_PER_BYTE, idle_w=2.0)
+                      pj_per_byte=50.0, idle_w=2.0)
+FLAT = DeviceLaw(idle_w=2.0, host_w=2.0, active_w=10.0, tdp_w=100.0, flop_w=0.0, flop_knee=1.0, byte_w=0.0,
+                 byte_knee=1.0, hold_s=0.0)
+"""A law without dynamic power, lag or host power: every phase at 10 W, 2 W between."""
+# toy law: a DRAFT forward's bytes in 2 ms drive the byte term near its knee, a VERIFY's in 1 ms well past it
+LAW = DeviceLaw(idle_w=2.0, host_w=4.0, active_w=10.0, tdp_w=200.0, flop_w=20.0, flop_knee=1e9, byte_w=40.0,
+                byte_knee=forward_cost(DRAFT).bytes / 0.002, rows_knee=4.0, keys_gain=0.3, hold_s=0.5)
 
 
 class Clock:
@@ -41,35 +49,95 @@ class Clock:
         return self.t
 
 
-def test_power_trace_integrates_phases_and_idle():
-    tr = PowerTrace(idle_w=2.0, origin_s=10.0)
-    tr.add(11.0, 11.5, 20.0)  # 40 W for 0.5 s
-    tr.add(11.5, 12.0, 5.0)  # 10 W
-    assert tr.energy_at(11.0) == 2.0 and tr.energy_at(11.25) == 12.0 and tr.energy_at(12.0) == 27.0
-    assert tr.energy_at(13.0) == 29.0  # idle after the last phase
-    tr.add(12.0, 12.0, 0.0)  # an empty phase (a modelled commit) changes nothing
-    with pytest.raises(AssertionError):
-        tr.add(13.0, 13.0, 1.0)
+# ---- the law --------------------------------------------------------------------------------------
+def test_a_phase_draws_a_level_from_what_it_does_not_from_the_roofline():
+    draft, verify = LAW.level_w((DRAFT,), 0.002), LAW.level_w((VERIFY,), 0.001)
+    assert LAW.level_w((), 0.01) == LAW.active_w == 10.0, "no forward: the active power"
+    assert 10.0 < draft < verify < LAW.tdp_w
+    # saturation: the same bytes in half the time raise the level by less than the rate doubled
+    faster = LAW.level_w((DRAFT,), 0.001)
+    assert faster - 10.0 < 2 * (draft - 10.0)
+    # occupancy: the same bytes and FLOPs in as many rows draw less than in more rows
+    one_row = dataclasses.replace(VERIFY, rows=1, tokens_per_row=1)
+    cost = forward_cost(one_row)
+    dt = 0.001
+    wide = dataclasses.replace(LAW, rows_knee=1e-9)  # every forward fully occupied
+    assert LAW.level_w((one_row,), dt) < wide.level_w((one_row,), dt)
+    assert cost.kv_read_bytes > 0 and LAW.level_w((one_row,), dt) > dataclasses.replace(
+        LAW, keys_gain=0.0).level_w((one_row,), dt), "key reads draw more per byte"
+    assert dataclasses.replace(LAW, tdp_w=12.0).level_w((VERIFY,), 0.001) == 12.0, "capped"
+    # the roofline prices energy linearly in the work: twice the verifies in the same time, twice the
+    # dynamic energy; the law's power saturates instead
+    assert TOY.energy_j(forward_cost(VERIFY).scale(2), 0.001) - 10e-3 == pytest.approx(
+        2 * (TOY.energy_j(forward_cost(VERIFY), 0.001) - 10e-3))
+    assert LAW.level_w((VERIFY, VERIFY), 0.001) - 10.0 < 1.9 * (verify - 10.0)
 
 
+def test_a_time_shared_device_draws_its_level_whatever_the_load():
+    shared = dataclasses.replace(LAW, busy=0.0)
+    assert shared.level_w((VERIFY,), 0.001) == pytest.approx(shared.level_w((VERIFY,), 0.5))
+    assert LAW.level_w((VERIFY,), 0.5) < LAW.level_w((VERIFY,), 0.001), "busy: a stretched phase draws less"
+
+
+def test_bad_law_parameters_are_refused():
+    with pytest.raises(ValueError, match="idle_w <= host_w"):
+        dataclasses.replace(LAW, host_w=1.0)
+    with pytest.raises(ValueError, match="finite and >= 0: lag_s"):
+        dataclasses.replace(LAW, lag_s=-1.0)
+    with pytest.raises(ValueError, match="busy at most 1"):
+        dataclasses.replace(LAW, busy=2.0)
+
+
+# ---- the trace ------------------------------------------------------------------------------------
+def test_power_trace_integrates_levels_host_time_and_idle():
+    tr = PowerTrace(dataclasses.replace(FLAT, host_w=4.0, hold_s=1.0), origin_s=10.0)
+    assert tr.energy_at(11.0) == 2.0, "idle before the first phase"
+    assert tr.add(11.0, 11.5, 40.0) == 20.0
+    assert tr.energy_at(12.0) == 24.0 and tr.energy_at(13.0) == 27.0, "host 4 W for 1 s, then idle"
+    assert tr.add(13.0, 13.25, 8.0) == 2.0 and tr.energy_at(13.25) == 29.0
+    assert tr.add(13.25, 13.25, 100.0) == 0.0, "an empty phase draws nothing"
+
+
+def test_power_rises_fast_and_falls_slowly_between_phases():
+    law = dataclasses.replace(FLAT, rise_s=0.01, lag_s=0.1)
+    tr = PowerTrace(law, origin_s=0.0)
+    hungry = tr.add(1.0, 1.5, 40.0)
+    assert hungry == pytest.approx(40.0 * 0.5 - 38.0 * 0.01 * (1 - math.exp(-50)))
+    short = tr.add(1.5, 1.6, 10.0)  # a short phase after a hungry one draws its power
+    assert short == pytest.approx(10.0 * 0.1 + 30.0 * 0.1 * (1 - math.exp(-1)))
+    assert short > 2 * 10.0 * 0.1
+
+
+def test_the_device_warms_over_the_run():
+    law = dataclasses.replace(LAW, warm_w=5.0, warm_s=10.0)
+    assert law.level_w((), 1.0, age_s=0.0) == 10.0
+    assert law.level_w((), 1.0, age_s=10.0) == pytest.approx(10.0 + 5.0 * (1 - math.exp(-1)))
+
+
+# ---- the counter ----------------------------------------------------------------------------------
 def test_counter_updates_once_a_period_from_its_sampled_part():
-    tr = PowerTrace(idle_w=0.0, origin_s=0.0)
+    quiet = dataclasses.replace(FLAT, idle_w=0.0, host_w=0.0)
+    tr = PowerTrace(quiet, origin_s=0.0)
     c = SimulatedCounter(tr, period_s=0.1, sample_s=0.025, clock=lambda: 0.0, source="modelled:x")
-    tr.add(0.010, 0.012, 2.0)  # 2 J in the sampled part of period 0: read as 2 J x 100/25
-    tr.add(0.150, 0.160, 5.0)  # 5 J in period 1 after its sampled part: never seen
-    tr.add(0.205, 0.215, 1.0)  # straddles period 2's sample: 20 of 10 ms... half inside
+    tr.add(0.010, 0.012, 1000.0)  # 2 J in the sampled part of period 0: read as 2 J x 100/25
+    tr.add(0.150, 0.160, 500.0)  # 5 J in period 1 after its sampled part: never seen
+    tr.add(0.215, 0.235, 100.0)  # 2 J straddling period 2's sample: 1 J inside
     assert c.value_at(0.099) == 0.0  # nothing until the first update
     assert c.value_at(0.1) == pytest.approx(8.0)
     assert c.value_at(0.2) == pytest.approx(8.0)
-    assert c.value_at(0.3) == pytest.approx(8.0 + 1.0 * 4)  # 10 ms at 100 W inside [0.2, 0.225)
-    assert tr.energy_at(0.3) == pytest.approx(8.0)
-    full = SimulatedCounter(tr, period_s=0.1, sample_s=0.1, clock=lambda: 0.0, source="modelled:x")
-    assert full.value_at(0.35) == pytest.approx(tr.energy_at(0.3))  # a full-time sensor lags by one period
+    assert c.value_at(0.3) == pytest.approx(8.0 + 1.0 * 4)
+    assert tr.energy_at(0.3) == pytest.approx(9.0)
+    # a counter clock 10 % fast (its 110 ms are the trace's 100 ms) whose first period starts 50 ms in
+    # samples the 500 W phase, and reports it in its own seconds
+    late = SimulatedCounter(tr, period_s=0.11, sample_s=0.0275, clock=lambda: 0.0, source="x", drift_ppm=1e5,
+                            offset_s=0.05)
+    assert late.value_at(0.2499) == 0.0
+    assert late.value_at(0.25) == pytest.approx(5.0 * 1.1 * 4)
 
 
 def test_noise_is_seeded_and_unbiased():
     def run(seed):
-        tr = PowerTrace(idle_w=100.0, origin_s=0.0)
+        tr = PowerTrace(dataclasses.replace(FLAT, idle_w=100.0, host_w=100.0, tdp_w=200.0), origin_s=0.0)
         c = SimulatedCounter(tr, period_s=0.1, sample_s=0.1, noise=0.1, seed=seed, clock=lambda: 0.0,
                              source="modelled:x")
         return c.value_at(100.0)
@@ -78,36 +146,64 @@ def test_noise_is_seeded_and_unbiased():
     assert run(1) == pytest.approx(100.0 * 100.0, rel=0.01)  # 1000 updates of 10 % noise
 
 
+# ---- the meter ------------------------------------------------------------------------------------
 def test_meter_records_truth_naive_read_and_counter_reads():
     clock = Clock()
-    m = SimulatedMeter(TOY, time_source="wall_time", period_s=0.1, sample_s=0.025, clock=clock)
+    m = SimulatedMeter(TOY, time_source="wall_time", period_s=0.1, sample_s=0.025, clock=clock, law=LAW,
+                       offset_s=0.0)
     assert m.source == "modelled:simulated-counter(toy,wall-time,P=100ms,S=25ms)" and m.idle_w == 2.0
     m.begin("verify")
     clock.t += 0.004
     out = m.end("verify", (VERIFY,) * 4)
     truth = dict(out.extra)["energy_true_j"]
     assert out.time_s == pytest.approx(0.004) and out.energy_j is None
-    assert truth == pytest.approx(TOY.energy_j(total_cost((VERIFY,) * 4), 0.004))
+    assert truth == pytest.approx(LAW.level_w((VERIFY,) * 4, 0.004) * 0.004)
     assert dict(out.extra)["energy_naive_j"] == 0.0  # a 4 ms phase inside one period sees no update
     start = out.marks[0].read
     assert start.energy_j == 0.0 and start.true_j == 0.0 and out.marks[0].reason == "start"
-    clock.t += 1.996  # idle to 2 s
+    clock.t += 1.996  # host power for 0.5 s, then idle, to 2 s
     end = m.finish_run()
-    assert end.true_j == pytest.approx(truth + 2.0 * 1.996)
-    # period 0 samples the verify and 21 ms of idle, x 100/25; periods 1-19 sample idle 2 W
-    assert end.energy_j == pytest.approx(4 * (truth + 2.0 * 0.021) + 19 * 2.0 * 0.1)
+    assert end.true_j == pytest.approx(truth + 4.0 * 0.5 + 2.0 * 1.496)
+    # period 0 samples the verify and 21 ms of host time, x 100/25; periods 1-4 host time; period 5
+    # 4 ms of host time and 21 ms idle; periods 6-19 idle
+    assert end.energy_j == pytest.approx(4 * (truth + 4.0 * 0.021) + 4 * 4.0 * 0.1 + 4 * (4.0 * 0.004 + 2.0 * 0.021)
+                                         + 14 * 2.0 * 0.1)
 
 
-def test_gpu_profile_runs_on_the_modelled_clock_and_warns_when_too_short(caplog):
+def test_spec_keys_set_the_law_and_the_counter_clock():
+    assert set(SPEC_KEYS) | {"drift_ppm", "offset_ms"} == set(SIMULATED_LAW)
+    m = make_meter("simulated:h200:lag_ms=3:host_w=150:flop_knee_tflops=200:gap_us=4:drift_ppm=40:offset_ms=7")
+    assert m.law == dataclasses.replace(gpu_law(H200_SXM), lag_s=3e-3, host_w=150.0, flop_knee=2e14, gap_s=4e-6)
+    assert m.counter._first == pytest.approx(0.007) and m.counter._scale == pytest.approx(1 / (1 + 40e-6))
+    with pytest.raises(MeterSpecError, match="lag_ms=-1 must be >= 0"):
+        make_meter("simulated:h200:lag_ms=-1")
+    with pytest.raises(ValueError, match="idle_w <= host_w"):
+        make_meter("simulated:h200:host_w=10")
+    assert make_meter("simulated:h200").counter._first != make_meter("simulated:h200:seed=1").counter._first
+
+
+def test_gpu_profile_runs_on_the_modelled_clock_with_host_gaps_and_warns_when_too_short(caplog):
     m = make_meter("simulated:h200:period_ms=100:sample_ms=25")
     assert isinstance(m, SimulatedMeter) and m.time_source == "model"
     assert m.source == "modelled:simulated-counter(h200-sxm,P=100ms,S=25ms)"
     m.begin("verify")
     out = m.end("verify", (VERIFY,))
-    assert out.time_s == work_time_s((VERIFY,), m.profile) and m.counter.read().wall_s == out.time_s
+    assert out.time_s == work_time_s((VERIFY,), m.profile)
+    m.begin("commit")
+    bare = m.end("commit", ())
+    assert bare.time_s == m.law.bare_s > 0, "a phase without forwards takes the law's bare time"
+    assert m.counter.read().wall_s == pytest.approx(2 * m.law.gap_s + out.time_s + bare.time_s)
     with caplog.at_level(logging.WARNING, logger="refspec.energy.meters"):
         m.finish_run()
     assert "cannot be resolved" in caplog.text
+
+
+def test_a_cpu_profile_gets_a_time_shared_law_at_its_idle_power():
+    law = cpu_law(TOY)
+    assert law.busy == 0.0 and law.idle_w == TOY.idle_w < law.host_w < law.active_w
+
+
+NAMES = ("draft", "verify", "commit")
 
 
 def drifting_run(meter: SimulatedMeter, clock: Clock, seconds: float, seed: int = 0):
@@ -141,7 +237,7 @@ def drifting_run(meter: SimulatedMeter, clock: Clock, seconds: float, seed: int 
                 if mark.at_end:  # a sub-window read after this phase
                     bounds.append((clock.t, mark.read.energy_j, mark.read.true_j))
                     windows.append([0.0] * len(NAMES))
-        clock.t += rng.uniform(0.0005, 0.0015)  # host time outside any phase draws idle power
+        clock.t += rng.uniform(0.0005, 0.0015)  # host time outside any phase
     end = meter.finish_run()
     bounds.append((clock.t, end.energy_j, end.true_j))
     energy = [b[1] - a[1] for a, b in zip(bounds, bounds[1:])]
@@ -149,23 +245,22 @@ def drifting_run(meter: SimulatedMeter, clock: Clock, seconds: float, seed: int 
     return truth, naive, windows, span, energy, bounds[-1][2] - bounds[0][2]
 
 
-NAMES = ("draft", "verify", "commit")
-
-
 def test_naive_per_phase_read_fails_where_sub_windows_recover_the_split():
     clock = Clock()
-    meter = SimulatedMeter(TOY, time_source="wall_time", period_s=0.1, sample_s=0.025, clock=clock)
-    truth, naive, windows, span, energy, true_total = drifting_run(meter, clock, 60.0)
-    assert len(windows) >= 50 and all(s >= meter.sub_window_s for s in span[:-1])
+    law = dataclasses.replace(LAW, busy=0.0)  # each phase at its level whatever its regime
+    # sub-windows of 30 periods: a read sees only whole periods, so a window's energy is off by up to one
+    meter = SimulatedMeter(TOY, time_source="wall_time", period_s=0.1, sample_s=0.025, clock=clock, law=law,
+                           sub_window_s=3.0)
+    truth, naive, windows, span, energy, true_total = drifting_run(meter, clock, 120.0)
+    assert len(windows) >= 35 and all(s >= meter.sub_window_s for s in span[:-1])
     # the whole run: the counter's total within 2 % of the truth it sampled
     assert sum(energy) == pytest.approx(true_total, rel=0.02)
     # per phase: the naive read follows time rather than power, so some phase is far off
     naive_error = {p: abs(naive[p] - truth[p]) / truth[p] for p in NAMES}
     assert max(naive_error.values()) > 0.20, naive_error
-    # the sub-windows carry the split: net of idle power over the host time between phases (a
-    # commit and a host gap both last about the same every step, so a fit cannot tell them
-    # apart), a non-negative fit of phase powers recovers it
-    net = [e - meter.idle_w * (s - sum(t)) for e, s, t in zip(energy, span, windows)]
+    # the sub-windows carry the split: net of the host power over the host time between phases,
+    # a non-negative fit of phase powers recovers it
+    net = [e - law.host_w * (s - sum(t)) for e, s, t in zip(energy, span, windows)]
     fit = nnls_phase_power(net, windows, NAMES)
     fitted = {p: fit.energy_j[p] / sum(fit.energy_j.values()) for p in NAMES}
     share = {p: truth[p] / sum(truth.values()) for p in NAMES}
@@ -191,16 +286,19 @@ def test_engine_run_under_the_simulated_counter_closes_on_the_truth(tmp_path):
     counts = [r for r in recs if r["kind"] == "counter"]
     assert all(r["energy_j"] is None and r["energy_true_j"] >= 0 and "energy_naive_j" in r for r in phases)
     assert counts[0]["reason"] == "start" and counts[-1]["reason"] == "end" and len(counts) >= 3
-    # the modelled clock has no host time: the truth between the bounds is the phases' truth
-    assert counts[-1]["energy_true_j"] - counts[0]["energy_true_j"] == pytest.approx(
-        sum(r["energy_true_j"] for r in phases))
-    assert counts[-1]["clock_s"] == pytest.approx(sum(r["time_s"] for r in phases))
-    assert counts[-1]["wall_s"] - counts[0]["wall_s"] == pytest.approx(counts[-1]["clock_s"])
+    # the modelled clock holds the law's host gap before every phase: the truth between the bounds is
+    # the phases' truth and that host time's
+    span = counts[-1]["wall_s"] - counts[0]["wall_s"]
+    host = span - sum(r["time_s"] for r in phases)
+    assert host == pytest.approx(meter.law.gap_s * (len(phases) - 1))
+    truth = counts[-1]["energy_true_j"] - counts[0]["energy_true_j"]
+    assert sum(r["energy_true_j"] for r in phases) < truth < sum(r["energy_true_j"] for r in phases) + \
+        host * meter.law.tdp_w
 
 
 def test_the_record_says_simulated_never_measured():
     from refspec.eval.record_figures import describe_source
 
     text = describe_source(make_meter("simulated:h200:period_ms=50:sample_ms=12.5").source)
-    assert text == ("simulated (not measured): a counter (h200-sxm,P=50ms,S=12.5ms) sampling the roofline's "
-                    "modelled energy")
+    assert text == ("simulated (not measured): a counter (h200-sxm,P=50ms,S=12.5ms) sampling a simulated device's "
+                    "power law")

@@ -2,13 +2,13 @@
 
 On a GPU the meter is the run's energy counter (NVML's total-energy counter, through Zeus where
 it is installed, else pynvml; its instantaneous-power integral where the counter is refused),
-read only over windows it resolves (:class:`~refspec.energy.windowed.WindowedMeter`). Its update
+read only over windows it resolves (:class:`~refspec.energy.meters.windowed.WindowedMeter`). Its update
 period is measured at start by polling it (:func:`measure_period`), and every window of the run
 is sized in those periods (:class:`~refspec.eval.paper.grid.Windows`). Where no counter can be
 read, energy is the roofline's and every output says MODELLED (``--require-measured-energy``
 exits 3 instead). Clocks are only ever read.
 
-On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.simulated`): the
+On a CPU the same path runs against a simulated counter (:mod:`refspec.energy.meters.simulated`): the
 H100 or H200 profile's modelled energy of each phase as the truth, sampled part-time the way
 NVML samples, on the modelled clock. The figures are MODELLED and labelled so.
 """
@@ -122,7 +122,7 @@ def _gpu_meter(args: Any) -> tuple[Any, float, str] | str:
 def _simulated_meter(args: Any) -> Any:
     """The CPU's simulated counter over the ``--profile`` roofline, on the modelled clock."""
     from refspec.energy.model.hardware import get_profile
-    from refspec.energy.simulated import SimulatedMeter
+    from refspec.energy.meters.simulated import SimulatedMeter
 
     p = SIMULATED_PERIOD_S
     return SimulatedMeter(get_profile(args.profile), time_source="model", period_s=p,

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+from refspec.energy.accounting.split_gate import GATE
+
 NONE_SOURCE = "-"
 """The source of plain decoding's one variant (nothing injected)."""
 
@@ -45,7 +47,7 @@ class Block:
 
     Attributes:
         name: label in results and tables.
-        arch: an architecture of :data:`refspec.energy.architectures.ARCHS`.
+        arch: an architecture of :data:`refspec.energy.model.architectures.ARCHS`.
         batches: serving batches, in run order.
         drafters: drafter configurations, in run order.
         corpora: corpora whose acceptance is injected.
@@ -120,7 +122,8 @@ class Windows:
     Attributes:
         period_s: the counter's update period P (measured at start on a GPU).
         window_s: shortest steady-state window: max(``min_window_s``, 50 P).
-        loop_s: shortest phase loop: 10 P.
+        loop_s: shortest phase loop: the split gate's floor, max(10 P, 1 s)
+            (:data:`refspec.energy.accounting.split_gate.GATE`).
         sub_window_s: shortest sub-window between counter reads: 10 P.
     """
 
@@ -131,7 +134,7 @@ class Windows:
 
     @classmethod
     def for_period(cls, period_s: float, min_window_s: float) -> "Windows":
-        return cls(period_s=period_s, window_s=max(min_window_s, 50 * period_s), loop_s=10 * period_s,
+        return cls(period_s=period_s, window_s=max(min_window_s, 50 * period_s), loop_s=GATE.floor_s(period_s),
                    sub_window_s=10 * period_s)
 
 
@@ -223,7 +226,7 @@ def plan_block(block: Block, profile: Any, taus: dict[tuple[str, str, str], floa
                              new_tokens=new_tokens)
             runs.append({"source": source, "corpus": corpus, "tau": tau, "step_s": step, **dataclasses.asdict(sp),
                          "planned_s": repeats * sp.seconds})
-        loops = 4 if spec.k else 3  # draft, verify, commit, prefill
+        loops = 5  # draft (an empty one without a drafter), verify, commit, prefill, the whole step
         loop_s = loops * (max(windows.loop_s, 0.0) + LOOP_OVERHEAD_S)
         total = WARM_S_PER_SHAPE + loop_s + sum(r["planned_s"] for r in runs)
         shapes.append({"batch": batch, "drafter": spec.label, "variants": runs, "loops_s": loop_s,

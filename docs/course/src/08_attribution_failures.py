@@ -23,15 +23,14 @@
 # one that cannot.
 #
 # **Measured, modelled or injected?** Nothing here is a measurement of energy: the counter is
-# **simulated**, its truth **modelled** (on this version, the CPU roofline's power of each phase
-# over its measured wall time). Times and acceptance are **measured** on this CPU.
+# **simulated**, its truth **modelled** by a device law of its own
+# (`refspec.energy.meters.device_law`: power from what each phase does, with saturation, lag
+# between phases and host power), which the roofline that prices the loops does not share. Times
+# and acceptance are **measured** on this CPU.
 #
-# **What waits for a newer accounting.** The accounting is gaining a *gate* on every split
-# (loops long enough in counter periods and seconds, loop power above idle, additivity,
-# agreement, an interleaved-step **interaction check**), per-request costs priced by work, and a
-# simulated device whose truth the attribution does not share. This lecture already reads them
-# through `Report.split` and `Report.named_items_j`; where this version of refspec reports no gate,
-# the cells say so instead of a verdict.
+# Every split passes a **gate** before it is printed (section 3), and per-request costs name what
+# no request caused, each priced from the recorded work (section 4). This lecture reads them
+# through `Report.split` and `Report.named_items_j`.
 
 # %%
 import os
@@ -123,10 +122,10 @@ axes[0].legend()
 plt.show()
 
 # %% [markdown]
-# Without a gate (section 3) the attributed split is now off by as much as printed above (by luck
-# it can come out close; it usually does not), yet it is printed with the same digits as a right
-# one; an accounting that gates its splits prints none here (`measured-total-only`). The run's
-# **total** is right either way: a counter measures long windows well.
+# Without a gate (section 3) the attributed split would be off by luck, yet printed with the
+# same digits as a right one; the accounting gates its splits, so it prints none here
+# (`measured-total-only`, "attributed not printed" above). The run's **total** is right either
+# way: a counter measures long windows well.
 #
 # ## 3. The gate: a split that cannot be trusted is not printed
 #
@@ -141,12 +140,9 @@ plt.show()
 # %%
 for name, report in (("fine counter", r), ("slow counter", r_slow)):
     s = report.split
-    if s.gate_passed is None:
-        print(f"{name}: this version of refspec reports no gate on the split (method {s.method})")
-    else:
-        verdict = "passed" if s.gate_passed else "failed: " + "; ".join(s.gate_reasons)
-        interaction = "not run" if s.interaction_residual is None else f"{s.interaction_residual:+.1%}"
-        print(f"{name}: gate {verdict}; interaction residual {interaction}")
+    verdict = "passed" if s.gate_passed else "failed: " + "; ".join(s.gate_reasons)
+    interaction = "not run" if s.interaction_residual is None else f"{s.interaction_residual:+.1%}"
+    print(f"{name}: gate {verdict}; interaction residual {interaction}")
 
 # %% [markdown]
 # ## 4. Per request: what no request caused
@@ -154,16 +150,15 @@ for name, report in (("fine counter", r), ("slow counter", r_slow)):
 # The energy of a step is shared among the requests that took part (the weight read equally,
 # each row's own work to its row). What no request caused stays a **named item**: compute on empty
 # or finished slots, phases with no request, energy outside every phase (host time between phases
-# under a counter). The requests and the named items must add up to the measured total; when the
-# named items are priced from the recorded work rather than defined as "what is left", that
-# closure becomes a check that can fail. On this version `outside_phases` is such a remainder
-# (the counter's total minus what the phases were given), which is why it can come out negative.
+# under a counter, priced at the idle power). Each named item is priced from the recorded work,
+# not defined as "what is left", so the closure (requests + named items = the measured total) is
+# a check that can fail, and what neither explains is reported apart as the **residual**.
 
 # %%
 total_requests = sum(q.energy_j for q in r.per_request)
 named = sum(r.named_items_j.values())
 print(f"requests {total_requests:.3f} J + named items {named:.3f} J = {total_requests + named:.3f} J; "
-      f"measured total {r.energy_j:.3f} J")
+      f"measured total {r.energy_j:.3f} J; residual {total_requests + named - r.energy_j:+.3f} J")
 for item, joules in r.named_items_j.items():
     print(f"  {item:<16} {joules:.3f} J ({joules / r.energy_j:.1%})")
 
@@ -174,8 +169,8 @@ for item, joules in r.named_items_j.items():
 # gate, the additivity residual, the agreement of loops and fit, and the interaction check are
 # all there is. Run a second mix of K or batch so that a fit over sub-windows is determined and
 # can check the loops (the GPU check script does). A GPU's real power also depends on more than
-# a roofline sees (clocks, temperature, the shape of each kernel), which is why the newer
-# simulated device gives each phase a power law of its own.
+# a roofline sees (clocks, temperature, the shape of each kernel), which is why the simulated
+# device gives each phase a power law of its own.
 #
 # ## Exercises
 #

@@ -75,7 +75,7 @@ from refspec.energy.accounting.serving_window import (RequestTimes, Window, Wind
                                                       run_window, window_validity)
 from refspec.energy.ledger.read import unfinished_runs
 from refspec.energy.ledger.step_groups import COUNTS, AccountingError, Record, Step, group_steps
-from refspec.energy.phase_energy import PhaseEnergy, phase_energy, shares
+from refspec.energy.accounting.phase_energy import PhaseEnergy, phase_energy, shares
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other",
               "unattributed")
@@ -235,12 +235,14 @@ def _energy(pe: PhaseEnergy, steps: Sequence[Step], emitted: int, verified: int,
     items["unattributed"] = pe.unattributed_j  # what no phase record was given: the parts close on the total
     items_sum = sum(items.values())
     rejected = items["verify_rejected"] + items["draft_rejected"]
+    withheld_split = pe.method == "measured-total-only"  # a split that failed its gate: no shares to show
     out = dict.fromkeys(ENERGY_FIELDS)
     out.update(
         total_energy_j=total, j_per_token=_ratio(total, emitted),
         j_per_verified_token=_ratio(phase_energy.get("verify", 0.0), verified),
-        phase_energy_j=phase_energy, phase_share=shares(phase_energy),
-        phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted else None),
+        phase_energy_j=phase_energy, phase_share=None if withheld_split else shares(phase_energy),
+        phase_j_per_token=({p: e / emitted for p, e in phase_energy.items()} if emitted and not withheld_split
+                           else None),
         line_items_j=items, line_items_sum_j=items_sum, unattributed_energy_j=pe.unattributed_j,
         rejected_energy_j=rejected, rejected_share=_ratio(rejected, total),
         verify_rejected_j=items["verify_rejected"], draft_rejected_j=items["draft_rejected"],
@@ -265,6 +267,8 @@ def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
             "fit_determined": pe.fit_determined,
             "loops_j_per_call": {p: lp.j_per_step for p, lp in pe.loops.items()} or None,
             "loops_share": pe.share_loops, "agreement": pe.agreement, "additivity_residual": pe.additivity_residual,
+            "interaction_residual": pe.interaction_residual, "host_s": pe.host_s, "host_j": pe.host_j,
+            "split_gate": pe.split_gate.as_dict() if pe.split_gate is not None else None,
             "true_total_j": pe.true_total_j,
             "total_error_vs_true": None if not pe.true_total_j else float(pe.total_j) / pe.true_total_j - 1.0}
 

@@ -29,7 +29,7 @@ def format_closure(line_items_j: Mapping[str, float] | None, line_items_sum_j: f
 
 
 def _energy_lines(acc: Accounting) -> list[str]:
-    assert acc.total_energy_j is not None and acc.phase_energy_j is not None and acc.phase_share is not None
+    assert acc.total_energy_j is not None and acc.phase_energy_j is not None
     net = acc.net_energy_j is not None and acc.net_phase_energy_j is not None
     if net:
         lines = [f"energy {acc.total_energy_j:.6g} J gross, {acc.net_energy_j:.6g} J net of idle {acc.idle_w:g} W",
@@ -41,6 +41,9 @@ def _energy_lines(acc: Accounting) -> list[str]:
                  f"J/verified position {_fmt(acc.j_per_verified_token, '.6g')}"]
     lines.append(f"{'phase':<10}{'time s':>12}{'energy J':>14}{'share':>9}" + (f"{'net J':>14}" if net else ""))
     for p, e in acc.phase_energy_j.items():
+        if acc.phase_share is None:  # the split failed its gate: times only, the total stands unsplit
+            lines.append(f"{p:<10}{acc.phase_time_s[p]:>12.6g}{'-':>14}{'-':>9}")
+            continue
         row = f"{p:<10}{acc.phase_time_s[p]:>12.6g}{e:>14.6g}{100 * acc.phase_share[p]:>8.1f}%"
         if net and acc.net_phase_energy_j is not None:
             row += f"{acc.net_phase_energy_j[p]:>14.6g}"
@@ -73,7 +76,12 @@ def _attribution_lines(acc: Accounting) -> list[str]:
                          "proportions in every sub-window, or too few sub-windows); run phase-isolated loops")
         if a["loops_share"] is not None:
             lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
-                         f"{_fmt(a['agreement'], '.3f')}; additivity residual {_fmt(a['additivity_residual'], '+.1%')}")
+                         f"{_fmt(a['agreement'], '.3f')}; "
+                         f"additivity residual {_fmt(a['additivity_residual'], '+.1%')}; "
+                         f"interaction residual {_fmt(a['interaction_residual'], '+.1%')}")
+        gate = a["split_gate"] or {}
+        lines.append("  split gate: passed" if gate.get("passed") else
+                     f"  split gate: FAILED, total only: {'; '.join(gate.get('reasons') or ['no split'])}")
     if acc.phase_share_true is not None:
         err = (a or {}).get("total_error_vs_true")
         lines.append(f"  true (simulated): {_shares(acc.phase_share_true)}; total error {_fmt(err, '+.2%')}")

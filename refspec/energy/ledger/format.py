@@ -81,6 +81,8 @@ LOOP_SCHEMA: dict[str, str] = {
     "iterations": "phase calls the loop ran (int)", "source": "the counter read (str)",
     "rows": "rows each call ran, when calls of the phase differ in rows (a refill prefill): a phase record of "
             "rows_active R is priced R / rows calls; null: every call priced as one (int or null)",
+    "phase_time_s": "the loop of the whole step (phase \"step\") only: each of its phases' time over the loop, s "
+                    "(object; absent on other loops)",
 }
 END_SCHEMA: dict[str, str] = {
     "kind": '"end": the last record of one run',

@@ -180,10 +180,11 @@ class Ledger:
 
     def write_loop(self, phase: str, loop: Any, source: str) -> None:
         """Append one ``loop`` record (:data:`~refspec.energy.ledger.format.LOOP_SCHEMA`): ``phase``
-        run alone, ``loop`` its :class:`~refspec.energy.attribution.Loop` (energy, time, iterations)."""
+        run alone, ``loop`` its :class:`~refspec.energy.accounting.attribution.Loop` (energy, time, iterations)."""
         self._write({"kind": "loop", "version": LEDGER_VERSION, "run_id": self.run_id, "phase": phase,
                      "energy_j": loop.energy_j, "time_s": loop.time_s, "iterations": loop.iterations,
-                     "rows": getattr(loop, "rows", None), "source": source})
+                     "rows": getattr(loop, "rows", None), "source": source,
+                     **({"phase_time_s": dict(loop.phase_time_s)} if getattr(loop, "phase_time_s", None) else {})})
 
     def close(self, status: str = "complete", reason: str | None = None) -> None:
         """End the current run with ``status``, flush and close the file (idempotent)."""

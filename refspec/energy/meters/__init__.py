@@ -7,6 +7,8 @@ give every window its figures); :mod:`~refspec.energy.meters.counters` (cumulati
 one or more devices) and the hardware behind them, :mod:`~refspec.energy.meters.nvml`,
 :mod:`~refspec.energy.meters.zeus`, :mod:`~refspec.energy.meters.rapl`;
 :mod:`~refspec.energy.meters.windowed` (a run's meter over a counter that cannot see a phase);
+:mod:`~refspec.energy.meters.simulated` (a simulated counter over the device law of
+:mod:`~refspec.energy.meters.device_law`);
 :mod:`~refspec.energy.meters.spec` (the ``--meter`` grammar) and
 :mod:`~refspec.energy.meters.make` (a meter from a spec).
 """

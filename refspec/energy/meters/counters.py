@@ -2,7 +2,7 @@
 
 A counter is what the hardware offers: NVML's total-energy counter of a GPU (mJ since the
 driver loaded), RAPL's package and DRAM counters of a CPU (uJ, wrapping), or a simulation of
-one (:mod:`refspec.energy.simulated`). It cannot see a phase of a few milliseconds: it updates
+one (:mod:`refspec.energy.meters.simulated`). It cannot see a phase of a few milliseconds: it updates
 every ``period_s`` (20-100 ms on NVML) and may sample only part of each period. So
 :class:`~refspec.energy.meters.windowed.WindowedMeter` reads it at a run's start and end and at
 the bounds of sub-windows of at least ten periods, and never per phase; a read taken at a

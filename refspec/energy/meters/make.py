@@ -23,7 +23,8 @@ from refspec.energy.meters.spec import parse_meter_spec
 from refspec.energy.meters.windowed import WindowedMeter
 from refspec.energy.meters.zeus import ZeusCounter
 from refspec.energy.model.hardware import HardwareProfile, cpu_profile, get_profile
-from refspec.energy.simulated import DEFAULT_PERIOD_MS, SimulatedMeter
+from refspec.energy.meters.device_law import default_law, law_with
+from refspec.energy.meters.simulated import DEFAULT_PERIOD_MS, SimulatedMeter
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def make_meter(kind: str = "auto", *, gpu_index: int = 0, profile: str | Hardwar
     Args:
         kind: the spec, ``KIND[:PROFILE][:key=value]...``: ``zeus`` / ``nvml`` (NVML's counter of
             the GPU, or of ``gpus=0,1`` summed), ``rapl`` (CPU package and DRAM), ``simulated:PROFILE``
-            (a simulated counter over the roofline's truth), ``roofline[:PROFILE]`` (modelled),
+            (a simulated counter over a device law's truth), ``roofline[:PROFILE]`` (modelled),
             ``time`` (time only), ``auto`` (a GPU's NVML counter, else this CPU's RAPL, else the
             roofline: a GPU's data-sheet profile, or this CPU's benchmarked one in wall-time
             mode), or ``fake`` (API only: needs ``clock`` and ``energy``). Counter meters are
@@ -112,7 +113,9 @@ def make_meter(kind: str = "auto", *, gpu_index: int = 0, profile: str | Hardwar
         sample_s = opts["sample_ms"] / 1e3 if "sample_ms" in opts else None
         return SimulatedMeter(prof, time_source=time_source, period_s=period_s, sample_s=sample_s,
                               noise=opts.get("noise", 0.0), seed=opts.get("seed", 0), sub_window_s=sub,
-                              clock=clock or time.perf_counter)
+                              clock=clock or time.perf_counter, law=law_with(default_law(prof), opts),
+                              drift_ppm=opts.get("drift_ppm", 0.0),
+                              offset_s=opts["offset_ms"] / 1e3 if "offset_ms" in opts else None)
     raise AssertionError(f"meter kind {spec.kind!r} parsed but not built")
 
 

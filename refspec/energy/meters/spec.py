@@ -11,9 +11,10 @@ Grammar: ``KIND[:PROFILE][:key=value]...``. Kinds and their options:
 ``roofline``    modelled energy; ``roofline:PROFILE`` (h100, h200) models the time too, while
                 ``cpu`` (this CPU's benchmarked profile) prices the measured wall time
 ``time``        time only, no energy
-``simulated``   ``simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]``: the roofline
-                profile's per-phase energy as truth, read through a simulated counter
-                (:mod:`refspec.energy.simulated`)
+``simulated``   ``simulated:PROFILE[:period_ms=P][:sample_ms=S][:noise=X][:seed=N]``: a simulated
+                device's power law as truth, read through a simulated counter
+                (:mod:`refspec.energy.meters.simulated`); the law's parameters and the counter clock's
+                ``drift_ppm`` and ``offset_ms`` are keys too (:data:`SIMULATED_LAW`)
 ==============  ==============================================================================
 
 Every counter kind (zeus, nvml, rapl, simulated, and auto when it finds one) also takes
@@ -27,6 +28,10 @@ from typing import Any, Mapping
 PROFILES = ("cpu", "h100", "h100-sxm", "h200", "h200-sxm")
 KINDS = ("auto", "zeus", "nvml", "rapl", "roofline", "time", "simulated")
 COUNTER_OPTIONS = ("sub_window_s",)
+SIMULATED_LAW = ("idle_w", "host_w", "active_w", "tdp_w", "flop_w", "flop_knee_tflops", "byte_w", "byte_knee_gbps",
+                 "busy", "rows_knee", "keys_gain", "rise_ms", "lag_ms", "hold_ms", "warm_w", "warm_s", "gap_us",
+                 "bare_us", "drift_ppm", "offset_ms")
+"""Keys of a simulated device's law and counter clock (:mod:`refspec.energy.meters.device_law`), each >= 0."""
 OPTIONS: dict[str, tuple[str, ...]] = {
     "auto": ("gpus",) + COUNTER_OPTIONS,
     "zeus": ("gpus",) + COUNTER_OPTIONS,
@@ -34,7 +39,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "rapl": ("domains", "root") + COUNTER_OPTIONS,
     "roofline": (),
     "time": (),
-    "simulated": ("period_ms", "sample_ms", "noise", "seed") + COUNTER_OPTIONS,
+    "simulated": ("period_ms", "sample_ms", "noise", "seed") + SIMULATED_LAW + COUNTER_OPTIONS,
 }
 TAKES_PROFILE = ("roofline", "simulated")
 HIGH: dict[str, float] = {"period_ms": 60_000.0, "sample_ms": 60_000.0, "noise": 1.0, "sub_window_s": 3600.0,
@@ -94,7 +99,7 @@ def _value(key: str, text: str) -> Any:
         return text
     if key == "seed":
         return _number(key, text, low=0, integer=True)
-    if key == "noise":
+    if key == "noise" or key in SIMULATED_LAW:
         return _number(key, text, low=0.0)
     value = _number(key, text, low=0.0, strict=True)  # period_ms, sample_ms, sub_window_s
     if key != "sub_window_s" and value < LOW_MS:
@@ -140,4 +145,4 @@ def parse_meter_spec(spec: str) -> MeterSpec:
     return MeterSpec(kind=kind, profile=profile, options=options)
 
 
-__all__ = ["MeterSpec", "MeterSpecError", "parse_meter_spec", "KINDS", "PROFILES", "OPTIONS"]
+__all__ = ["MeterSpec", "MeterSpecError", "parse_meter_spec", "KINDS", "PROFILES", "OPTIONS", "SIMULATED_LAW"]

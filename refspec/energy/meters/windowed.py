@@ -19,7 +19,7 @@ None (the counter cannot see it) and the reads taken at its bounds
 (:class:`~refspec.energy.meters.counters.CounterMark`); the ledger wrapper
 (:mod:`refspec.energy.ledger.counter_records`) turns those into ``counter`` records on the
 engine's clock. The split of the window energy among phases is the accounting's
-(:mod:`refspec.energy.attribution`).
+(:mod:`refspec.energy.accounting.attribution`).
 """
 from __future__ import annotations
 

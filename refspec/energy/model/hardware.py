@@ -38,7 +38,7 @@ class HardwareProfile:
         benchmarked: whether peak and bandwidth were timed on this machine by benchmarks (not the
             data sheet); its energy coefficients stay modelled either way.
         link_Bps: GPU-to-GPU bandwidth per GPU in one direction, bytes/s (NVLink), for
-            tensor-parallel collectives (:mod:`refspec.energy.interconnect`); None: no link modelled.
+            tensor-parallel collectives (:mod:`refspec.models.tp.interconnect`); None: no link modelled.
         link_latency_s: fixed time of one collective on that link, s.
         link_pj_per_byte: dynamic energy per byte a GPU sends over the link, pJ.
     """
@@ -72,7 +72,7 @@ class HardwareProfile:
 
 # GPU energy coefficients are the midpoints of the paper's priors (static 60-100 W,
 # 0.4-0.8 pJ/FLOP, 30-50 pJ/B); idle ~70 W is typical of an idle SXM board. Overhead 30 us per
-# forward assumes CUDA-graph replay. Calibrate with refspec.energy.attribution on a real GPU.
+# forward assumes CUDA-graph replay. Calibrate with refspec.energy.accounting.attribution on a real GPU.
 # NVLink 4 on H100/H200 SXM: 900 GB/s per GPU with both directions together, so 450 GB/s each
 # way; ~10 us per small NCCL all-reduce inside one node and ~10 pJ per link byte are priors.
 _NVLINK4 = dict(link_Bps=450e9, link_latency_s=10e-6, link_pj_per_byte=10.0)

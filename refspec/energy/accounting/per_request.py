@@ -1,10 +1,11 @@
 """Energy and acceptance per request: what one request cost in a batch, and what its drafts earned.
 
 Joules per request (:func:`split_energy`)
-    Every phase record's energy, as the accounting uses it (:func:`~refspec.energy.phase_energy.phase_energy`:
-    modelled, read, or attributed from a counter), is split among the requests that took part
-    in the phase. The phase's participants are the slots holding a request whose row did work
-    (``slot_requests >= 0`` and ``row_lengths > 0``). The roofline model prices the phase's
+    Every phase record's energy, as the accounting uses it
+    (:func:`~refspec.energy.accounting.phase_energy.phase_energy`: modelled, read, or attributed
+    from a counter), is split among the requests that took part in the phase. The phase's
+    participants are the slots holding a request whose row did work (``slot_requests >= 0`` and
+    ``row_lengths > 0``). The roofline model prices the phase's
     recorded forwards part by part (:func:`forward_parts`), and the phase's energy is divided in
     proportion to those modelled parts:
 
@@ -15,13 +16,24 @@ Joules per request (:func:`split_energy`)
     * ``pairs`` (attention FLOPs) and ``keys`` (KV reads): in proportion to the keys each row
       attended (``row_lengths``; a packed prefill's pairs to the prompt length squared).
 
-    A forward computes ``rows`` rows; the rows beyond the participants (a static batch's empty
-    or finished slots) take their share of the per-row parts, which stays ``idle_slots``. A
-    phase without forwards (commit, an n-gram draft) is all ``shared``. Static power follows the
-    roofline's binding resource (bytes when memory-bound, FLOPs when compute-bound).
-    Unattributed, by name: ``idle_slots``, ``no_request`` (a phase with energy and no
-    participant) and ``outside_phases`` (a counter's energy no phase record was given).
-    Closure: sum over requests + unattributed = the runs' total energy, to 1e-9 relative.
+    A phase without forwards (commit, an n-gram draft) is all ``shared``. Static power follows
+    the roofline's binding resource (bytes when memory-bound, FLOPs when compute-bound).
+
+    **Named items**, each priced from the recorded work, never defined as what is left:
+
+    * ``idle_slots``: the per-row parts of the rows a forward computed beyond its participants
+      (a static batch's empty or finished slots: compute the engine really performs);
+    * ``no_request``: a phase with energy and no participant;
+    * ``host``: under a counter, the time its span holds outside every phase record (the
+      engine's host work between phases), priced at the run's idle power as the accounting
+      prices it (:attr:`~refspec.energy.accounting.phase_energy.PhaseEnergy.host_j`).
+
+    **Closure** is then a check that can fail: requests + named items against the runs' total
+    energy (the counter's, under a counter); what is left is the **residual**, reported apart.
+    A direct read closes to :data:`~refspec.energy.accounting.headline.CLOSURE_RTOL`; an attributed split
+    within its gate's additivity tolerance (the residual is the additivity residual's joules).
+    A split that failed its gate charges no request, so it does not close. Shares
+    (:attr:`EnergySplit.shares`) are of the total, the named items and the residual included.
 
 Acceptance per request (:func:`request_acceptance`)
     From the engine's per-request accepted drafts per verify step (``RequestResult.accepted_per_step``,
@@ -49,10 +61,12 @@ from refspec.energy.model.cost import Cost
 from refspec.energy.model.hardware import PICO, HardwareProfile, get_profile
 from refspec.energy.model.roofline import forward_cost
 from refspec.energy.model.work import ForwardShape
-from refspec.energy.phase_energy import phase_energy
+from refspec.energy.accounting.phase_energy import phase_energy
+from refspec.energy.accounting.split_gate import GATE, GateRule
 
 PARTS = ("shared", "tokens", "head", "pairs", "keys")
-UNATTRIBUTED = ("idle_slots", "no_request", "outside_phases")
+UNATTRIBUTED = ("idle_slots", "no_request", "host")
+"""The named items: J no request was charged, each priced from the recorded work."""
 
 
 class PerRequestError(AccountingError):
@@ -63,10 +77,12 @@ class PerRequestError(AccountingError):
 def forward_parts(shape: ForwardShape, profile: HardwareProfile) -> dict[str, float]:
     """The roofline's modelled energy of one forward by part (J, :data:`PARTS`); they sum to
     ``profile.energy_j(cost, profile.time_s(cost))``."""
-    return dict(zip(PARTS, _parts(shape, profile)))
+    try:
+        return dict(zip(PARTS, _cached_parts(shape, profile)))
+    except TypeError:  # an architecture read back from a ledger may hold a dict (rope scaling): not hashable
+        return dict(zip(PARTS, _parts(shape, profile)))
 
 
-@functools.lru_cache(maxsize=4096)  # a run repeats a handful of shapes thousands of times
 def _parts(shape: ForwardShape, profile: HardwareProfile) -> tuple[float, ...]:
     c: Cost = forward_cost(shape)
     flops = {"tokens": c.linear_flops + c.extra_flops, "head": c.lm_head_flops, "pairs": c.attention_flops}
@@ -85,8 +101,12 @@ def _parts(shape: ForwardShape, profile: HardwareProfile) -> tuple[float, ...]:
     return tuple(out[p] for p in PARTS)
 
 
-def _weights(shape: ForwardShape, lengths: Sequence[int]) -> dict[str, list[float]]:
-    """Per participant, the fraction of each per-row part of ``shape`` it did (idle rows: the rest)."""
+_cached_parts = functools.lru_cache(maxsize=4096)(_parts)  # a run repeats a handful of shapes thousands of times
+
+
+def _weights(shape: ForwardShape, lengths: Sequence[int]) -> tuple[dict[str, list[float]], float]:
+    """Per participant, the fraction of each per-row part of ``shape`` it did, and the fraction
+    the rows beyond the participants did (idle slots)."""
     n = len(lengths)
     active = min(n, shape.rows) / shape.rows  # rows beyond the participants are idle slots
 
@@ -97,7 +117,7 @@ def _weights(shape: ForwardShape, lengths: Sequence[int]) -> dict[str, list[floa
     equal = [1.0] * n
     return {"tokens": share(lengths if shape.query_tokens is not None else equal), "head": share(equal),
             "pairs": share([x * x for x in lengths] if shape.attention_pairs is not None else lengths),
-            "keys": share(lengths)}
+            "keys": share(lengths)}, 1.0 - active
 
 
 def participants(record: Record) -> list[tuple[int, int, int]]:
@@ -112,19 +132,23 @@ def participants(record: Record) -> list[tuple[int, int, int]]:
 
 def split_record(record: Record, work: Sequence[ForwardShape], profile: HardwareProfile
                  ) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
-    """One phase record's energy split: per request id its J by part, and the unattributed J by name."""
+    """One phase record's energy split: per request id its J by part, and the named items' J
+    (``idle_slots``: the per-row parts of rows beyond the participants; ``no_request``)."""
     energy = float(record["energy_j"])
     who = participants(record)
     if not who:
         return {}, {"no_request": energy}
     modelled = dict.fromkeys(PARTS, 0.0)
     per_row = [dict.fromkeys(PARTS, 0.0) for _ in who]
+    idle = 0.0  # modelled J of the idle rows' per-row parts
     for shape in work:
         parts = forward_parts(shape, profile)
         for part, e in parts.items():
             modelled[part] += e
-        for part, fractions in _weights(shape, [n for _, _, n in who]).items():
-            for row, f in zip(per_row, fractions):
+        fractions, idle_fraction = _weights(shape, [n for _, _, n in who])
+        for part, row_fractions in fractions.items():
+            idle += parts[part] * idle_fraction
+            for row, f in zip(per_row, row_fractions):
                 row[part] += parts[part] * f
     total = sum(modelled.values())
     scale = energy / total if total > 0 else 0.0  # the record's energy, in the model's proportions
@@ -134,8 +158,7 @@ def split_record(record: Record, work: Sequence[ForwardShape], profile: Hardware
         mine = {part: row[part] * scale for part in PARTS}
         mine["shared"] = shared
         out[rid] = mine
-    charged = sum(sum(p.values()) for p in out.values())
-    return out, {"idle_slots": energy - charged}
+    return out, {"idle_slots": idle * scale}
 
 
 # ---- joules per request -----------------------------------------------------------------------
@@ -158,16 +181,19 @@ class RequestEnergy:
 
 @dataclasses.dataclass(frozen=True)
 class EnergySplit:
-    """The runs' energy split among their requests, and its closure.
+    """The runs' energy split among their requests and named items, and its closure.
 
     Attributes:
         requests: per request id, its charges.
-        unattributed_j: per :data:`UNATTRIBUTED` name, J.
-        total_j: the runs' energy as the accounting counts it.
-        closure_error_j: requests + unattributed - total.
-        closes: within :data:`~refspec.energy.accounting.CLOSURE_RTOL` of the total.
+        unattributed_j: per named item (:data:`UNATTRIBUTED`), J, each priced from the recorded work.
+        total_j: the runs' energy as the accounting counts it (the counter's under a counter).
+        closure_error_j: the residual, requests + named items - total, J.
+        closes: the residual is within ``tolerance`` of the total.
         profile: the hardware profile whose modelled parts set the proportions.
         method: how the phases' energy was known (modelled, measured-direct, attributed-...).
+        tolerance: the relative residual closure allows (exact for a direct read, the gate's
+            additivity tolerance for an attributed split).
+        split_gate_reasons: why the phase split failed its gate (empty when it passed or was read).
     """
 
     requests: dict[int, RequestEnergy]
@@ -177,10 +203,24 @@ class EnergySplit:
     closes: bool
     profile: str
     method: str | None
+    tolerance: float = CLOSURE_RTOL
+    split_gate_reasons: tuple[str, ...] = ()
 
     @property
     def unattributed_share(self) -> float:
+        """The named items' share of the total."""
         return sum(self.unattributed_j.values()) / self.total_j if self.total_j else math.nan
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Shares of the total: ``requests`` (all of them), each named item, and ``residual``
+        (total - requests - items); they add up to 1."""
+        if not self.total_j:
+            return {}
+        out = {"requests": sum(r.energy_j for r in self.requests.values()) / self.total_j}
+        out.update({name: e / self.total_j for name, e in self.unattributed_j.items()})
+        out["residual"] = -self.closure_error_j / self.total_j
+        return out
 
 
 def _runs(records: Sequence[Record], run_ids: Sequence[str]) -> list[tuple[list[Record], list[Record], list[Record]]]:
@@ -193,44 +233,59 @@ def _runs(records: Sequence[Record], run_ids: Sequence[str]) -> list[tuple[list[
     return out  # type: ignore[return-value]
 
 
-def split_energy(records: Sequence[Record], run_ids: Sequence[str], profile: HardwareProfile) -> EnergySplit | None:
+def _idle_w(records: Sequence[Record], run_ids: Sequence[str]) -> float | None:
+    """The runs' idle power from their headers, the host time's price (as the accounting takes it)."""
+    values = {r.get("idle_w") for r in records if r.get("kind") == "run" and r.get("run_id") in set(run_ids)}
+    if len(values) > 1:
+        raise PerRequestError(f"runs {list(run_ids)} disagree on idle power {sorted(values, key=str)}")
+    return values.pop() if values else None
+
+
+def split_energy(records: Sequence[Record], run_ids: Sequence[str], profile: HardwareProfile, *,
+                 rule: GateRule = GATE) -> EnergySplit | None:
     """Split the energy of ``run_ids`` among their requests (rule: the module docstring).
 
     Args:
         records: ledger records holding the runs (``read_ledger``).
         run_ids: the runs of one configuration (request ids are unique across them).
         profile: the hardware profile whose modelled parts set the proportions (:func:`split_profile`).
+        rule: the phase split's gate (the accounting's by default).
 
     Returns:
         The :class:`EnergySplit`, or None when the ledger holds no energy (time-only meter).
 
     Raises:
-        PerRequestError: a phase record without ``row_lengths``, or no phase records.
+        PerRequestError: a phase record without ``row_lengths``, no phase records, or runs whose
+            headers disagree on idle power.
     """
     runs = _runs(records, run_ids)
-    pe = phase_energy(runs)
+    pe = phase_energy(runs, host_w=_idle_w(records, run_ids), rule=rule)
     if pe.total_j is None:
         return None
     by_phase: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     by_part: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PARTS, 0.0))
-    lost = dict.fromkeys(UNATTRIBUTED, 0.0)
-    lost["outside_phases"] = float(pe.unattributed_j)
+    items = dict.fromkeys(UNATTRIBUTED, 0.0)
+    items["host"] = pe.host_j or 0.0
     for rid, phases in zip(run_ids, pe.records):
         models = run_models(records, rid)
         for rec in phases:
-            charges, rest = split_record(rec, phase_work(rec, models), profile)
+            charges, named = split_record(rec, phase_work(rec, models), profile)
             for req, parts in charges.items():
                 by_phase[req][str(rec["phase"])] += sum(parts.values())
                 for part, e in parts.items():
                     by_part[req][part] += e
-            for name, e in rest.items():
-                lost[name] += e
+            for name, e in named.items():
+                items[name] += e
     reqs = {q: RequestEnergy(id=q, energy_j=sum(by_part[q].values()), by_phase_j=dict(by_phase[q]),
                              by_part_j=dict(by_part[q])) for q in sorted(by_part)}
     total = float(pe.total_j)
-    error = sum(r.energy_j for r in reqs.values()) + sum(lost.values()) - total
-    return EnergySplit(requests=reqs, unattributed_j=lost, total_j=total, closure_error_j=error,
-                       closes=abs(error) <= CLOSURE_RTOL * max(1.0, abs(total)), profile=profile.name, method=pe.method)
+    error = sum(r.energy_j for r in reqs.values()) + sum(items.values()) - total
+    direct = pe.split_gate is None  # read per phase: exact; attributed: within the gate's additivity
+    tolerance = CLOSURE_RTOL if direct else rule.additivity
+    bound = tolerance * (max(1.0, abs(total)) if direct else abs(total))
+    return EnergySplit(requests=reqs, unattributed_j=items, total_j=total, closure_error_j=error,
+                       closes=abs(error) <= bound, profile=profile.name, method=pe.method, tolerance=tolerance,
+                       split_gate_reasons=() if direct else pe.split_gate.reasons)
 
 
 def split_profile(profile: HardwareProfile | None, sources: Iterable[str]) -> HardwareProfile:

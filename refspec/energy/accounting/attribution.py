@@ -12,7 +12,7 @@ pure functions here:
     ``E_w ~= sum_p P_p t_wp`` for per-phase powers ``P_p >= 0`` by non-negative least squares.
     The residual says how well a constant power per phase explains the windows.
 
-:mod:`refspec.energy.phase_energy` applies both to a ledger run (its counter records' sub-windows,
+:mod:`refspec.energy.accounting.phase_energy` applies both to a ledger run (its counter records' sub-windows,
 its loop records) for the accounting.
 """
 from __future__ import annotations
@@ -34,12 +34,20 @@ class Loop:
         iterations: steps the loop ran.
         rows: rows each call ran, when the run's calls of this phase differ in rows (a prefill of
             the R rows refilled): a call of R rows is then priced R / ``rows`` loop calls.
+        phase_time_s: a loop of the whole step only: the time of each of its phases over the
+            loop, s (the rest of ``time_s`` is host time between them).
     """
 
     energy_j: float
     time_s: float
     iterations: int
     rows: int | None = None
+    phase_time_s: Mapping[str, float] | None = None
+
+    @property
+    def power_w(self) -> float:
+        """Mean power over the loop, W."""
+        return self.energy_j / self.time_s
 
     @property
     def j_per_step(self) -> float:

@@ -42,11 +42,13 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "simulated": ("period_ms", "sample_ms", "noise", "seed") + SIMULATED_LAW + COUNTER_OPTIONS,
 }
 TAKES_PROFILE = ("roofline", "simulated")
-HIGH: dict[str, float] = {"period_ms": 60_000.0, "sample_ms": 60_000.0, "noise": 1.0, "sub_window_s": 3600.0,
-                          "seed": 2**63 - 1}
+_UNIT_HIGH = {"_ms": 60_000.0, "_s": 3600.0, "_us": 1e6, "_w": 1e5, "_ppm": 1e5, "_tflops": 1e6, "_gbps": 1e6}
+HIGH: dict[str, float] = {**{k: h for k in SIMULATED_LAW for u, h in _UNIT_HIGH.items() if k.endswith(u)},
+                          "busy": 1.0, "rows_knee": 1e6, "keys_gain": 1e3, "period_ms": 60_000.0,
+                          "sample_ms": 60_000.0, "noise": 1.0, "sub_window_s": 3600.0, "seed": 2**63 - 1}
 """Largest accepted option values: a longer period never resolves a run, more noise than 100 % is no counter."""
-LOW_MS = 0.1
-"""Shortest ``period_ms``/``sample_ms``: a simulated counter keeps one entry per period of the run."""
+LOW_MS = 1e-4
+"""Shortest ``period_ms``/``sample_ms`` (0.1 us): a simulated counter keeps one entry per period of the run."""
 
 
 class MeterSpecError(ValueError):

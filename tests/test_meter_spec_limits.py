@@ -26,3 +26,10 @@ def test_ordinary_values_still_parse():
     assert spec.profile == "h200" and spec.options == {"period_ms": 100.0, "sample_ms": 25.0, "noise": 0.05,
                                                       "seed": 3, "sub_window_s": 2.0}
     assert parse_meter_spec("simulated:cpu:period_ms=60000:noise=1").options["noise"] == 1.0
+
+
+@pytest.mark.parametrize("key", ["lag_ms", "rise_ms", "warm_s", "gap_us", "idle_w", "drift_ppm", "busy",
+                                 "rows_knee", "keys_gain", "flop_knee_tflops"])
+def test_every_device_law_key_has_a_ceiling(key):
+    with pytest.raises(MeterSpecError):
+        parse_meter_spec(f"simulated:{key}=1e300")

@@ -135,7 +135,9 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
             threads = int(args.threads)
         except ValueError:
             raise UsageError(f"--threads expects a number or auto, got {args.threads!r}") from None
-        integer("--threads", threads, low=1, high=4096)
+        integer("--threads", threads, low=1)
+        if threads > THREADS_MAX:
+            raise UsageError(f"--threads {threads} is more than {THREADS_MAX} threads; give at most the cores to use")
     if sweep:
         batches = int_list("--batch", args.batch, low=1)
         ks = int_list("--k", args.k, low=0) if args.k is not None else None
@@ -161,6 +163,8 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
     return batches, ks
 
 
+THREADS_MAX = 4096
+"""Most --threads (torch starts that many OpenMP threads)."""
 BATCH_MAX = 4096
 """Most rows of one batch (each row holds a KV cache of the whole context)."""
 

@@ -175,7 +175,8 @@ for name, rep in (("fine counter", r), ("slow counter", r_slow)):
     print(f"{name}: method {acc.phase_energy_method}")
     truth, share = acc.phase_share_true["verify"], (acc.phase_share or {}).get("verify")
     if name == "fine counter":
-        print(f"{name}: verify true {truth:.1%}, naive {acc.phase_share_naive['verify']:.1%}, attributed {share:.1%}")
+        shown = "not printed" if share is None else format(share, ".1%")
+        print(f"{name}: verify true {truth:.1%}, naive {acc.phase_share_naive['verify']:.1%}, attributed {shown}")
         print(f"{name}: additivity residual {acc.attribution['additivity_residual']:+.1%}")
     else:
         print(f"{name}: verify true {truth:.1%}, attributed {'not printed' if share is None else format(share, '.1%')}")

@@ -68,8 +68,9 @@ table(r)
 
 # %% key
 print(f"fine counter: method {r.split.method}")
+attributed = r.phase_share.get("verify")
 print(f"fine counter: verify true {r.split.share_true['verify']:.1%}, naive {r.split.share_naive['verify']:.1%}, "
-      f"attributed {r.phase_share['verify']:.1%}")
+      f"attributed {'not printed' if attributed is None else format(attributed, '.1%')}")
 print(f"fine counter: additivity residual {r.split.additivity_residual:+.1%}")
 
 # %% [markdown]
@@ -83,6 +84,9 @@ print(f"fine counter: additivity residual {r.split.additivity_residual:+.1%}")
 #   meaningless; the accounting does not use it, and prints why.
 # * the **additivity residual** compares the loops' prediction of the whole run with the counter's
 #   total: a few percent here (the host time between phases, which no loop runs).
+# * this counter runs on the machine's own clock, so on a busy machine the host time between
+#   phases grows, the additivity residual passes its 5 % tolerance, and the gate withholds even
+#   this split: the key cell then says "not printed". Run it again on a quiet machine.
 
 # %% [markdown]
 # ## 2. A counter slower than the loops

@@ -20,7 +20,8 @@ from typing import Sequence
 from refspec.assets import (REGISTRY, AssetError, convert_gguf, fetch_model, get_asset, list_models, model_dir,
                             refspec_home, resolve_model, verify_model_dir)
 from refspec.assets.gguf_convert import _ST_DTYPES
-from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, one_line, output_path
+from refspec.eval.outputs import check_output_dir
 from refspec.extras import MissingExtraError
 
 
@@ -43,9 +44,18 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("id", metavar="ID")
     c = sub.add_parser("convert", help="convert any local GGUF file into a model directory")
     c.add_argument("gguf", type=Path)
-    c.add_argument("out", type=Path)
+    c.add_argument("out", type=output_path)
     c.add_argument("--dtype", default="float32", choices=sorted(_ST_DTYPES))
     return p
+
+
+def _known_ids(command: str, ids: Sequence[str]) -> None:
+    """Refuse an id the registry does not hold (a usage error naming the command)."""
+    for model_id in ids:
+        try:
+            get_asset(model_id)
+        except AssetError as exc:
+            raise UsageError(f"assets {command}: {one_line(exc)}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{'yes' if r.fetched else 'no':<7}  {r.license}")
             print(f"\ncache: {refspec_home()}")
         elif args.command == "fetch":
-            for model_id in args.ids:
-                get_asset(model_id)  # fail on a typo before downloading anything
+            _known_ids("fetch", args.ids)  # a typo is a bad input (exit 2), found before downloading anything
             for model_id in args.ids:
                 print(fetch_model(model_id, force=args.force, progress=not args.quiet))
         elif args.command == "verify":
@@ -76,12 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 verify_model_dir(folder)
                 print(f"ok {folder}")
         elif args.command == "path":
+            if not Path(args.id).is_dir():
+                _known_ids("path", [args.id])
             print(resolve_model(args.id, fetch=False))
         elif args.command == "convert":
             if not args.gguf.is_file():
                 raise UsageError(f"assets convert {args.gguf}: no such GGUF file")
-            if args.out.exists() and not args.out.is_dir():
-                raise UsageError(f"assets convert: out {args.out} is an existing file; give a directory")
+            check_output_dir("assets convert: out", args.out)
             files = convert_gguf(args.gguf, args.out, storage_dtype=args.dtype)
             for name, info in files.items():
                 print(f"{info['sha256']}  {args.out / name}")

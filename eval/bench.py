@@ -34,7 +34,7 @@ import torch
 from refspec.eval.bench_timing import (compile_figures, compiled_step, hf_run, interleaved, load_hf, measure_bandwidth,
                                        products_run, refspec_figures, refspec_run, weight_bytes)
 from refspec.eval.cli_checks import parse_drafter_options
-from refspec.eval.flags import UsageError
+from refspec.eval.flags import OneLineParser, UsageError, int_list, integer, output_path
 from refspec.eval.outputs import check_output
 from refspec.eval.runtime import load_target, parse_dtype, set_threads
 from refspec.models.calibration import machine_key, notable_cpu_flags
@@ -134,18 +134,19 @@ def _read_prompt_file(path: Path | None, tokenizer) -> list[list[int]]:
     if path is None:
         texts = CODE_PROMPTS
     else:
+        from refspec.eval.corpora.sources import CorpusFormatError, jsonl_objects, utf8_text
+
         try:
-            raw = path.read_text()
+            objects = jsonl_objects(utf8_text(path.read_bytes(), f"--corpus-file {path}"), f"--corpus-file {path}")
         except OSError as exc:
-            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-        texts = []
-        for i, line in enumerate(raw.split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UsageError(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+            raise UsageError(f"--corpus-file {path}: cannot read it: {exc.strerror}") from None
+        except CorpusFormatError as exc:
+            raise UsageError(str(exc)) from None
+        texts = [obj.get("prompt") for _, obj in objects]
+        bad = next((i for (i, _), t in zip(objects, texts) if not isinstance(t, str) or not t.strip()), None)
+        if bad is not None or not texts:
+            raise UsageError(f"--corpus-file {path}, line {bad or 1}: expected a JSON object with a non-empty string "
+                             f"'prompt' field")
     return [tokenizer.encode(t) for t in texts]
 
 
@@ -289,8 +290,8 @@ def drafter_path(drafter_name: str, opts: dict, model_name: str) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refspec.eval bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m refspec.eval bench", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("decode", help="refspec vs transformers decode speed and the bandwidth floor")
     d.add_argument("--model", default="smollm2-135m")
@@ -325,26 +326,43 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--k", default="0,1,2,4,8", help="comma-separated draft lengths (0 = plain decoding)")
     r.add_argument("--dtype", default="fp32")
     r.add_argument("--new-tokens", type=int, default=12, help="tokens per row; the first 2 steps are not timed")
-    r.add_argument("--plot", type=Path, default=None, help="write measured vs predicted to this PNG")
+    r.add_argument("--plot", type=output_path, default=None, help="write measured vs predicted to this PNG")
     r.add_argument("--json", action="store_true")
     return p
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise UsageError(f"expected comma-separated integers, got {text!r}") from None
+BATCH_MAX = 1024
+"""Most rows a benchmark batch takes (each row holds a KV cache of its whole context)."""
+NEW_TOKENS_MAX = 4096
+
+
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag of the sub-command, before torch loads a model.
+
+    Raises:
+        UsageError: naming the flag.
+    """
+    for batch in int_list("--batch", args.batch, low=1):
+        integer("--batch", batch, low=1, high=BATCH_MAX)
+    integer("--new-tokens", args.new_tokens, low=3 if args.cmd == "roofline" else 1, high=NEW_TOKENS_MAX,
+            fix="the first 2 steps are not timed" if args.cmd == "roofline" else "")
+    if args.cmd == "roofline":
+        int_list("--k", args.k, low=0)
+    else:
+        integer("--repeats", args.repeats, low=1, high=100)
+    if args.cmd == "spec":
+        integer("--k", args.k, low=1, high=64)
+    if getattr(args, "plot", None) is not None:
+        check_output("--plot", args.plot)
 
 
 def _roofline(args) -> int:
     from refspec.eval.roofline_check import check_roofline, format_check, plot_check
 
-    if args.plot is not None:
-        check_output("--plot", args.plot)
     set_threads()
     target = load_target(args.model, dtype=parse_dtype(args.dtype), device=torch.device("cpu"))
-    res = check_roofline(target.model, batches=_ints(args.batch), ks=_ints(args.k), new_tokens=args.new_tokens)
+    res = check_roofline(target.model, batches=int_list("--batch", args.batch, low=1), ks=int_list("--k", args.k),
+                         new_tokens=args.new_tokens)
     res["model"] = args.model
     if args.plot is not None:
         res["plot"] = str(plot_check(res, args.plot))
@@ -356,16 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        check_bench_flags(args)
         if args.cmd == "roofline":
             return _roofline(args)
-        if getattr(args, "repeats", 1) < 1:
-            raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
         if args.cmd == "decode":
-            res = bench_decode(args.model, batches=_ints(args.batch), dtypes=args.dtype.split(","),
+            res = bench_decode(args.model, batches=int_list("--batch", args.batch, low=1), dtypes=args.dtype.split(","),
                                new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
         else:
             res = bench_spec(args.model, args.drafter, corpus_file=args.corpus_file, k=args.k,
-                             batches=_ints(args.batch), dtype_name=args.dtype, new_tokens=args.new_tokens,
+                             batches=int_list("--batch", args.batch, low=1), dtype_name=args.dtype, new_tokens=args.new_tokens,
                              draft_model=args.draft_model, repeats=args.repeats,
                              drafter_options=dict(parse_drafter_options(args.drafter_option)), compile=args.compile)
     except (UsageError, ValueError, RuntimeError, OSError) as exc:

@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Sequence
 
+from refspec.eval.flags import OneLineParser
 from refspec.models import calibration as C
 
 
@@ -53,7 +54,7 @@ def _timing_table(plan: C.GemmPlan, d: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: print the plan (calibrating the dtypes not cached yet, every dtype with ``--force``);
     exit 1 when a calibration was refused, 2 on bad flags."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m refspec.eval calibrate",
         description="Show the CPU GEMM plan refspec uses on this machine (which product form each dtype and row "
                     "count takes) and the timings it was chosen from. Dtypes without a cached plan are timed now; "

@@ -37,7 +37,7 @@ from refspec.eval.cli_args import TOOLS, normalise_argv, parser, top_help
 from refspec.eval.cli_plan import Plan, build_plan
 from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, one_line
 from refspec.eval.interrupts import (forget_handled_interrupt, import_holding_interrupts, import_torch,
-                                     sigterm_as_interrupt, unwrapped_interrupts)
+                                     sigterm_as_interrupt, stdout_outlives_reader, unwrapped_interrupts)
 from refspec.eval.outputs import LOCK, SBATCH, SUMMARY, SWEEP_META, RunPaths, claimed, scratch, write_atomic, write_json
 from refspec.eval.sweep_dir import definition_id, resolve_out, write_meta
 
@@ -57,13 +57,22 @@ def _out_dir(path: Path | None, lock: str = LOCK) -> Iterator[tuple[Path, bool]]
 
 
 class _AcceptanceExporter:
-    """Collects generations per (drafter, corpus, K) and rewrites the export file after each."""
+    """Collects generations per (drafter, corpus, K) and rewrites the export file (atomically) after each.
+
+    The models already in the file (an earlier run of a resumed sweep) are kept unless this run
+    measures the same (drafter, corpus, K, model) again, so the file covers every resume.
+    """
 
     def __init__(self, path: Path | None, command: str) -> None:
         self.path = path
         self.command = command
         self._gens: dict[tuple[str, str, int], list[Any]] = {}
         self._meta: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._earlier: list[Any] = []
+        if path is not None and path.exists():
+            from refspec.eval.injection import load_acceptance_models
+
+            self._earlier = load_acceptance_models(path)  # checked as one before any work (check_outputs)
 
     def add(self, result: Any) -> None:
         r = result.record
@@ -76,6 +85,8 @@ class _AcceptanceExporter:
         meta = self._meta.setdefault(key, {"prompts": r.stream.requests_unique, "batches": set(), "model": r.model})
         meta["batches"].add(r.batch)
         models = []
+        fresh = {(d, c, k, self._meta[(d, c, k)]["model"]) for d, c, k in self._gens}
+        models += [m for m in self._earlier if (m.drafter, m.corpus, m.k, m.provenance.source_model) not in fresh]
         for (drafter, corpus, k), gens in self._gens.items():
             m = self._meta[(drafter, corpus, k)]
             models.append(AcceptanceModel.from_generation(
@@ -177,6 +188,13 @@ def _interrupted_line(configs: Sequence[Any], paths: RunPaths, *, keep: bool, sw
 
 
 def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> int:
+    from refspec.eval.cli_checks import check_run_flags
+    from refspec.eval.cli_plan import check_serving_flags
+    from refspec.eval.tp_launch import check_tp_flags
+
+    check_serving_flags(args, sweep=sweep)  # the torch-free checks, before a process group forms under torchrun
+    check_run_flags(args, sweep=sweep)
+    check_tp_flags(args)
     import_torch()
     from refspec.eval.sweep import records_files
     from refspec.eval.tp_launch import rank_out, start as start_tp
@@ -307,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for usage errors, 130 when interrupted)."""
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), stdout_outlives_reader():
             code = _dispatch(raw)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from refspec.eval.flags import OneLineParser, add_sampling_args
+from refspec.eval.flags import OneLineParser, add_sampling_args, output_path
 
 log = logging.getLogger(__name__)
 
@@ -197,16 +197,16 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
                    help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "
                         "a refspec.acceptance JSON file): outputs are then labelled INJECTED")
-    a.add_argument("--export-acceptance", type=Path, default=None, metavar="FILE",
+    a.add_argument("--export-acceptance", type=output_path, default=None, metavar="FILE",
                    help="write the measured acceptance distribution of each drafter configuration to FILE")
     o = p.add_argument_group("output")
     o.add_argument("--latency-target", type=float, default=None, metavar="SECONDS",
                    help="p99 TPOT target: the report marks the lowest-energy configuration meeting it")
-    o.add_argument("--out", type=Path, default=None, metavar="DIR",
+    o.add_argument("--out", type=output_path, default=None, metavar="DIR",
                    help="write summary.json, records.jsonl, ledger.jsonl, report.md and plots here")
     o.add_argument("--force", action="store_true",
                    help="when DIR holds a different sweep, start this one in a subfolder of DIR instead of refusing")
-    o.add_argument("--per-request-metrics", type=Path, default=None, metavar="FILE",
+    o.add_argument("--per-request-metrics", type=output_path, default=None, metavar="FILE",
                    help="write one JSON line per request of every configuration to FILE: its J and J/token, output "
                         "tokens, verify steps, accepted-drafts histogram, acceptance per draft position, TTFT, TPOT "
                         "and end-to-end latency")

@@ -7,6 +7,7 @@ drafter registry (device, dtype, drafter names) follow in :func:`refspec.eval.cl
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 from typing import Sequence
@@ -100,6 +101,22 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is not None:
             check_output(flag, path, inputs=inputs, others=own)
             own.append(path)
+    if args.export_acceptance is not None and args.export_acceptance.is_file():
+        _check_earlier_export(args.export_acceptance)
+
+
+ACCEPTANCE_SCHEMA = "refspec.acceptance/1"
+
+
+def _check_earlier_export(path: Path) -> None:
+    """An existing ``--export-acceptance`` file is one this command wrote (its models are merged, never lost)."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8")).get("schema")
+    except (OSError, ValueError, AttributeError):
+        schema = None
+    if schema != ACCEPTANCE_SCHEMA:
+        raise UsageError(f"--export-acceptance {path} exists and is not a {ACCEPTANCE_SCHEMA} file; choose another "
+                         f"file (an export merges into its own earlier file only)")
 
 
 def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int], list[int] | None]:
@@ -119,12 +136,15 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         except ValueError:
             raise UsageError(f"--threads expects a number or auto, got {args.threads!r}") from None
         integer("--threads", threads, low=1)
+        if threads > THREADS_MAX:
+            raise UsageError(f"--threads {threads} is more than {THREADS_MAX} threads; give at most the cores to use")
     if sweep:
         batches = int_list("--batch", args.batch, low=1)
         ks = int_list("--k", args.k, low=0) if args.k is not None else None
     else:
         batches = [] if args.batch is None else [integer("--batch", args.batch, low=1)]  # []: the default cells
         ks = None if args.k is None else [integer("--k", args.k, low=0)]
+    _check_rows(args, batches)
     drafters = csv("--drafter", args.drafter)
     if args.corpus is not None:
         csv("--corpus", args.corpus)
@@ -143,6 +163,21 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
     return batches, ks
 
 
+THREADS_MAX = 4096
+"""Most --threads (torch starts that many OpenMP threads)."""
+BATCH_MAX = 4096
+"""Most rows of one batch (each row holds a KV cache of the whole context)."""
+
+
+def _check_rows(args: argparse.Namespace, batches: Sequence[int]) -> None:
+    """No batch beyond :data:`BATCH_MAX` or beyond the requests the run serves (rows that never hold one)."""
+    for batch in batches:
+        integer("--batch", batch, low=1, high=BATCH_MAX)
+        if args.requests is not None and batch > args.requests:
+            raise UsageError(f"--batch {batch} exceeds --requests {args.requests}: the extra rows would never hold a "
+                             f"request; use --batch {args.requests} or more --requests")
+
+
 def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sweep: bool) -> None:
     if args.tree and any(d not in ("eagle", "eagle3", "none") for d in drafters):
         raise UsageError("--tree is EAGLE-2 dynamic tree drafting: use it with --drafter eagle or eagle3")
@@ -153,6 +188,10 @@ def _check_combinations(args: argparse.Namespace, drafters: Sequence[str], *, sw
         raise UsageError("--accept-model needs a drafter (k >= 1): add --drafter NAME")
     if args.accept_model and args.tree:
         raise UsageError("--accept-model injects chain acceptance only; drop --tree")
+    if args.spec_policy and all(d == "none" for d in drafters):
+        given = args.spec_policy if isinstance(args.spec_policy, str) else ",".join(args.spec_policy)
+        raise UsageError(f"--spec-policy {given} chooses each step's K of a drafter; --drafter none drafts nothing "
+                         f"(drop --spec-policy or name a drafter)")
     if args.no_baseline and all(d == "none" for d in drafters):
         raise UsageError("--no-baseline with --drafter none leaves nothing to run")
     if sweep:

@@ -6,11 +6,12 @@ from typing import Sequence
 
 from refspec.energy.meters.errors import NoGPUError
 from refspec.energy.model.dvfs import ZeusGPUBackend
+from refspec.eval.flags import OneLineParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: show a GPU's current and supported SM clocks (exit 0 with a message without a GPU)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m refspec.eval dvfs",
         description="Show the SM clocks DVFS sweeps can lock. Sweeps themselves run from refspec.eval, which "
                     "calls refspec.energy.model.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "

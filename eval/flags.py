@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -67,6 +68,13 @@ def int_list(flag: str, text: str, *, low: int = 0) -> list[int]:
     return values
 
 
+def output_path(text: str) -> Path:
+    """The ``type=`` of every output flag: an empty name would silently mean the current directory."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
+    return Path(text).expanduser()
+
+
 SEED_MAX = 2**63 - 2**32
 """Highest --seed: per-batch and injection seeds add small offsets and must stay within int64."""
 
@@ -87,5 +95,5 @@ def check_sampling(args) -> None:
     integer("--seed", args.seed, low=0, high=SEED_MAX)
 
 
-__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "add_sampling_args",
-           "check_sampling", "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]
+__all__ = ["UsageError", "OneLineParser", "one_line", "finite", "integer", "int_list", "output_path",
+           "add_sampling_args", "check_sampling", "EXIT_USAGE", "EXIT_INTERRUPTED", "SEED_MAX"]

@@ -68,25 +68,33 @@ def _read_prompts(args) -> list[str]:
     if args.prompt:
         return list(args.prompt)
     if args.prompts_file:
+        from refspec.eval.corpora.sources import CorpusFormatError, check_encodable, utf8_text
+
+        source = f"--prompts-file {args.prompts_file}"
         try:
-            text = args.prompts_file.read_text()
+            text = utf8_text(args.prompts_file.read_bytes(), source)
         except OSError as exc:
-            raise UsageError(f"--prompts-file {args.prompts_file}: cannot read it: {exc.strerror or exc}") from None
+            raise UsageError(f"{source}: cannot read it: {exc.strerror or exc}") from None
+        except CorpusFormatError as exc:
+            raise UsageError(str(exc)) from None
         out = []
         for i, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
-            if line.lstrip().startswith("{"):
-                try:
-                    prompt = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    prompt = None
-                if not isinstance(prompt, str) or not prompt.strip():
-                    raise UsageError(f"--prompts-file {args.prompts_file}:{i}: expected a JSON object with a "
-                                     f"non-empty string 'prompt' field")
-                out.append(prompt)
-            else:
+            if not line.lstrip().startswith("{"):
                 out.append(line)
+                continue
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                prompt = None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise UsageError(f"{source}:{i}: expected a JSON object with a non-empty string 'prompt' field")
+            try:
+                check_encodable(prompt, source, i)
+            except CorpusFormatError as exc:
+                raise UsageError(str(exc)) from None
+            out.append(prompt)
         if not out:
             raise UsageError(f"--prompts-file {args.prompts_file} holds no prompts")
         return out

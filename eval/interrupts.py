@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -83,6 +84,49 @@ def import_holding_interrupts(name: str) -> None:
             signal.signal(s, handler)
     if caught:
         raise KeyboardInterrupt
+
+
+class _PipeSafeStdout:
+    """``sys.stdout`` that outlives its reader: once the pipe closes (``| head``), output goes to /dev/null."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())  # the buffered rest, and the flush at exit, land there
+        os.close(null)
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def stdout_outlives_reader() -> Iterator[None]:
+    """A closed stdout (``... | head``) ends no command: its files, report and plots are still written."""
+    if isinstance(sys.stdout, _PipeSafeStdout) or not hasattr(sys.stdout, "fileno"):
+        yield
+        return
+    before = sys.stdout
+    sys.stdout = _PipeSafeStdout(before)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = before
 
 
 def forget_handled_interrupt() -> None:

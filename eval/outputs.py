@@ -72,7 +72,7 @@ def _refuse_non_file(path: Path) -> None:
     """Raise when ``path`` exists as anything but a regular file (never followed, never replaced)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a file as a parent is check_output_dir's)
         return
     if not stat.S_ISREG(mode):
         kind = ("a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)

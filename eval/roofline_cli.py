@@ -18,7 +18,7 @@ from refspec.energy.model.roofline import EAGLE_HEAD, DrafterModel, compute_boun
 from refspec.energy.model.hardware import HardwareProfile, get_profile
 from refspec.energy.model.experts import expected_experts
 from refspec.eval.outputs import atomic_target, check_output_dir, write_atomic
-from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line
+from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, int_list, integer, one_line, output_path
 
 
 def _floats(flag: str, text: str) -> list[float]:
@@ -352,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                              "costs F x a target decode forward), an architecture name (draft model, k forwards), "
                              "or block:ARCH (one forward drafts k tokens)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/KV element (2 = bf16)")
-    parser.add_argument("--out", type=Path, default=None, help="directory for PNG plots and a CSV table")
+    parser.add_argument("--out", type=output_path, default=None, help="directory for PNG plots and a CSV table")
     parser.add_argument("--policy", default=None, metavar="energy[:tpot_ms=T]",
                         help="instead of the table, the K the energy speculation policy picks (from --k) per "
                              "acceptance and batch, and its saving against K=0")

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -34,6 +35,7 @@ from refspec.eval.flags import UsageError
 from refspec.eval.load import LoadProbe, host_section
 from refspec.eval.machine import gemm_plan_text, library_versions
 from refspec.eval.record import Host, RequestOutput, RunRecord, Stream
+from refspec.eval.record_files import append_record
 from refspec.eval.record_figures import accounting_sections, request_figures, roofline_figures, work_section
 from refspec.eval.run_config import RunConfig
 from refspec.eval.session import Session
@@ -86,6 +88,31 @@ def _check_context(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[
                          f"model's context of {ctx}; {fix}")
 
 
+def _free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take on ``device`` (CUDA: free device memory; CPU: available RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            avail = next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("MemAvailable:"))
+        return avail
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_memory(session: Session, cfg: RunConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """The batch's KV cache (keys and values of every row over the whole context) fits in free memory."""
+    model = session.target.model
+    slots = max(map(len, prompts)) + cfg.max_new_tokens + cfg.k + 1
+    hkv = model.heads()[0]
+    per_row = 2 * model.num_layers * hkv * model.args.head_dim * slots * model.dtype.itemsize  # bytes, K and V
+    need, free = cfg.batch * per_row, _free_bytes(session.device)
+    if need > free:
+        rows = max(1, free // per_row)
+        raise UsageError(f"--batch {cfg.batch} ({cfg.label}): its KV cache needs {need / 2**30:.1f} GiB and "
+                         f"{session.device} has {free / 2**30:.1f} GiB free; use --batch {rows} or less")
+
+
 def prepare_configuration(session: Session, cfg: RunConfig) -> None:
     """Load what ``cfg`` needs (prompts, stream, drafter, injected model) so a bad setting fails before any run.
 
@@ -100,6 +127,7 @@ def prepare_configuration(session: Session, cfg: RunConfig) -> None:
         raise UsageError(f"drafter {cfg.drafter} has no reset_rows (a per-slot reset for refills); use "
                          f"--schedule static")
     _check_context(session, cfg, prompts, drafter)
+    _check_memory(session, cfg, prompts)
     _injection(cfg, session.device)
 
 
@@ -247,14 +275,19 @@ def _g(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
+def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path, records_path: Path | None = None,
                       baseline: RunRecord | None = None) -> ConfigResult:
-    """Run one configuration, append its ledger runs, and return its record.
+    """Run one configuration, append its ledger runs (and its record), and return its record.
+
+    Its ledger runs count only with their record: any exception (Ctrl-C, SIGTERM, a closed pipe, a
+    full disk) from the first run's start until the record is appended marks every one of them
+    aborted, so no ledger says a run completed that no record names.
 
     Args:
         session: the shared target, meter and caches.
         cfg: the configuration.
         ledger_path: JSONL ledger to append to (one run per chunk).
+        records_path: the records file the record is appended to (None: the caller keeps it).
         baseline: the baseline's record at the same batch, for the comparison.
     """
     t_start = time.perf_counter()
@@ -268,32 +301,46 @@ def run_configuration(session: Session, cfg: RunConfig, *, ledger_path: Path,
     injected = {"acceptance_injected": True, "injection": label} if label else {}
     labels = [{**cfg.identity(), "config_id": cfg.config_id, "batch_index": i, "batches": len(chunks), **injected}
               for i in range(len(chunks))]
-    with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
-        engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
-        session.warm(engine, cfg, prompts)
-        probe = LoadProbe.start()
-        results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
-        host = probe.stop()
-        if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
-            ledger.end_run()  # under a counter: the loops lie outside every window of the run
-            loops = pipeline.phase_loops(engine, session.meter, results, batch=cfg.batch, k=cfg.k,
-                                         prompts=[q.prompt for q in stream.requests], min_s=session.phase_loops_s,
-                                         seed=cfg.seed)
-            pipeline.write_loops(ledger, loops, session.meter.source)
-            log.info("phase loops (%s): %s", session.meter.source,
-                     ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
+    ledger = None
     try:
+        with pipeline.open_ledger(session.meter, ledger_path, run_ids[0], labels[0]) as ledger:
+            results, host = _serve_all(session, cfg, ledger, drafter, acceptance_fn, prompts, stream, chunks,
+                                       run_ids, labels)
         record = configuration_record(session, cfg, stream, results, ledger_path=ledger_path,
                                       start_offset=ledger.start_offset, run_ids=ledger.run_ids, injection=injection,
                                       drafter=drafter, baseline=baseline, started_s=t_start, host=host)
-    except BaseException as exc:  # its runs completed, but no record will name them: the ledger must say so
-        mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
+        window = record.window.j_per_token if record.window is not None else None
+        log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(record.counts.tau, ".3f"),
+                 record.run.tokens_per_s or 0.0, _g(window, ".4g"), _g(record.run.j_per_token, ".4g"),
+                 record.energy.energy_source_text)
+        if records_path is not None:
+            append_record(records_path, record)
+    except BaseException as exc:  # runs that completed but that no record will name: the ledger must say so
+        if ledger is not None and ledger.run_ids:
+            mark_aborted(ledger_path, ledger.run_ids, type(exc).__name__)
         raise
-    window = record.window.j_per_token if record.window is not None else None
-    log.info("%s: tau %s, %.2f tok/s, J/token window %s, run %s (%s)", cfg.label, _g(record.counts.tau, ".3f"),
-             record.run.tokens_per_s or 0.0, _g(window, ".4g"), _g(record.run.j_per_token, ".4g"),
-             record.energy.energy_source_text)
     return ConfigResult(record=record, generations=results)
+
+
+def _serve_all(session: Session, cfg: RunConfig, ledger: Any, drafter: Any, acceptance_fn: Any,
+               prompts: list[list[int]], stream: Any, chunks: Sequence[Sequence[Any]], run_ids: Sequence[str],
+               labels: Sequence[dict[str, Any]]) -> tuple[list[Any], Host]:
+    """Warm up, serve every chunk into ``ledger`` and, under a counter, run the phase loops; returns the
+    chunks' results and the host's load while they were served."""
+    engine = build_engine(session, cfg, drafter, acceptance_fn, ledger)
+    session.warm(engine, cfg, prompts)
+    probe = LoadProbe.start()
+    results = serve_chunks(session, cfg, engine, ledger, chunks, run_ids, labels)
+    host = probe.stop()
+    if pipeline.reads_counter(session.meter) and session.phase_loops_s != 0:
+        ledger.end_run()  # under a counter: the loops lie outside every window of the run
+        loops = pipeline.phase_loops(engine, session.meter, results, batch=cfg.batch, k=cfg.k,
+                                     prompts=[q.prompt for q in stream.requests], min_s=session.phase_loops_s,
+                                     seed=cfg.seed)
+        pipeline.write_loops(ledger, loops, session.meter.source)
+        log.info("phase loops (%s): %s", session.meter.source,
+                 ", ".join(f"{p} {lp.j_per_step * 1e3:.3g} mJ/call x {lp.iterations}" for p, lp in loops.items()))
+    return results, host
 
 
 __all__ = ["ConfigResult", "prepare_configuration", "resolve_defaults", "build_engine", "serve_chunks",

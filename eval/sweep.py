@@ -22,10 +22,9 @@ import shlex
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from refspec.energy.ledger.writer import mark_aborted
 from refspec.eval.outputs import RunPaths
 from refspec.eval.record import RunRecord
-from refspec.eval.record_files import append_record, read_records, records_files
+from refspec.eval.record_files import read_records, records_files
 from refspec.eval.run import ConfigResult, prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.run_config import RunConfig
 from refspec.eval.session import Session
@@ -138,12 +137,9 @@ def run_plan(session: Session, configs: Sequence[RunConfig], paths: RunPaths, *,
             out.append(done[cfg.config_id])
             continue
         baseline = None if cfg.is_baseline else done.get(cfg.baseline().config_id)
-        result = run_configuration(session, cfg, ledger_path=paths.ledger, baseline=baseline)
-        try:
-            append_record(paths.records, result.record)
-        except BaseException as exc:  # Ctrl-C or a full disk before the record landed: its runs do not count
-            mark_aborted(paths.ledger, result.record.stream.run_ids or (), type(exc).__name__)
-            raise
+        # its record lands inside: an interruption before that marks its ledger runs aborted
+        result = run_configuration(session, cfg, ledger_path=paths.ledger, records_path=paths.records,
+                                   baseline=baseline)
         done[cfg.config_id] = result.record
         out.append(result.record)
         if on_result is not None:

@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
+from refspec.eval.flags import OneLineParser, UsageError, finite, integer, output_path
+from refspec.eval.outputs import check_output, check_output_dir, claimed
 from refspec.eval.train_data import DataSpec, ReplyCache, build_sequences, load_sequences, save_sequences
 
 log = logging.getLogger("refspec.eval.train")
@@ -32,13 +34,13 @@ log = logging.getLogger("refspec.eval.train")
 
 def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     names = ", ".join(f"{n} ({t.description})" for n, t in sorted(trainers.items())) or "none registered"
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m refspec.eval train",
         description=f"Train a drafter on a frozen target's hidden states. Drafters: {names}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--drafter", required=True, choices=sorted(trainers), help="what to train")
     p.add_argument("--model", default="smollm2-135m", help="target: model id or Hugging Face directory")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_path, default=None,
                    help="output directory (default: $REFSPEC_HOME/heads/<model>-<drafter>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the drafter's, or 2000)")
@@ -85,7 +87,7 @@ def _parser(trainers: dict[str, Any]) -> argparse.ArgumentParser:
     p.add_argument("--reference-cuts", action="append", default=[], metavar="SOURCE=K",
                    help="also cut every reference answer of SOURCE (conversation, math, code) in the mix at K evenly "
                         "spaced points and train on the target's greedy continuation from each (repeatable)")
-    p.add_argument("--data-cache", type=Path, default=None,
+    p.add_argument("--data-cache", type=output_path, default=None,
                    help="sequences file (default: $REFSPEC_HOME/train-data/<model>-<hash>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -180,11 +182,42 @@ def _features(args: argparse.Namespace, layers: tuple[int, ...], target: Any, se
     return dataset
 
 
+POSITIVE = ("steps", "batch_size", "seq_len", "checkpoint_every", "val_every", "val_batches", "max_len")
+"""Flags that count something the run cannot do zero times of (None: the drafter's default)."""
+COUNTS = ("warmup", "val_sequences", "patience", "chat_prompts", "math_prompts", "code_prompts", "reply_tokens",
+          "chat_references", "math_references", "code_references", "prose_chunks", "seed")
+
+
+def check_train_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag in range and the output paths writable, before the target loads.
+
+    Raises:
+        UsageError: naming the flag.
+    """
+    for name in POSITIVE + COUNTS:
+        value = getattr(args, name, None)
+        if value is not None:
+            integer(f"--{name.replace('_', '-')}", value, low=1 if name in POSITIVE else 0, high=2**31 - 1)
+    if args.lr is not None:
+        finite("--lr", args.lr, low=0, low_open=True, high=1.0, fix="a peak learning rate, e.g. 3e-4")
+    if args.max_time_min is not None:
+        finite("--max-time-min", args.max_time_min, low=0, low_open=True, fix="minutes of training")
+    if args.out is not None:
+        check_output_dir("--out", args.out)
+    if args.data_cache is not None:  # read when it exists, else written: never a link, FIFO or folder
+        check_output("--data-cache", args.data_cache, others=[args.out / "features.safetensors"] if args.out else [])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from refspec.drafters import training
 
     trainers = training.load_trainers()
     args = _parser(trainers).parse_args(argv)
+    try:
+        check_train_flags(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     from refspec.eval import machine
 
@@ -206,17 +239,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"{target.path} has no tokenizer.json; training text cannot be tokenized")
         seqs, description, data_path = _sequences(args, target, spec)
         data_time = time.perf_counter() - t_start
-        out.mkdir(parents=True, exist_ok=True)
-        layers = tuple(trainer.feature_layers(target.model, options))
-        dataset = _features(args, layers, target, seqs, description, data_path, out, spec.max_len)
-        feature_time = time.perf_counter() - t_start - data_time
-        model = target.model.float()  # the loss runs the target's embedding / LM head in float32
-        provenance = {"target": args.model, "target_path": str(target.path),
-                      "command": "python -m refspec.eval train " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      "data_prep_s": round(data_time, 1), "feature_s": round(feature_time, 1),
-                      "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
-        result = training.train(trainer, model, dataset, config, out, options=options, resume=args.resume,
-                                provenance=provenance, progress=not args.quiet)
+        with claimed(out):  # one command trains into a folder at a time
+            layers = tuple(trainer.feature_layers(target.model, options))
+            dataset = _features(args, layers, target, seqs, description, data_path, out, spec.max_len)
+            feature_time = time.perf_counter() - t_start - data_time
+            model = target.model.float()  # the loss runs the target's embedding / LM head in float32
+            command = "python -m refspec.eval train " + " ".join(argv if argv is not None else sys.argv[1:])
+            provenance = {"target": args.model, "target_path": str(target.path), "command": command,
+                          "data_prep_s": round(data_time, 1), "feature_s": round(feature_time, 1),
+                          "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+            result = training.train(trainer, model, dataset, config, out, options=options, resume=args.resume,
+                                    provenance=provenance, progress=not args.quiet)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ cached calibration, or a fresh one) or ``reference`` (``F.linear`` everywhere, n
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -287,6 +288,8 @@ def plan_path(home: Path, machine: dict[str, str]) -> Path:
 def cached_plan(home: Path) -> GemmPlan:
     """The plan cached for this machine (empty when there is none or it cannot be read)."""
     machine = machine_key()
+    if plan_path(home, machine) in _unsaved:
+        return _unsaved[plan_path(home, machine)]
     try:
         data = json.loads(plan_path(home, machine).read_text())
         if data.get("version") == PLAN_VERSION and data.get("machine") == machine:
@@ -298,6 +301,7 @@ def cached_plan(home: Path) -> GemmPlan:
 
 
 _refused: set[tuple[Path, str]] = set()  # (cache file, dtype) refused in this process: not timed again
+_unsaved: dict[Path, GemmPlan] = {}  # plans whose cache file could not be written: kept for this process
 
 
 def load_or_calibrate(home: Path, *, dtypes: tuple[str, ...] = ("fp32", "bf16"), timer: Timer | None = None,
@@ -334,11 +338,27 @@ def adopt(home: Path, plan: GemmPlan, fresh: GemmPlan) -> GemmPlan:
                     spread=plan.spread | {d: fresh.spread[d] for d in keep})
     log.info("calibrated CPU GEMM forms: %s", GemmPlan(forms={d: fresh.forms[d] for d in keep}, timings_s={},
                                                          machine={}).describe())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(plan.to_json(), indent=1))
-    os.replace(tmp, path)
+    _save(path, plan)
     return plan
+
+
+def _save(path: Path, plan: GemmPlan) -> None:
+    """Write the cache atomically; where it cannot be written (a read-only or misplaced
+    ``REFSPEC_HOME``) the plan serves this process only: the cache is an optimisation."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(plan.to_json(), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        _unsaved[path] = plan
+        log.warning("the CPU GEMM calibration cache %s cannot be written (%s); the plan serves this run only and "
+                    "is timed again next time (set REFSPEC_HOME to a writable folder to keep it)", path,
+                    exc.strerror or exc)
+        return
+    _unsaved.pop(path, None)
 
 
 def resolve_plan(dtype: torch.dtype) -> GemmPlan:

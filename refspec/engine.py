@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from refspec.config import round_up
+from refspec.drafter_check import check_draft
 from refspec.drafting import Draft, Drafter
 from refspec.energy.ledger.events import MeteredPhase, PhaseEvent, PhaseObserver
 from refspec.energy.meters.direct import TimeMeter
@@ -275,6 +276,7 @@ class Engine:
         run = new_batch(self._cache_for(sched.batch, t_slots), sched.batch, t_slots, budget, cfg.k,
                         sampling=cfg.sampling, target_args=self.target.args, dtype_bytes=self.dtype_bytes)
         hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        drafter_name = getattr(drafter, "name", type(drafter).__name__)  # for DrafterError messages
         window = getattr(self.target.args, "sliding_window", None)
         state, events = run.state, []
         step, emitted_total = 0, 0
@@ -299,9 +301,12 @@ class Engine:
             k = self.policy.choose(StepView(step=step, batch=sched.batch, active=run.active, max_k=cfg.k,
                                             length_bound=state.max_length_bound, slot_requests=tuple(slot_req)))
             with MeteredPhase(meter, "draft") as draft_phase:
-                draft = drafter.propose(state, k) if k else Draft(tokens=state.pending.new_zeros(sched.batch, 0))
+                if k:  # a plug-in's mistake is a DrafterError naming it, never a torch error further on
+                    draft = check_draft(drafter.propose(state, k), name=drafter_name, batch=sched.batch, k=k,
+                                        vocab_size=self.target.args.vocab_size, sampling=not cfg.sampling.greedy)
+                else:
+                    draft = Draft(tokens=state.pending.new_zeros(sched.batch, 0))
             n = draft.tokens.shape[1]
-            assert n <= k or draft.tree is not None, f"drafter returned {n} tokens for k={k}"
 
             # 2. verify: the pending token and the drafts of every row, one target forward
             with MeteredPhase(meter, "verify") as verify_phase:

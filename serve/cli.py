@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Sequence
 
 from refspec.eval.cli_args import add_engine_flags, add_hardware_flags
-from refspec.eval.flags import EXIT_USAGE, OneLineParser, UsageError, add_sampling_args, finite, integer, one_line
+from refspec.eval.flags import (EXIT_USAGE, OneLineParser, UsageError, add_sampling_args, finite, integer, one_line,
+                                output_path)
 from refspec.eval.outputs import RECORDS, check_output_dir, claimed
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _parser(full_help: bool = True) -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default 8000)")
-    s.add_argument("--out", type=Path, default=None, metavar="DIR",
+    s.add_argument("--out", type=output_path, default=None, metavar="DIR",
                    help="where ledger.jsonl, records.jsonl, finish_reasons.json, summary.json and report.md go "
                         "(default: refspec-serve-<UTC date-time> in the current directory)")
     s.add_argument("--queue-limit", type=int, default=64,

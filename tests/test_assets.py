@@ -242,7 +242,7 @@ def test_unknown_id_lists_the_known_ones(tmp_path, monkeypatch):
 
 def test_cli_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REFSPEC_HOME", str(tmp_path))
-    assert assets_cli.main(["fetch", "nope"]) == 1
+    assert assets_cli.main(["fetch", "nope"]) == 2  # a typo is a usage error
     assert "unknown model id 'nope'" in capsys.readouterr().err
     assert assets_cli.main(["list"]) == 0
     out = capsys.readouterr().out

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +58,7 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("meter-profile-on-time", [*RUN, "--meter", "time:cpu"], "--meter", False),
     ("threads-zero", [*RUN, "--threads", "0"], "--threads", False),
     ("threads-word", [*RUN, "--threads", "many"], "--threads", False),
+    ("threads-huge", [*RUN, "--threads", "100000"], "--threads", False),
     ("tree-with-ngram", [*RUN, "--tree"], "--tree", False),
     ("export-with-injection", [*RUN, "--accept-model", "geometric:0.5", "--export-acceptance", "{new}/a.json"],
      "--export-acceptance", False),
@@ -125,7 +128,71 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("budget-beyond-context", [*LOADS, "--max-new-tokens", "100000"], "--max-new-tokens 100000", True),
     ("sweep-k-beyond-context", ["sweep", *LOADS, "--max-new-tokens", "4", "--k", "0,2,9000", "--batch", "1"],
      "--max-new-tokens 4 (--k 9000", True),
+    # outputs: one check for every output flag (empty, an input, the command's own file, a link, a FIFO)
+    ("out-empty", [*RUN, "--out", ""], "--out", False),
+    ("per-request-is-records", [*RUN, "--per-request-metrics", "{out}/records.jsonl"], "--per-request-metrics", False),
+    ("per-request-is-ledger", [*RUN, "--per-request-metrics", "{out}/ledger.jsonl"], "--per-request-metrics", False),
+    ("per-request-is-corpus", [*RUN, "--per-request-metrics", "{prompts}"], "--per-request-metrics", False),
+    ("per-request-symlink", [*RUN, "--per-request-metrics", "{link}"], "--per-request-metrics", False),
+    ("per-request-fifo", [*RUN, "--per-request-metrics", "{fifo}"], "--per-request-metrics", False),
+    ("per-request-empty", [*RUN, "--per-request-metrics", ""], "--per-request-metrics", False),
+    ("export-empty", [*RUN, "--export-acceptance", ""], "--export-acceptance", False),
+    ("export-over-another-file", [*RUN, "--export-acceptance", "{file}"], "--export-acceptance", False),
+    ("export-is-corpus", [*RUN, "--export-acceptance", "{prompts}"], "--export-acceptance", False),
+    # numbers and combinations, before any work
+    ("spec-policy-without-drafter", [*RUN, "--drafter", "none", "--spec-policy", "off-above:2"], "--spec-policy",
+     False),
+    ("meter-profile-cpu-bogus", [*RUN, "--meter", "roofline:cpu-bogus"], "--meter", False),
+    ("meter-period-huge", [*RUN, "--meter", "simulated:period_ms=1e308"], "--meter", False),
+    ("meter-period-tiny", [*RUN, "--meter", "simulated:period_ms=1e-300"], "--meter", False),
+    ("meter-noise-huge", [*RUN, "--meter", "simulated:noise=1e6"], "--meter", False),
+    ("batch-huge", [*RUN, "--batch", "100000", "--requests", "2"], "--batch", False),
+    ("batch-beyond-requests", [*RUN, "--batch", "8", "--requests", "2"], "--batch 8", False),
+    ("sweep-batch-huge", ["sweep", *RUN, "--batch", "1,100000"], "--batch", False),
+    ("corpus-lone-surrogate", [*LOADS, "--corpus", "{surrogate}"], "line 1", True),
+    ("corpus-not-utf8", [*LOADS, "--corpus", "{not_utf8}"], "line 2", True),
+    ("generate-lone-surrogate", ["generate", "--model", "{model}", "--prompts-file", "{surrogate}"], "line 1", False),
+    ("generate-not-utf8", ["generate", "--model", "{model}", "--prompts-file", "{not_utf8}"], "line 2", False),
+    # paper
+    ("paper-min-window-nan", ["paper", "--plan-only", "--min-window-s", "nan"], "--min-window-s", False),
+    ("paper-min-window-negative", ["paper", "--plan-only", "--min-window-s", "-5"], "--min-window-s", False),
+    ("paper-budget-negative", ["paper", "--plan-only", "--budget-s", "-1"], "--budget-s", False),
+    ("paper-prompt-len-huge", ["paper", "--plan-only", "--prompt-len", "100000000"], "--prompt-len", False),
+    ("paper-threads-zero", ["paper", "--plan-only", "--threads", "0"], "--threads", False),
+    ("paper-blocks-empty", ["paper", "--plan-only", "--blocks", ","], "--blocks", False),
+    ("paper-repeats-zero", ["paper", "--plan-only", "--repeats", "0"], "--repeats", False),
+    ("paper-out-empty", ["paper", "--out", ""], "--out", False),
+    ("paper-out-is-a-file", ["paper", "--quick", "--out", "{file}"], "--out", False),
+    ("paper-out-finished", ["paper", "--quick", "--out", "{paper_done}"], "earlier paper run", False),
+    ("paper-unknown-flag", ["paper", "--bogus"], "--bogus", False),
+    # the other commands: unknown flags are one line, outputs are checked
+    ("calibrate-unknown-flag", ["calibrate", "--bogus"], "--bogus", False),
+    ("bench-unknown-flag", ["bench", "decode", "--bogus"], "--bogus", False),
+    ("bench-no-subcommand", ["bench"], "bench", False),
+    ("bench-plot-empty", ["bench", "roofline", "--plot", ""], "--plot", False),
+    ("bench-plot-under-a-file", ["bench", "roofline", "--plot", "{file}/x.png"], "--plot", False),
+    ("bench-plot-fifo", ["bench", "roofline", "--plot", "{fifo}"], "--plot", False),
+    ("bench-batch-huge", ["bench", "decode", "--model", "{model}", "--batch", "100000"], "--batch", False),
+    ("bench-batch-empty", ["bench", "decode", "--model", "{model}", "--batch", ","], "--batch", False),
+    ("bench-new-tokens-zero", ["bench", "decode", "--model", "{model}", "--new-tokens", "0"], "--new-tokens", False),
+    ("bench-spec-k-zero", ["bench", "spec", "--model", "{model}", "--k", "0"], "--k", False),
+    ("bench-corpus-surrogate", ["bench", "spec", "--model", "{model}", "--corpus-file", "{surrogate}", "--batch",
+                                "1", "--dtype", "fp32"], "line 1", True),
+    ("per-request-under-a-file", [*RUN, "--per-request-metrics", "{file}/x.jsonl"], "--per-request-metrics", False),
+    ("train-unknown-flag", ["train", "--drafter", "eagle", "--bogus"], "--bogus", False),
+    ("train-out-empty", ["train", "--drafter", "eagle", "--out", ""], "--out", False),
+    ("train-steps-zero", ["train", "--drafter", "eagle", "--steps", "0"], "--steps", False),
+    ("train-lr-nan", ["train", "--drafter", "eagle", "--lr", "nan"], "--lr", False),
+    ("train-out-is-a-file", ["train", "--drafter", "eagle", "--out", "{file}"], "--out", False),
+    ("train-data-cache-fifo", ["train", "--drafter", "eagle", "--data-cache", "{fifo}"], "--data-cache", False),
+    ("dvfs-unknown-flag", ["dvfs", "--bogus"], "--bogus", False),
+    ("roofline-out-empty", ["roofline", "--out", ""], "--out", False),
+    ("assets-fetch-unknown", ["assets", "fetch", "no-such-model"], "no-such-model", False),
+    ("assets-path-unknown", ["assets", "path", "no-such-model"], "no-such-model", False),
+    ("assets-convert-out-file", ["assets", "convert", "{file}", "{file}"], "assets convert", False),
 ]
+OWN_OUT = ("report", "generate", "assets", "paper", "bench", "calibrate", "train", "dvfs")
+"""Commands that get no ``--out {out}`` appended (they take none, or the case names it)."""
 
 
 def _write_model_copy(src: Path, dst: Path, weights: bytes | None, index: dict | None = None,
@@ -168,7 +235,15 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (root / "number_prompt.jsonl").write_text(json.dumps({"prompt": 5}) + "\n")
     (root / "garbage.jsonl").write_text("not json at all\n")
     record = {"record_version": 2, "status": "ok", "config_id": "none-k0-b1-x-0"}
+    (root / "link").symlink_to(root / "file.txt")
+    os.mkfifo(root / "fifo")
+    (root / "surrogate.jsonl").write_text('{"prompt": "w3 w4 \\ud800 w5"}\n')
+    (root / "not_utf8.jsonl").write_bytes(b'{"prompt": "w3 w4"}\n{"prompt": "w3 \xff w4"}\n')
+    (root / "paper_done").mkdir()
+    (root / "paper_done" / "claims.md").write_text("# claims of an earlier run\n")
     return {
+        "link": str(root / "link"), "fifo": str(root / "fifo"), "surrogate": str(root / "surrogate.jsonl"),
+        "not_utf8": str(root / "not_utf8.jsonl"), "paper_done": str(root / "paper_done"),
         "model": str(model), "prompts": str(prompts), "file": str(root / "file.txt"), "dir": str(root / "emptydir"),
         "number_prompt": str(root / "number_prompt.jsonl"), "garbage_jsonl": str(root / "garbage.jsonl"),
         "truncated": str(_write_model_copy(model, root / "truncated", weights[: len(weights) // 2])),
@@ -187,14 +262,19 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 
 def _argv(case: list[str], inputs: dict[str, str], out: Path, new: Path) -> list[str]:
     argv = [a.format(**inputs, out=out, new=new) for a in case]
-    if argv[0] not in ("report", "generate", "assets") and "--out" not in case:
+    if argv[0] not in OWN_OUT and "--out" not in case:
         argv += ["--out", str(out)]
     return argv
 
 
-def _snapshot(inputs: dict[str, str]) -> dict[str, list[str]]:
-    """What the shared inputs hold, to show a case left nothing in them."""
-    return {k: sorted(os.listdir(v)) if os.path.isdir(v) else [] for k, v in inputs.items()}
+def _snapshot(inputs: dict[str, str]) -> dict[str, Any]:
+    """What the shared inputs hold (a folder's names, a file's kind, size and mtime), to show a case left them be."""
+    def state(path: str) -> Any:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            return sorted(os.listdir(path))
+        return (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
+    return {k: state(v) for k, v in inputs.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -225,10 +305,12 @@ def test_zeus_without_a_gpu_suggests_the_roofline_meter(inputs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_table_covers_every_command_and_at_least_40_inputs():
-    commands = {c[1][0] if c[1][0] in ("sweep", "report", "generate", "roofline", "assets") else "run" for c in CASES}
-    assert commands == {"run", "sweep", "report", "generate", "roofline", "assets"}
-    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+def test_the_table_covers_every_command_and_at_least_135_inputs():
+    from refspec.eval.cli_args import TOOLS
+
+    commands = {c[1][0] if not c[1][0].startswith("-") else "run" for c in CASES}
+    assert commands == {"run", "sweep", "report", *TOOLS}
+    assert len(CASES) >= 135 and len({c[0] for c in CASES}) == len(CASES)
 
 
 def test_ctrl_c_while_generate_imports_is_one_line_and_130(inputs, tmp_path):

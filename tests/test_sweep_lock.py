@@ -256,10 +256,10 @@ def test_resuming_after_sigkill_equals_an_uninterrupted_sweep(tiny, tmp_path, un
 
 
 def test_runs_whose_record_never_landed_are_marked_aborted(tiny, tmp_path, monkeypatch):
-    import refspec.eval.sweep as sweep_mod
+    import refspec.eval.run as run_mod
 
     out = tmp_path / "out"
-    real = sweep_mod.append_record
+    real = run_mod.append_record
     calls = []
 
     def interrupt_second(path, record):
@@ -268,7 +268,7 @@ def test_runs_whose_record_never_landed_are_marked_aborted(tiny, tmp_path, monke
             raise KeyboardInterrupt
         real(path, record)
 
-    monkeypatch.setattr(sweep_mod, "append_record", interrupt_second)
+    monkeypatch.setattr(run_mod, "append_record", interrupt_second)
     assert cli.main(_sweep(tiny, out)) == cli.EXIT_INTERRUPTED
     assert sorted(read_ledger(out / "ledger.jsonl").unfinished) == sorted(calls[1])
     assert set(read_ledger(out / "ledger.jsonl").unfinished.values()) == {"aborted"}

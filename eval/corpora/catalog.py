@@ -47,7 +47,7 @@ from refspec.eval.corpora.loaders import (ALPACA_MEMBER, ALPACA_SUBSETS, ARENA_M
                                           ROMANSH_IDIOMS, SOTU_DIR, UDHR_DIR, load_alpaca, load_arena, load_humaneval,
                                           load_math, load_sotu, udhr_loader)
 from refspec.eval.corpora.sources import (CorpusFetchError, CorpusFormatError, Record, artifact_path, jsonl_objects,
-                                          normalise, split_of)
+                                          normalise, split_of, utf8_text)
 from refspec.extras import require
 
 __all__ = ["Kind", "KINDS", "SPLITS", "COLUMNS", "CorpusSpec", "CORPORA", "list_corpora", "licence_text",
@@ -238,10 +238,7 @@ def _user_file_rows(name: str, split: str) -> list[dict[str, str]]:
         raw = path.read_bytes()
     except OSError as exc:
         raise CorpusFormatError(f"cannot read prompt file {path}: {exc.strerror or exc}") from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorpusFormatError(f"prompt file {path} is not UTF-8 (byte {exc.start}); save it as UTF-8 JSONL") from exc
+    text = utf8_text(raw, f"prompt file {path}")
     objects = jsonl_objects(text, str(path))
     if not objects:
         raise CorpusFormatError(f"prompt file {path} holds no JSON lines")

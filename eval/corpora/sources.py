@@ -268,6 +268,26 @@ def read_member(archive: Path, member: str) -> bytes:
         raise CorpusFormatError(f"{archive.name} has no member {member!r}") from exc
 
 
+def utf8_text(raw: bytes, source: str) -> str:
+    """``raw`` decoded as UTF-8; an undecodable byte is a :class:`CorpusFormatError` naming ``source`` and its line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise CorpusFormatError(f"{source}, line {line}: byte 0x{raw[exc.start]:02x} is not UTF-8; save the file as "
+                                f"UTF-8") from None
+
+
+def check_encodable(obj: Any, source: str, lineno: int) -> None:
+    """A ``\\uD800``-style escape decodes to a lone surrogate, which no tokenizer can encode."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
+        raise CorpusFormatError(f"{source}, line {lineno}: a lone surrogate ({bad}) is no text; fix or drop the "
+                                f"line") from None
+
+
 def jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
     """Parse JSON Lines, splitting on ``"\\n"`` only (prompts may contain U+2028, which
     ``str.splitlines`` would split on). Blank lines are skipped.
@@ -289,5 +309,7 @@ def jsonl_objects(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
             raise CorpusFormatError(f"{source}, line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
         if not isinstance(obj, dict):
             raise CorpusFormatError(f"{source}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+        if "\\u" in line:  # only an escape can make a lone surrogate (raw ones fail decoding)
+            check_encodable(obj, source, lineno)
         out.append((lineno, obj))
     return out

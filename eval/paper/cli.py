@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError
+from refspec.eval.cli_checks_paper import check_paper_flags
+from refspec.eval.flags import EXIT_INTERRUPTED, EXIT_USAGE, OneLineParser, UsageError, output_path
 from refspec.eval.outputs import check_output_dir, claimed
 
 log = logging.getLogger("refspec.eval.paper")
@@ -39,7 +40,7 @@ def _ints(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m refspec.eval paper", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "paper_out")),
+    p.add_argument("--out", type=output_path, default=Path(os.environ.get("OUT", "paper_out")),
                    help="output folder (default: $OUT, else ./paper_out)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: the GPU where CUDA runs, else the CPU (modelled)")
@@ -68,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-window-s", type=float, default=5.0,
                    help="shortest steady-state window on a GPU, s (and at least 50 counter periods)")
     p.add_argument("--no-loops", dest="loops", action="store_false", help="skip the phase-isolated loops")
-    p.add_argument("--ledgers", type=Path, default=None, metavar="DIR",
+    p.add_argument("--ledgers", type=output_path, default=None, metavar="DIR",
                    help="keep every run's ledger (JSONL) in DIR (default: a temporary folder, deleted at exit)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128, help="mean budget per request (uniform in [N/2, 3N/2])")
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parser().parse_args(argv)
+        check_paper_flags(args)  # before torch imports and before the plan prints
         with sigterm_as_interrupt(), unwrapped_interrupts():  # a device tool's timeout ends it like Ctrl-C
             return _main(args)
     except UsageError as exc:
@@ -153,7 +155,7 @@ def _main(args: argparse.Namespace) -> int:
     import torch
 
     from refspec.eval.paper import grid
-    from refspec.eval.paper.bench import ASSUMED_PERIOD_S, gpu_plan_profile
+    from refspec.eval.paper.bench import ASSUMED_PERIOD_S, EXIT_MODELLED_ONLY, gpu_plan_profile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", force=True)
     logging.getLogger("refspec.engine").setLevel(logging.ERROR)
@@ -177,6 +179,9 @@ def _main(args: argparse.Namespace) -> int:
           + grid.format_plan(plans, grid.FIXED_GPU_S), flush=True)
     if args.plan_only:
         return 0
+    if device == "cpu" and args.require_measured_energy:
+        print("error: --require-measured-energy: a CPU run's energy is modelled (simulated counter)", file=sys.stderr)
+        return EXIT_MODELLED_ONLY
     torch.set_num_threads(args.threads or (1 if device == "cpu" else torch.get_num_threads()))
     from refspec.eval.paper.execute import run_all
 

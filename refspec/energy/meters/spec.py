@@ -42,6 +42,13 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "simulated": ("period_ms", "sample_ms", "noise", "seed") + SIMULATED_LAW + COUNTER_OPTIONS,
 }
 TAKES_PROFILE = ("roofline", "simulated")
+_UNIT_HIGH = {"_ms": 60_000.0, "_s": 3600.0, "_us": 1e6, "_w": 1e5, "_ppm": 1e5, "_tflops": 1e6, "_gbps": 1e6}
+HIGH: dict[str, float] = {**{k: h for k in SIMULATED_LAW for u, h in _UNIT_HIGH.items() if k.endswith(u)},
+                          "busy": 1.0, "rows_knee": 1e6, "keys_gain": 1e3, "period_ms": 60_000.0,
+                          "sample_ms": 60_000.0, "noise": 1.0, "sub_window_s": 3600.0, "seed": 2**63 - 1}
+"""Largest accepted option values: a longer period never resolves a run, more noise than 100 % is no counter."""
+LOW_MS = 1e-4
+"""Shortest ``period_ms``/``sample_ms`` (0.1 us): a simulated counter keeps one entry per period of the run."""
 
 
 class MeterSpecError(ValueError):
@@ -69,8 +76,10 @@ def _number(key: str, text: str, *, low: float, integer: bool = False, strict: b
         value: float | int = int(text) if integer else float(text)
     except ValueError:
         raise MeterSpecError(f"{key}={text!r} is not {'an integer' if integer else 'a number'}") from None
-    if value != value or value in (float("inf"), float("-inf")) or value < low or (strict and value == low):
-        raise MeterSpecError(f"{key}={text} must be {'>' if strict else '>='} {low:g}")
+    high = HIGH.get(key, float("inf"))
+    if value != value or value in (float("inf"), float("-inf")) or value < low or (strict and value == low) \
+            or value > high:
+        raise MeterSpecError(f"{key}={text} must be {'>' if strict else '>='} {low:g} and <= {high:g}")
     return value
 
 
@@ -94,7 +103,10 @@ def _value(key: str, text: str) -> Any:
         return _number(key, text, low=0, integer=True)
     if key == "noise" or key in SIMULATED_LAW:
         return _number(key, text, low=0.0)
-    return _number(key, text, low=0.0, strict=True)  # period_ms, sample_ms, sub_window_s
+    value = _number(key, text, low=0.0, strict=True)  # period_ms, sample_ms, sub_window_s
+    if key != "sub_window_s" and value < LOW_MS:
+        raise MeterSpecError(f"{key}={text} is below {LOW_MS:g} ms; no counter updates that often")
+    return value
 
 
 def parse_meter_spec(spec: str) -> MeterSpec:
@@ -114,7 +126,7 @@ def parse_meter_spec(spec: str) -> MeterSpec:
     for i, part in enumerate(parts):
         key, eq, text = part.partition("=")
         if not eq:
-            known = part.lower() in PROFILES or part.lower().startswith("cpu-")
+            known = part.lower() in PROFILES
             if i or kind not in TAKES_PROFILE or not known:
                 where = f"{kind} takes no profile" if kind not in TAKES_PROFILE else \
                     f"a profile is one of {', '.join(PROFILES)} and comes right after {kind}"

@@ -196,7 +196,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool, full: bool) -> None:
     a = p.add_argument_group("acceptance injection")
     a.add_argument("--accept-model", default=None, metavar="NAME|FILE",
                    help="inject acceptance from a recorded distribution (vllm-eagle3-llama3.1-8b, geometric:A, or "
-                        "a refspec.acceptance JSON file): outputs are then labelled INJECTED")
+                        "a refspec.acceptance/1 JSON file): outputs are then labelled INJECTED")
     a.add_argument("--export-acceptance", type=output_path, default=None, metavar="FILE",
                    help="write the measured acceptance distribution of each drafter configuration to FILE")
     o = p.add_argument_group("output")

@@ -72,7 +72,7 @@ def check_drafter_options(drafters: Sequence[str], options: Sequence[tuple[str, 
 
 
 def check_meter(meter: str) -> None:
-    """The ``--meter`` spec parses (:func:`refspec.energy.meter_spec.parse_meter_spec`)."""
+    """The ``--meter`` spec parses (:func:`refspec.energy.meters.spec.parse_meter_spec`)."""
     if meter.partition(":")[0].lower() not in KINDS:
         raise UsageError(f"--meter {meter!r} is unknown; use {', '.join(KINDS)} (e.g. roofline:h200, "
                          f"simulated:cpu:period_ms=100:sample_ms=25)")

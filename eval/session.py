@@ -96,7 +96,7 @@ class Session:
         if self._meter is None:
             from refspec.energy.meters.make import make_meter
 
-            try:  # the whole --meter spec (refspec.energy.meter_spec) goes through
+            try:  # the whole --meter spec (refspec.energy.meters.spec) goes through
                 if self.tp > 1:  # each rank its own device, every rank's figures in the ledger
                     from refspec.eval.tp_launch import tp_meter
 

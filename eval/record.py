@@ -349,13 +349,31 @@ class RunRecord:
         if missing:
             raise RecordError(f"record {d.get('config_id', '?')} lacks {', '.join(missing)}; a record written by hand "
                               f"or cut short? Rerun its sweep")
+        _check_scalars(cls, d, "", d["config_id"])
         top = {f.name: _tuple(d[f.name]) for f in dataclasses.fields(cls)
                if f.name not in SECTIONS and f.name in d and d[f.name] is not None}
         top["request_outputs"] = tuple(_read(RequestOutput, o) for o in d.get("request_outputs") or ())
+        for sc in SECTIONS.values():
+            _check_scalars(sc, d, sc.PREFIX, d["config_id"])
         sections = {name: _read(sc, d) for name, sc in SECTIONS.items()}
         if not any(k.startswith(WindowFigures.PREFIX) for k in d):  # version 2: before steady-state windows
             sections["window"] = None
         return cls(**{**top, **sections, "record_version": RECORD_VERSION})
+
+
+_SCALARS = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,)}
+
+
+def _check_scalars(cls: type, d: Mapping[str, Any], prefix: str, config_id: str) -> None:
+    """A number, string or flag field holding another JSON type is a :class:`RecordError` naming it."""
+    for f in dataclasses.fields(cls):
+        value = d.get(prefix + f.name)
+        kinds = [k.strip() for k in str(f.type).split("|") if k.strip() != "None"]
+        if value is None or not kinds or not set(kinds) <= set(_SCALARS):
+            continue  # absent, or not a scalar field (mappings, tuples, sections)
+        if not any(isinstance(value, _SCALARS[k]) and (k == "bool" or not isinstance(value, bool)) for k in kinds):
+            raise RecordError(f"record {config_id}: {prefix + f.name} is {value!r}, not {' or '.join(kinds)}; "
+                              f"a record written by hand? Rerun its sweep")
 
 
 def _flat(section: Any) -> dict[str, Any]:

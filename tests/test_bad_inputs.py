@@ -90,6 +90,7 @@ CASES: list[tuple[str, list[str], str, bool]] = [
     ("report-not-a-dir", ["report", "{new}"], "report", False),
     ("report-unknown-version", ["report", "{report_v99}"], "record_version", False),
     ("report-missing-fields", ["report", "{report_short}"], "lacks", False),
+    ("report-wrong-type", ["report", "{report_wrong_type}"], "tau is 'fast'", False),
     ("generate-temperature-nan", ["generate", "--model", "{model}", "--temperature", "nan"], "--temperature", False),
     ("generate-seed-2-64", ["generate", "--model", "{model}", "--seed", HUGE], "--seed", False),
     ("generate-k-without-drafter", ["generate", "--model", "{model}", "--k", "4"], "--k 4", False),
@@ -253,6 +254,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "report": str(_report_dir(root, "report", record)),
         "report_v99": str(_report_dir(root, "report_v99", {**record, "record_version": 99})),
         "report_short": str(_report_dir(root, "report_short", record)),
+        "report_wrong_type": str(_report_dir(root, "report_wrong_type", {
+            **record, "drafter": "none", "k": 0, "batch": 1, "corpus": "x", "model": "m", "tau": "fast"})),
         "report_old": str(_report_dir(root, "report_old", {  # a complete static record from before serving windows
             **record, "drafter": "none", "k": 0, "batch": 1, "corpus": "x", "model": "m", "tau": None,
             "energy_per_token_j": 0.1, "tpot_p99_s": 0.01, "baseline_config_id": record["config_id"],

@@ -3,7 +3,6 @@ from; ``--force`` times the forms again (do it on a quiet machine: a calibration
 rounds disagree is refused and nothing is cached, see :mod:`refspec.models.calibration`)."""
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from typing import Sequence

@@ -196,7 +196,6 @@ def _execute(args: argparse.Namespace, *, sweep: bool, argv: Sequence[str]) -> i
     check_run_flags(args, sweep=sweep)
     check_tp_flags(args)
     import_torch()
-    from refspec.eval.sweep import records_files
     from refspec.eval.tp_launch import rank_out, start as start_tp
 
     start_tp(args)  # torchrun ... --tp N: join the group; ranks other than 0 go quiet (refspec.eval.tp_launch)

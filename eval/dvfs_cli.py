@@ -1,7 +1,6 @@
 """``python -m refspec.eval dvfs``: show the SM clocks a DVFS sweep can lock on this GPU."""
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 from refspec.energy.meters.errors import NoGPUError

@@ -220,14 +220,13 @@ def _report_dir(root: Path, name: str, record: dict) -> Path:
 @pytest.fixture(scope="session")
 def inputs(tmp_path_factory) -> dict[str, str]:
     """A tiny random llama with a tokenizer, made once, and the broken files the cases point at."""
-    from test_eval_cli import _make_tokenizer
-    from tiny import save_hf
+    from tiny import save_hf, save_tokenizer
 
     root = tmp_path_factory.mktemp("bad_inputs")
     model = root / "model"
     model.mkdir()
     save_hf("llama", model)
-    _make_tokenizer(model)
+    save_tokenizer(model)
     weights = (model / "model.safetensors").read_bytes()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "w3 w4 w5 w6 w7 w8", "kind": "code"}) + "\n" for _ in range(2)))

@@ -166,8 +166,8 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
 
     from refspec.eval import cli
     from refspec.models import compiled, prepare
-    from test_eval_cli import QUIET, _make_tokenizer
-    from tiny import save_hf
+    from test_eval_cli import QUIET
+    from tiny import save_hf, save_tokenizer
 
     made = []
 
@@ -179,7 +179,7 @@ def test_eval_run_with_compile_verifies_through_the_compiled_step(tmp_path, monk
     monkeypatch.setattr(prepare, "CompiledStep", Recorded)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     save_hf("llama", tmp_path / "model")
-    _make_tokenizer(tmp_path / "model")
+    save_tokenizer(tmp_path / "model")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"w{3 + i} w4 w5 w{6 + i} w4 w5", "kind": "code"})
                                               + "\n" for i in range(2)))
     records = []

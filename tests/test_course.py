@@ -267,18 +267,6 @@ def test_each_lecture_says_what_is_measured_and_what_a_gpu_changes(name):
 
 
 # ---- the lab API on a tiny model ----------------------------------------------------------------
-def _tokenizer(folder: Path) -> None:
-    """A 96-word WordLevel tokenizer (ids match the tiny llama's vocabulary) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 96)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3 {% endif %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}))
 
 
 PROMPTS = [" ".join(f"w{3 + (j * (i + 2)) % 20}" for j in range(10 + i)) for i in range(4)]
@@ -287,13 +275,13 @@ PROMPTS = [" ".join(f"w{3 + (j * (i + 2)) % 20}" for j in range(10 + i)) for i i
 @pytest.fixture(scope="module")
 def tiny_lab(tmp_path_factory):
     """A lab of a tiny random llama, energy modelled on an H100, and one n-gram run compared with plain."""
-    from tiny import save_hf
+    from tiny import save_hf, save_tokenizer
 
     from refspec.eval import lab
 
     model = tmp_path_factory.mktemp("tiny_lab_model")
     save_hf("llama", model)
-    _tokenizer(model)
+    save_tokenizer(model)
     the_lab = lab.load(str(model), meter="roofline:h100", out=tmp_path_factory.mktemp("tiny_lab") / "runs")
     report = the_lab.run("ngram", k=3, batch=2, prompts=PROMPTS, requests=6, max_new_tokens=8, compare=True)
     return the_lab, report

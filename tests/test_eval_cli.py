@@ -41,31 +41,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _make_tokenizer(folder: Path) -> None:
-    """A 96-word WordLevel tokenizer (ids match the tiny llama's vocab) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 96)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}w3 {% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}))
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """A tiny llama directory with a tokenizer, and a prompt file of 5 prompts."""
-    from tiny import save_hf
+    from tiny import save_hf, save_tokenizer
 
     root = tmp_path_factory.mktemp("tiny_eval")
     model = root / "model"
     model.mkdir()
     save_hf("llama", model)
-    _make_tokenizer(model)
+    save_tokenizer(model)
     prompts = root / "prompts.jsonl"
     with open(prompts, "w") as fh:
         for i in range(5):

@@ -20,8 +20,8 @@ FLOORS = (
     ("pipeline", "record_figures", "baseline", "session"),
     ("run", "sweep", "sweep_dir"),
     ("report_text", "report_serving", "plots", "report_requests", "policy_report", "report"),
-    ("cli", "cli_args", "cli_checks", "cli_plan", "cli_report", "generate", "bench", "roofline_cli", "assets_cli",
-     "train", "train_data", "calibrate_cli", "dvfs_cli", "paper", "lab", "__main__", "__init__"),
+    ("cli", "cli_args", "cli_checks", "cli_checks_paper", "cli_plan", "cli_report", "generate", "bench", "roofline_cli",
+     "assets_cli", "train", "train_data", "calibrate_cli", "dvfs_cli", "paper", "lab", "__main__", "__init__"),
 )
 """Each module's floor (a package by its first name): a module imports its own floor or those below."""
 

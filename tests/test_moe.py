@@ -439,7 +439,7 @@ def test_eval_runs_a_random_moe_and_records_experts_per_step(moe_models, tmp_pat
     for the baseline (1), and null draft experts for the free n-gram drafter."""
     import json
 
-    from test_eval_cli import _make_tokenizer
+    from tiny import save_tokenizer
 
     from refspec.eval import cli
     from refspec.models.random_models import write_random_model_dir
@@ -447,7 +447,7 @@ def test_eval_runs_a_random_moe_and_records_experts_per_step(moe_models, tmp_pat
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     tok = tmp_path / "tok"
     tok.mkdir()
-    _make_tokenizer(tok)
+    save_tokenizer(tok)
     (tok / "config.json").write_text(json.dumps({"vocab_size": 96}))
     model = tmp_path / "moe"
     args = write_random_model_dir("qwen3-30b-a3b", str(model), tokenizer_from=str(tok), num_layers=2, hidden_size=64)

@@ -16,7 +16,6 @@ import time
 import types
 from pathlib import Path
 
-import pytest
 
 from test_eval_cli import QUIET, tiny  # noqa: F401  (the tiny model with a tokenizer, a fixture)
 

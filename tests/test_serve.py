@@ -36,29 +36,13 @@ BAD = [  # (what, body, status, param): every one answered with an OpenAI error 
 
 
 # ---- the model, the tokenizer, the server -------------------------------------------------------
-def make_tokenizer(folder: Path) -> None:
-    """A 96-word WordLevel tokenizer (ids match the tiny llama's vocabulary) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 96)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}w3 {% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
-
-
 def tiny_model_dir(root: Path) -> Path:
-    from tiny import save_hf
+    from tiny import save_hf, save_tokenizer
 
     model = root / "model"
     model.mkdir()
     save_hf("llama", model)
-    make_tokenizer(model)
+    save_tokenizer(model)
     return model
 
 

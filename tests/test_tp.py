@@ -24,7 +24,7 @@ from refspec.energy.model.work import ForwardShape
 from refspec.models.tp.group import check_launch
 from refspec.models.tp.interconnect import crossovers, predict_tp_step, tp_forward
 from refspec.models.tp.plan import TPError, shard_plan
-from tiny import TINY_HF, save_hf
+from tiny import TINY_HF, save_hf, save_tokenizer
 from tp_procs import REPO, error_lines, launch
 
 SMOLLM2 = dict(family="llama", vocab_size=64, hidden_size=72, intermediate_size=96, num_layers=2, num_heads=9,
@@ -154,14 +154,8 @@ def test_tp2_decodes_every_family_and_drafter_token_for_token_like_tp1(models, t
     assert all(any(len(row) > 1 for row in r["tp1"]) for r in results.values())  # something was decoded
 
 
-def _make_tokenizer(folder: Path) -> None:
-    from test_eval_cli import _make_tokenizer as make  # the CLI tests' 96-word tokenizer
-
-    make(folder)
-
-
 def _tokenizer_model(models: Path) -> Path:
-    _make_tokenizer(models / "llama")
+    save_tokenizer(models / "llama")
     return models / "llama"
 
 
@@ -232,7 +226,7 @@ def test_a_tp_the_heads_cannot_share_ends_every_rank_with_one_line_and_nothing_w
     import transformers
 
     transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg)).save_pretrained(model)
-    _make_tokenizer(model)
+    save_tokenizer(model)
     out = tmp_path / "out"
     ranks = launch(["tests/tp_cli_worker.py", *_eval_args(model, _prompts(tmp_path), out), "--tp", "2"], 2)
     assert [r.returncode for r in ranks] == [2, 2]

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from refspec.energy.ledger.read import read_ledger
 from refspec.eval import cli

@@ -93,3 +93,21 @@ def packed_form_runs(dtype=None) -> bool:
         return True
     assert "packed" not in C.candidate_forms(C.dtype_name(dtype)), "an unsupported form must not be timed"
     return False
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A 96-word WordLevel tokenizer (ids match the tiny models' vocabulary) with a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 96)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w3 {% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))

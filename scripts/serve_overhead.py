@@ -7,6 +7,11 @@ request when its stream ends), over loopback. Then the same engine configuration
 ``python -m refspec.eval run`` builds it (engine + ledger, no HTTP), serves the same requests
 (the same prompt token ids, each to its budget: ``ignore_eos``) on the same ``--batch`` slots.
 Throughput = output tokens / wall time of each; the goal is the server within 10 % of the engine.
+The two alternate ``--repeats`` times (server, engine, server, ...) and the best of each is kept, so
+neither gains from running second. ``--threads`` sets torch's threads for both: on a machine with
+few cores the client process and the HTTP layer take a core the engine alone would use, so the
+figure at ``--threads 1`` (one core left to them) is the HTTP layer's own cost, and the figure at
+all cores says what sharing them costs.
 
 Usage (a quiet machine; the figures are meaningless while other jobs share the cores)::
 
@@ -63,21 +68,19 @@ def _requests(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} (request {i})") for i in range(n)]
 
 
-def _through_server(args: argparse.Namespace, out: Path) -> tuple[dict, object]:
+def _start(args: argparse.Namespace, out: Path):
     from refspec.serve.cli import start
 
-    server = start(["--model", args.model, "--drafter", args.drafter, "--batch", str(args.batch), "--port", "0",
-                    "--out", str(out), "--queue-limit", str(args.requests), "--dtype", args.dtype,
-                    "--max-len", str(args.max_len), *(["--k", str(args.k)] if args.k else [])])
-    try:
-        reqs = _requests(server.session.target.tokenizer, args.requests)
-        job = json.dumps({"url": server.url, "model": server.app.config.model_name, "requests": reqs,
-                          "budget": args.max_tokens, "concurrency": args.clients})
-        r = subprocess.run([sys.executable, __file__, "--client-job", job], capture_output=True, text=True, check=True)
-        figures = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        server.stop()
-    return {**figures, "requests": reqs}, server
+    return start(["--model", args.model, "--drafter", args.drafter, "--batch", str(args.batch), "--port", "0",
+                  "--out", str(out), "--queue-limit", str(args.requests), "--dtype", args.dtype,
+                  "--max-len", str(args.max_len), "--threads", args.threads, *(["--k", str(args.k)] if args.k else [])])
+
+
+def _through_server(server, reqs: list[list[int]], args: argparse.Namespace) -> dict:
+    job = json.dumps({"url": server.url, "model": server.app.config.model_name, "requests": reqs,
+                      "budget": args.max_tokens, "concurrency": args.clients})
+    r = subprocess.run([sys.executable, __file__, "--client-job", job], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _engine_alone(server, reqs: list[list[int]], args: argparse.Namespace, out: Path) -> dict:
@@ -86,6 +89,7 @@ def _engine_alone(server, reqs: list[list[int]], args: argparse.Namespace, out: 
     from refspec.serving import Request
 
     session, cfg = server.session, server.cfg
+    out.mkdir(parents=True, exist_ok=True)
     with pipeline.open_ledger(session.meter, out / "engine-alone.jsonl", "engine-alone", cfg.identity()) as ledger:
         engine = build_engine(session, cfg, server.drafter, None, ledger)
         stream = [Request(id=i, prompt=tuple(p), max_new_tokens=args.max_tokens, ignore_eos=True)
@@ -108,6 +112,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", default="auto", help="torch threads for the server and the engine alone")
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best is kept")
     p.add_argument("--client-job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client_job:
@@ -115,13 +121,26 @@ def main() -> int:
         print(json.dumps(_clients(job["url"], job["model"], job["requests"], job["budget"], job["concurrency"])))
         return 0
     with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
-        served, server = _through_server(args, Path(tmp) / "server")
-        alone = _engine_alone(server, served["requests"], args, Path(tmp))
+        server = _start(args, Path(tmp) / "server")
+        try:
+            reqs = _requests(server.session.target.tokenizer, args.requests)
+            runs: dict[str, list[dict]] = {"server": [], "engine": []}
+            for i in range(args.repeats):
+                runs["server"].append(_through_server(server, reqs, args))
+                runs["engine"].append(_engine_alone(server, reqs, args, Path(tmp) / f"alone-{i}"))
+        finally:
+            server.stop()
+    served, alone = (min(r, key=lambda f: f["wall_s"]) for r in (runs["server"], runs["engine"]))
+    import torch
+
+    print(f"torch threads {torch.get_num_threads()}; best of {args.repeats} alternating runs each")
     s_tps, e_tps = served["tokens"] / served["wall_s"], alone["tokens"] / alone["wall_s"]
     print(f"{server.cfg.label}, {args.requests} requests x {args.max_tokens} tokens, {args.clients} streaming clients")
     print(f"through the server: {served['tokens']} tokens in {served['wall_s']:.2f} s = {s_tps:.1f} tok/s")
     print(f"engine alone:       {alone['tokens']} tokens in {alone['wall_s']:.2f} s = {e_tps:.1f} tok/s")
     print(f"HTTP-layer cost: {100 * (1 - s_tps / e_tps):+.1f} % of the engine's tokens/s (goal: within 10 %)")
+    print("all runs, tok/s: server " + ", ".join(f"{r['tokens'] / r['wall_s']:.1f}" for r in runs["server"])
+          + "; engine " + ", ".join(f"{r['tokens'] / r['wall_s']:.1f}" for r in runs["engine"]))
     return 0 if served["tokens"] == alone["tokens"] else 1
 
 

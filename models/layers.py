@@ -106,19 +106,19 @@ class Attention(_SplitNames, nn.Module):
         d = self.d
         return {"wqkv": (("wq", self.h * d), ("wk", self.hkv * d), ("wv", self.hkv * d))}
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """``x [B, S, E]`` (normed) -> ``[B, S, E]``; ``ctx`` writes K/V and attends."""
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, b: int, s: int) -> torch.Tensor:
+        """``x [B*S, E]`` (normed rows of ``b`` sequences of ``s`` positions) -> ``[B*S, E]``; ``ctx``
+        writes K/V and attends."""
         h, hkv = self.h, self.hkv
         qkv = self.wqkv(x).view(b, s, h + 2 * hkv, self.d)  # [B, S, H + 2 Hkv, D]
         cos, sin = ctx.rope[self.sliding]  # [B, S, 1, D] each
         if self.q_norm is None:  # q and k rotated in one op (each head alike)
-            qk, v = qkv.split((h + hkv, hkv), dim=2)  # [B, S, H + Hkv | Hkv, D]
-            q, k = apply_rope(qk, cos, sin).split((h, hkv), dim=2)
+            qk, v = qkv.split_with_sizes((h + hkv, hkv), dim=2)  # [B, S, H + Hkv | Hkv, D]
+            q, k = apply_rope(qk, cos, sin).split_with_sizes((h, hkv), dim=2)
         else:
-            q, k, v = qkv.split((h, hkv, hkv), dim=2)  # [B, S, H | Hkv | Hkv, D]
+            q, k, v = qkv.split_with_sizes((h, hkv, hkv), dim=2)  # [B, S, H | Hkv | Hkv, D]
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        return self.wo(ctx(self.layer, self.sliding, q, k, v, self.scale))  # [B, S, H*D] -> [B, S, E]
+        return self.wo(ctx(self.layer, self.sliding, q, k, v, self.scale).view(b * s, -1))  # [B*S, H*D] -> [B*S, E]
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (before q/k-norm and rope) and values of ``x [B, S, E]``, each ``[B, S, Hkv, D]``."""
@@ -169,7 +169,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """``x [B, S, E]`` -> ``[B, S, E]``; ``ctx`` places this step's K/V and masks the keys
         (:mod:`refspec.models.attention`)."""
-        h = self.attn(self.attn_norm(x), ctx)
+        shape, (b, s) = x.shape, x.shape[:2]
+        x = x.reshape(b * s, shape[-1])  # [B*S, E]: norms and products on 2-D rows (no reshape per product)
+        h = self.attn(self.attn_norm(x), ctx, b, s)
         x = x + (self.attn_post_norm(h) if self.sandwich else h)
         h = self.mlp(self.mlp_norm(x))
-        return x + (self.mlp_post_norm(h) if self.sandwich else h)
+        x = x + (self.mlp_post_norm(h) if self.sandwich else h)
+        return x.view(shape)

@@ -74,13 +74,13 @@ def test_a_planned_model_runs_the_one_block_forward_of_the_reference(name, tiny_
 
 def test_hooks_on_a_planned_layer_fire(tiny_models):
     """The one forward calls its layers, so a forward hook (a tensor-parallel all-reduce) fires
-    on a planned model too."""
+    on a planned model too (a block's products take 2-D rows, [B*S, E])."""
     m = copy.deepcopy(tiny_models["llama"])
     prepare_target(m, cpu_plan=copy_plan())
     fired = []
     m.layers[1].attn.wo.register_forward_hook(lambda mod, inp, out: fired.append(out.shape))
     m(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], m.new_cache(1, 8))
-    assert fired == [torch.Size([1, 3, 64])]
+    assert fired == [torch.Size([3, 64])]
 
 
 def test_each_model_follows_its_own_plan(tiny_models):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from refspec.energy.meters.errors import NoGPUError
-from refspec.energy.model.dvfs import ZeusGPUBackend
+from refspec.energy.meters.dvfs import ZeusGPUBackend
 from refspec.eval.flags import OneLineParser
 
 
@@ -13,7 +13,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m refspec.eval dvfs",
         description="Show the SM clocks DVFS sweeps can lock. Sweeps themselves run from refspec.eval, which "
-                    "calls refspec.energy.model.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
+                    "calls refspec.energy.meters.dvfs.dvfs_sweep with a measured workload; locks are reset on exit, "
                     "exception and Ctrl-C. Lock clocks only on a GPU of your own, never on a shared or lent "
                     "machine; this command only reads them.")
     parser.add_argument("--gpu", type=int, default=0, help="GPU index")

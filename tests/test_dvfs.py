@@ -10,8 +10,8 @@ import torch
 from refspec.energy.accounting.latency import (Targets, choose, choose_config, cost_of_tighter_target, excluded_invalid,
                                                format_targets, valid_window)
 from refspec.energy.meters.errors import NoGPUError
-from refspec.energy.model import dvfs
-from refspec.energy.model.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
+from refspec.energy.meters import dvfs
+from refspec.energy.meters.dvfs import ClockLockError, dvfs_sweep, lock_sm_clocks, reset_all_locked_clocks
 from refspec.eval import dvfs_cli
 
 

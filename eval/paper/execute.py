@@ -100,7 +100,7 @@ def _finish(args: Any, outputs: Outputs, t_start: float) -> int:
                                      or [outputs.contexts[first]["source"]])
     d["plots"] = make_plots(variants, args.out, f"{d['hardware']} ({first}): energy {d['energy_label']}; "
                                                 f"acceptance INJECTED")
-    d.update(seconds=time.perf_counter() - t_start, complete=True, dvfs_module_loaded="refspec.energy.model.dvfs"
+    d.update(seconds=time.perf_counter() - t_start, complete=True, dvfs_module_loaded="refspec.energy.meters.dvfs"
              in sys.modules)
     outputs.save()
     d["out_problems"] = outputs.problems()

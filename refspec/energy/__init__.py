@@ -1,18 +1,18 @@
 """Energy: what each phase cost, measured or modelled, and the headline figures.
 
 Four sub-packages, each importing only those listed before it (and, from the core, only
-:mod:`refspec.config`); the one exception is the DVFS sweep, which raises the meters' errors
-(:mod:`refspec.energy.meters.errors`, a module that imports nothing):
+:mod:`refspec.config`):
 
 1. :mod:`refspec.energy.model`: the analytic model. The work a forward reports
    (:mod:`~refspec.energy.model.work`), its FLOPs and bytes (:mod:`~refspec.energy.model.roofline`,
    :mod:`~refspec.energy.model.cost`, :mod:`~refspec.energy.model.experts`), hardware profiles and
-   named targets; DVFS clock sweeps on a user's own GPU (:mod:`~refspec.energy.model.dvfs`).
+   named targets.
 2. :mod:`refspec.energy.meters`: the one meter API (:mod:`~refspec.energy.meters.measurement`:
    ``Measurement``, ``EnergyMeter``), the meters, the counters they read (NVML, Zeus, RAPL, and
    the simulated counter of :mod:`refspec.energy.meters.simulated` over its own device law,
-   :mod:`refspec.energy.meters.device_law`), and :func:`make_meter
-   <refspec.energy.meters.make.make_meter>` from a ``--meter`` spec.
+   :mod:`refspec.energy.meters.device_law`), :func:`make_meter
+   <refspec.energy.meters.make.make_meter>` from a ``--meter`` spec, and SM clock sweeps on a
+   user's own GPU (:mod:`~refspec.energy.meters.dvfs`).
 3. :mod:`refspec.energy.ledger`: the phase events the engine reports, the JSONL ledger they are
    written to, its format, reading it back and grouping its records into steps.
 4. :mod:`refspec.energy.accounting`: the headline figures, computed from ledger records alone

@@ -60,7 +60,7 @@ print(f"at {F_MIN} MHz: {at_clock(F_MIN).peak_flops / 1e12:.0f} TFLOP/s, ridge {
 
 # %%
 from refspec.energy.model.architectures import arch
-from refspec.energy.model.dvfs import dvfs_sweep
+from refspec.energy.meters.dvfs import dvfs_sweep
 from refspec.energy.model.roofline import predict_step
 
 

@@ -10,5 +10,6 @@ one or more devices) and the hardware behind them, :mod:`~refspec.energy.meters.
 :mod:`~refspec.energy.meters.simulated` (a simulated counter over the device law of
 :mod:`~refspec.energy.meters.device_law`);
 :mod:`~refspec.energy.meters.spec` (the ``--meter`` grammar) and
-:mod:`~refspec.energy.meters.make` (a meter from a spec).
+:mod:`~refspec.energy.meters.make` (a meter from a spec). :mod:`~refspec.energy.meters.dvfs` locks and
+sweeps a user's own GPU's SM clock.
 """

@@ -221,7 +221,7 @@ def nvml_counter(gpu_indices: Sequence[int] = (0,), *, pynvml_module: Any | None
 def sm_clock_reader(gpu_index: int = 0, *, pynvml_module: Any | None = None) -> Callable[[], float] | None:
     """A passive reader of GPU ``gpu_index``'s current SM clock in MHz, or None where NVML cannot
     read it. It only reads: clocks are never locked or reset here (see
-    :mod:`refspec.energy.model.dvfs` for sweeps on one's own GPU)."""
+    :mod:`refspec.energy.meters.dvfs` for sweeps on one's own GPU)."""
     try:
         nv = pynvml_module if pynvml_module is not None else import_pynvml()
     except NoGPUError as exc:

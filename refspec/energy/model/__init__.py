@@ -5,5 +5,5 @@ records); :mod:`~refspec.energy.model.cost` (FLOPs and bytes); :mod:`~refspec.en
 (profiles: peak, bandwidth, energy coefficients); :mod:`~refspec.energy.model.architectures` (named
 targets); :mod:`~refspec.energy.model.experts` (mixture-of-experts reads);
 :mod:`~refspec.energy.model.roofline` (a forward's cost, time and energy, and predictions of a
-step). :mod:`~refspec.energy.model.dvfs` sweeps a user's own GPU's SM clock.
+step).
 """

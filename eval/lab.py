@@ -29,7 +29,6 @@ from typing import Any, Mapping, Sequence
 from refspec.eval.flags import UsageError
 from refspec.eval.outputs import RunPaths, claimed
 from refspec.eval.record import RunRecord
-from refspec.eval.record_files import append_record
 from refspec.eval.run import prepare_configuration, resolve_defaults, run_configuration
 from refspec.eval.run_config import RunConfig
 from refspec.eval.runtime import pick_device
@@ -329,8 +328,8 @@ class Lab:
             # progress bars are off; in a notebook without ipywidgets tqdm.auto would still warn on import
             warnings.filterwarnings("ignore", message="IProgress not found")
             result = run_configuration(self.session, cfg, ledger_path=self.paths.ledger,
+                                       records_path=self.paths.records,  # appended inside its aborted-marking rule
                                        baseline=plain.record if plain is not None else None)
-            append_record(self.paths.records, result.record)
         report = Report.of(result.record, label=cfg.label, ledger=self.paths.ledger, plain=plain)
         if cfg.is_baseline:
             self._plain.setdefault(cfg.config_id, report)

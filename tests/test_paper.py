@@ -91,6 +91,7 @@ def test_ctrl_c_exits_130_and_keeps_the_tables_written_so_far(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
+    assert "complete up to the last finished variant" in err
     claims = json.loads((out / "claims.json").read_text())
     assert [c["claim"] for c in claims] == list(range(1, 8))  # the tables of the variants done so far
 

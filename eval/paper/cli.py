@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
 import os
 import sys
@@ -138,6 +139,7 @@ def _header(args: argparse.Namespace, device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from refspec.eval.interrupts import sigterm_as_interrupt, unwrapped_interrupts
 
+    args = None
     try:
         args = parser().parse_args(argv)
         check_paper_flags(args)  # before torch imports and before the plan prints
@@ -147,8 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("\ninterrupted: the tables written so far are complete up to the last variant", file=sys.stderr)
+        written = args is not None and _variants_written(Path(args.out))
+        print("\ninterrupted: " + (f"the tables in {args.out} are complete up to the last finished variant; rerun "
+                                    "into a new --out for the whole grid" if written else
+                                    "no variant had finished, so no table was written"), file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _variants_written(out: Path) -> bool:
+    """Whether ``out`` holds tables of at least one finished variant (they are rewritten after each)."""
+    try:
+        return bool(json.loads((out / "results.json").read_text()).get("variants"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _main(args: argparse.Namespace) -> int:

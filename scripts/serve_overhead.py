@@ -1,17 +1,17 @@
 """What the HTTP layer costs: tokens/s through ``python -m refspec.serve`` against the engine alone.
 
-One run, one request list. The server (in this process, as ``python -m refspec.serve`` builds it:
-engine thread, ledger, per-request book, Starlette + uvicorn) is driven by ``--clients`` concurrent
-streaming clients in a separate process (httpx, one stream per request, each client sending its next
-request when its stream ends), over loopback. Then the same engine configuration, rebuilt the way
-``python -m refspec.eval run`` builds it (engine + ledger, no HTTP), serves the same requests
-(the same prompt token ids, each to its budget: ``ignore_eos``) on the same ``--batch`` slots.
+One request list, two paths, alternating ``--repeats`` times (the best of each is kept, so neither
+gains from running second):
+
+* the server: ``python -m refspec.serve`` as its own process (as a user starts it), driven by
+  ``--clients`` concurrent streaming clients in a third process (httpx, one stream per request,
+  each client sending its next request when its stream ends) over loopback, then stopped by SIGTERM;
+* the engine alone: the same configuration, built in this process the way the server builds it
+  (target, drafter, engine, ledger) and stopped before anything is timed, serves the same requests
+  (the same prompt token ids, each to its budget: ``ignore_eos``) on the same ``--batch`` slots.
+
 Throughput = output tokens / wall time of each; the goal is the server within 10 % of the engine.
-The two alternate ``--repeats`` times (server, engine, server, ...) and the best of each is kept, so
-neither gains from running second. ``--threads`` sets torch's threads for both: on a machine with
-few cores the client process and the HTTP layer take a core the engine alone would use, so the
-figure at ``--threads 1`` (one core left to them) is the HTTP layer's own cost, and the figure at
-all cores says what sharing them costs.
+``--threads`` sets torch's threads for both.
 
 Usage (a quiet machine; the figures are meaningless while other jobs share the cores)::
 
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,19 +70,53 @@ def _requests(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} (request {i})") for i in range(n)]
 
 
-def _start(args: argparse.Namespace, out: Path):
+def _build(args: argparse.Namespace, out: Path):
+    """The server's session, configuration and drafter, built in this process; its HTTP side is
+    stopped at once (only this thread computes afterwards)."""
     from refspec.serve.cli import start
 
-    return start(["--model", args.model, "--drafter", args.drafter, "--batch", str(args.batch), "--port", "0",
-                  "--out", str(out), "--queue-limit", str(args.requests), "--dtype", args.dtype,
-                  "--max-len", str(args.max_len), "--threads", args.threads, *(["--k", str(args.k)] if args.k else [])])
+    server = start(["--port", "0", "--out", str(out), *_flags(args)])
+    server.stop()
+    return server
 
 
-def _through_server(server, reqs: list[list[int]], args: argparse.Namespace) -> dict:
-    job = json.dumps({"url": server.url, "model": server.app.config.model_name, "requests": reqs,
-                      "budget": args.max_tokens, "concurrency": args.clients})
-    r = subprocess.run([sys.executable, __file__, "--client-job", job], capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--drafter", args.drafter, "--batch", str(args.batch),
+            "--queue-limit", str(args.requests), "--dtype", args.dtype, "--max-len", str(args.max_len),
+            "--threads", args.threads, *(["--k", str(args.k)] if args.k else [])]
+
+
+def _through_server(reqs: list[list[int]], args: argparse.Namespace, out: Path) -> dict:
+    """``python -m refspec.serve`` in its own process, the clients in another; SIGTERM at the end."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(out.parent / f"{out.name}.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "refspec.serve", "--port", str(port), "--out", str(out),
+                               *_flags(args)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                model = httpx.get(f"{url}/v1/models", timeout=1).json()["data"][0]["id"]
+                break
+            except (httpx.HTTPError, KeyError, ValueError):
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited: see {log.name}") from None
+                time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the server did not start within 600 s: see {log.name}")
+        job = json.dumps({"url": url, "model": model, "requests": reqs, "budget": args.max_tokens,
+                          "concurrency": args.clients})
+        r = subprocess.run([sys.executable, __file__, "--client-job", job], capture_output=True, text=True, check=True)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+        log.close()
 
 
 def _engine_alone(server, reqs: list[list[int]], args: argparse.Namespace, out: Path) -> dict:
@@ -121,15 +157,12 @@ def main() -> int:
         print(json.dumps(_clients(job["url"], job["model"], job["requests"], job["budget"], job["concurrency"])))
         return 0
     with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
-        server = _start(args, Path(tmp) / "server")
-        try:
-            reqs = _requests(server.session.target.tokenizer, args.requests)
-            runs: dict[str, list[dict]] = {"server": [], "engine": []}
-            for i in range(args.repeats):
-                runs["server"].append(_through_server(server, reqs, args))
-                runs["engine"].append(_engine_alone(server, reqs, args, Path(tmp) / f"alone-{i}"))
-        finally:
-            server.stop()
+        server = _build(args, Path(tmp) / "built")
+        reqs = _requests(server.session.target.tokenizer, args.requests)
+        runs: dict[str, list[dict]] = {"server": [], "engine": []}
+        for i in range(args.repeats):
+            runs["server"].append(_through_server(reqs, args, Path(tmp) / f"server-{i}"))
+            runs["engine"].append(_engine_alone(server, reqs, args, Path(tmp) / f"alone-{i}"))
     served, alone = (min(r, key=lambda f: f["wall_s"]) for r in (runs["server"], runs["engine"]))
     import torch
 

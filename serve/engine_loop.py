@@ -1,4 +1,4 @@
-"""The one engine loop: a thread that owns the model and runs the eval's continuous-batching engine.
+"""The one engine loop: the thread that owns the model and runs the eval's continuous-batching engine.
 
 The HTTP side never calls the model. It submits a request (:meth:`EngineLoop.submit`), which puts
 it on a :class:`Intake` queue (the engine's :class:`~refspec.serving.RequestSource`), and reads
@@ -100,7 +100,14 @@ class EngineLoop:
 
     # ---- the engine thread --------------------------------------------------------------------
     def start(self) -> None:
+        """Run the engine on a thread of its own (tests, benchmarks: the caller's thread stays free)."""
         self._thread.start()
+
+    def run_here(self) -> None:
+        """Run the engine on the calling thread until :meth:`finish` (``python -m refspec.serve``: the
+        main thread, which loaded the model, so torch keeps one OpenMP thread team; a second one,
+        even idle, makes the first's workers sleep between parallel regions and slows every step)."""
+        self._run()
 
     def _run(self) -> None:
         try:
@@ -179,20 +186,26 @@ class EngineLoop:
         self.book.forget(rid)
 
     def stop_admitting(self) -> None:
-        with self._lock:
-            self.admitting = False
+        """Refuse every new request from now on (lock-free: a signal handler on the engine's thread calls it)."""
+        self.admitting = False
 
-    def close(self, timeout_s: float) -> ServeResult | None:
-        """Stop admitting, give the running requests ``timeout_s`` to finish, cancel the rest, end
-        the engine's run; returns its result (None when the engine loop died)."""
+    def finish(self, timeout_s: float) -> None:
+        """Stop admitting, give the running requests ``timeout_s`` to finish, cancel the rest, and
+        end the engine's run (it returns once its rows are done)."""
         self.stop_admitting()
-        with self._idle:  # an engine thread that died has emptied the jobs and notified
+        with self._idle:  # an engine loop that died has emptied the jobs and notified
             self._idle.wait_for(lambda: not self._jobs, timeout=timeout_s)
         for rid in list(self._jobs):
             log.warning("request %d did not finish within %.3g s of the shutdown; cancelled", rid, timeout_s)
             self.cancel(rid)
         self.intake.close()
-        self._thread.join()
+
+    def close(self, timeout_s: float) -> ServeResult | None:
+        """:meth:`finish`, then wait for the engine's thread; returns the run's result (None when the
+        engine loop died)."""
+        self.finish(timeout_s)
+        if self._thread.ident is not None:  # started on its own thread
+            self._thread.join()
         return self.result
 
 

@@ -128,18 +128,32 @@ class Server:
 
     # ---- running ------------------------------------------------------------------------------
     def serve_forever(self) -> int:
-        """Serve on this (main) thread until SIGTERM or Ctrl-C, then shut down; returns the exit status."""
-        stops: list[int] = []
-        previous = {sig: signal.signal(sig, lambda s, _f: stops.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+        """Serve until SIGTERM or Ctrl-C, then shut down; returns the exit status.
+
+        The engine runs on this (main) thread, the one that loaded the model
+        (:meth:`EngineLoop.run_here` says why); the HTTP server runs on a thread of its own and,
+        once it has stopped, ends the engine's run.
+        """
+        previous = {sig: signal.signal(sig, self.uvicorn.handle_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
+        http = threading.Thread(target=self._serve_http, name="refspec-http")
         try:
-            self.loop.start()
+            http.start()
             log.info("serving %s on %s (ledger %s)", self.cfg.label, self.url, self.ledger.path)
-            self.uvicorn.run(sockets=[self.sock])
+            self.loop.run_here()
         finally:
+            self.uvicorn.should_exit = True  # the engine loop died: the HTTP server stops too
+            if http.ident is not None:
+                http.join()
             code = self.shutdown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
+
+    def _serve_http(self) -> None:
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:  # the last response has gone: the running requests finish, then the engine's run ends
+            self.loop.finish(self.settings.shutdown_timeout_s)
 
     def start(self) -> None:
         """Serve on a background thread (tests, benchmarks); :meth:`stop` ends it."""

@@ -123,7 +123,9 @@ def _build(args: argparse.Namespace, out_dir: Path):
 
 def start(argv: Sequence[str]):  # -> Server
     """Build a server from command-line arguments and serve it on a background thread (tests and
-    benchmarks); it holds its ``--out`` directory's lock until the caller's ``Server.stop()``."""
+    benchmarks); it holds its ``--out`` directory's lock until the caller's ``Server.stop()``. Its
+    engine runs on a thread other than the one that loaded the model, so on a CPU it decodes
+    slower than ``python -m refspec.serve`` (:meth:`~refspec.serve.engine_loop.EngineLoop.run_here`)."""
     args = _parser(full_help=False).parse_args(list(argv))
     _check(args)
     with contextlib.ExitStack() as stack:

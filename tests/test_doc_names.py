@@ -7,10 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-import subprocess
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # a dotted name, not a file name (.refspec.lock), a format tag (refspec.tau-table/1) or a path
@@ -18,13 +15,13 @@ NAME = re.compile(r"(?<![\w./-])refspec(?:\.[A-Za-z_]\w*)+(?![\w/-])")
 NOT_CODE = {"refspec.provenance"}  # a key of a head's config.json, not a Python name
 
 
+SOURCES = ("refspec", "models", "drafters", "eval", "serve", "scripts", "docs")
+
+
 def _files() -> list[Path]:
-    try:
-        out = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: the tracked files cannot be listed")
-    return [ROOT / f for f in out if not f.startswith("tests/")]
+    """The Python and Markdown files a reader opens: the packages, scripts, docs and the README."""
+    files = [f for d in SOURCES for pattern in ("*.py", "*.md") for f in (ROOT / d).rglob(pattern)]
+    return sorted(f for f in files if "__pycache__" not in f.parts) + [ROOT / "README.md"]
 
 
 def resolves(name: str) -> bool:

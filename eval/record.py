@@ -12,14 +12,17 @@ JSON names (the section's prefix + the field's name):
 * ``host`` (``host_*``): how busy the host was while the configuration served.
 
 :func:`RunRecord.from_json` reads the current :data:`RECORD_VERSION` and the older versions of
-:data:`READABLE_VERSIONS` (renaming their fields; a version 2 record, from before serving
-windows, has ``window`` None); any other version is refused with one line (:class:`RecordError`).
+:data:`READABLE_VERSIONS` (renaming their fields, :mod:`refspec.eval.record_json`; a version 2
+record, from before serving windows, has ``window`` None); any other version, and a field of the
+wrong JSON type, is refused with one line (:class:`RecordError`).
 Files of records: :mod:`refspec.eval.record_files`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar, Mapping
+
+from refspec.eval.record_json import mistyped, upgrade
 
 RECORD_VERSION = 5
 READABLE_VERSIONS = (2, 3, 4, 5)
@@ -344,36 +347,23 @@ class RunRecord:
         if version not in READABLE_VERSIONS:
             raise RecordError(f"record {obj.get('config_id', '?')} has record_version {version!r}; this refspec reads "
                               f"{', '.join(map(str, READABLE_VERSIONS))}: rerun its sweep")
-        d = _upgrade(dict(obj), version)
+        d = upgrade(dict(obj), version)
         missing = [f for f in ("config_id", "model", "drafter", "k", "batch", "corpus") if d.get(f) is None]
         if missing:
             raise RecordError(f"record {d.get('config_id', '?')} lacks {', '.join(missing)}; a record written by hand "
                               f"or cut short? Rerun its sweep")
-        _check_scalars(cls, d, "", d["config_id"])
+        for part in (cls, *SECTIONS.values()):  # the top fields, then each section's
+            wrong = mistyped(part, d, getattr(part, "PREFIX", ""))
+            if wrong:
+                raise RecordError(f"record {d['config_id']}: {wrong}; a record written by hand? Rerun its sweep")
         top = {f.name: _tuple(d[f.name]) for f in dataclasses.fields(cls)
                if f.name not in SECTIONS and f.name in d and d[f.name] is not None}
         top["request_outputs"] = tuple(_read(RequestOutput, o) for o in d.get("request_outputs") or ())
-        for sc in SECTIONS.values():
-            _check_scalars(sc, d, sc.PREFIX, d["config_id"])
         sections = {name: _read(sc, d) for name, sc in SECTIONS.items()}
         if not any(k.startswith(WindowFigures.PREFIX) for k in d):  # version 2: before steady-state windows
             sections["window"] = None
         return cls(**{**top, **sections, "record_version": RECORD_VERSION})
 
-
-_SCALARS = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,)}
-
-
-def _check_scalars(cls: type, d: Mapping[str, Any], prefix: str, config_id: str) -> None:
-    """A number, string or flag field holding another JSON type is a :class:`RecordError` naming it."""
-    for f in dataclasses.fields(cls):
-        value = d.get(prefix + f.name)
-        kinds = [k.strip() for k in str(f.type).split("|") if k.strip() != "None"]
-        if value is None or not kinds or not set(kinds) <= set(_SCALARS):
-            continue  # absent, or not a scalar field (mappings, tuples, sections)
-        if not any(isinstance(value, _SCALARS[k]) and (k == "bool" or not isinstance(value, bool)) for k in kinds):
-            raise RecordError(f"record {config_id}: {prefix + f.name} is {value!r}, not {' or '.join(kinds)}; "
-                              f"a record written by hand? Rerun its sweep")
 
 
 def _flat(section: Any) -> dict[str, Any]:
@@ -392,28 +382,6 @@ def fields_of_json() -> list[str]:
     """Every JSON field name of a record, in order (``docs/fields.md`` describes each)."""
     top = [f.name for f in dataclasses.fields(RunRecord) if f.name not in SECTIONS]
     return top + [sc.PREFIX + f.name for sc in SECTIONS.values() for f in dataclasses.fields(sc)]
-
-
-# ---- older versions --------------------------------------------------------------------------
-_V3_NAMES = {"emitted": "run_tokens", "total_time_s": "run_time_s", "total_energy_j": "run_energy_j",
-             "tokens_per_s": "run_tokens_per_s", "mean_active_rows": "run_mean_active_rows",
-             "energy_per_token_j_run": "run_j_per_token", "energy_per_token_j": "window_j_per_token",
-             "net_energy_j": "run_net_energy_j", "net_energy_per_token_j": "run_net_j_per_token",
-             "window_s": "window_time_s", "phase_energy_per_token_j": "phase_j_per_token"}
-_V2_NAMES = {**_V3_NAMES, "energy_per_token_j": "run_j_per_token", "rows": "requests",
-             "prompts_unique": "requests_unique"}
-
-
-def _upgrade(d: dict[str, Any], version: int) -> dict[str, Any]:
-    """``d`` under the current names (version 2 and 3 records wrote the run's and the window's J/token
-    as ``energy_per_token_j``; version 2's is the run's)."""
-    if version >= 4:  # version 4 lacks only fields that read as None
-        return d
-    names = _V2_NAMES if version == 2 else _V3_NAMES
-    out = {names.get(k, k): v for k, v in d.items() if not (version == 3 and k in ("rows", "prompts_unique"))}
-    if isinstance(out.get("baseline"), Mapping):
-        out["baseline"] = {names.get(k, k): v for k, v in out["baseline"].items()}
-    return out
 
 
 __all__ = ["RunRecord", "RequestOutput", "Stream", "Counts", "RunFigures", "WindowFigures", "Latency", "Energy",

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT / "eval"
 FLOORS = (
     ("flags", "interrupts", "outputs", "machine", "mixed_corpus", "acceptance_models", "injection", "audit",
-     "audit_noise", "bench_timing", "roofline_check", "roofline_policy", "corpora"),
+     "audit_noise", "bench_timing", "roofline_check", "roofline_policy", "corpora", "record_json"),
     ("prompt_sets", "requests", "policy_setup", "run_config", "record", "load", "record_files", "prefill_work", "runtime",
      "tp_launch", "roofline_tp"),
     ("pipeline", "record_figures", "baseline", "session"),

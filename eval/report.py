@@ -128,7 +128,9 @@ def _split_text(r: RunRecord) -> str:
     if a.get("additivity_residual") is not None:
         parts.append(f"additivity residual {100 * a['additivity_residual']:+.1f}%")
     if a.get("interaction_residual") is not None:
-        parts.append(f"interaction residual {100 * a['interaction_residual']:+.1f}%")
+        points = a.get("interaction_points")
+        parts.append(f"interaction residual {100 * a['interaction_residual']:+.1f}%"
+                     + (f" (up to {points:.1f} points of share)" if points is not None else ""))
     if e.phase_share_true and e.phase_share:
         err = max(abs(e.phase_share[p] - t) for p, t in e.phase_share_true.items() if p in e.phase_share)
         parts.append(f"largest error against the simulated truth {100 * err:.1f} points")

@@ -49,6 +49,7 @@ from refspec.drafting import Draft, Drafter
 from refspec.energy.accounting.attribution import Loop
 from refspec.energy.accounting.split_gate import GATE
 from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
+from refspec.energy.meters.counters import CounterRead
 from refspec.sampling import SamplingConfig
 from refspec.step import AcceptFn, Batch, accept_chain, commit, decide, new_batch, prefill, verify_forward
 
@@ -56,6 +57,8 @@ LOOP_PHASES = ("draft", "verify", "commit", "step", "prefill")
 """The loops, in the order they run (``step``: the whole step interleaved; ``prefill`` last)."""
 WALL_CAP = 20
 """A loop never runs longer than this many times its length on the host clock (a slow modelled clock)."""
+POLL_S = 2e-4
+"""Sleep between two reads of a counter awaited for its update, s."""
 UNBOUNDED = 1 << 30
 """Budget of a loop row: it never finishes."""
 
@@ -141,14 +144,48 @@ def set_up_batch(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: t
     raise AssertionError("unreachable: the set-up returns at its last step")
 
 
+def _await_update(read: Callable[[], CounterRead], period_s: float) -> CounterRead | None:
+    """Poll the counter, running nothing, until its value changes: the read just after an update
+    (None when it does not change within three periods, or its clock stands still: unaligned)."""
+    first = read()
+    deadline = time.perf_counter() + 3 * period_s + 0.02
+    while time.perf_counter() < deadline:
+        time.sleep(POLL_S)
+        now = read()
+        if now.energy_j != first.energy_j:
+            return now
+        if now.wall_s == first.wall_s:
+            return None  # a modelled clock: no update comes while nothing runs
+    return None
+
+
+def _aligned_end(read: Callable[[], CounterRead], period_s: float, last: CounterRead) -> float | None:
+    """The time of the last update ``last`` holds: the next update seen idle, less the period
+    between it and the one after (the counter's own period, however regular it claims to be)."""
+    a = _await_update(read, period_s)
+    b = _await_update(read, period_s) if a is not None else None
+    if b is None:
+        return None
+    return min(a.wall_s - (b.wall_s - a.wall_s), last.wall_s)
+
+
 def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync: Callable[[], None], *,
           rows: int | None = None, keep_times: bool = False) -> Loop:
     """Repeat ``body`` (one call, bracketing its own phases) for at least ``min_s`` seconds of the
     counter's clock; the counter is read at the loop's bounds only. ``keep_times``: sum each
-    phase's time (the step loop, whose commit holds the host sync, so no read waits on the device)."""
+    phase's time (the step loop, whose commit holds the host sync, so no read waits on the device).
+
+    A counter that updates once a period holds, at any read, the periods completed by then, so a
+    loop read at arbitrary bounds is off by up to a period at each end (a tenth of a loop at the
+    gate's floor). Where the counter's clock runs on its own, the loop starts just after an update
+    and ends at its last update, found from the next two updates seen with the device idle.
+    """
     clock = getattr(meter, "clock", time.perf_counter)  # the counter's time base (modelled under a GPU profile)
+    period = float(getattr(meter, "period_s", 0.0) or 0.0)
     sync()
-    first = meter.counter.read()
+    aligned = _await_update(meter.counter.read, period) if period > 0 else None
+    first = aligned or meter.counter.read()
+    run_s = min_s + (period if aligned else 0.0)  # the last update before the end lies within a period of it
     t0, wall0, iterations = clock(), time.perf_counter(), 0
     times: dict[str, float] = {}
     while True:
@@ -161,12 +198,16 @@ def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync:
             sync()  # a GPU's queue stays short, so the host clock tracks the work
         wall = time.perf_counter() - wall0
         # a modelled clock stands still over a phase without forwards: the wall clock ends it
-        if clock() - t0 >= min_s or (clock() == t0 and wall >= min_s) or wall >= WALL_CAP * min_s:
+        if clock() - t0 >= run_s or (clock() == t0 and wall >= run_s) or wall >= WALL_CAP * run_s:
             break
     sync()
     last = meter.counter.read()
-    return Loop(energy_j=last.energy_j - first.energy_j, time_s=last.wall_s - first.wall_s, iterations=iterations,
-                rows=rows, phase_time_s=times if keep_times else None)
+    end = _aligned_end(meter.counter.read, period, last) if aligned else None
+    span = last.wall_s - first.wall_s
+    time_s = span if end is None else end - first.wall_s
+    scale = time_s / span if span > 0 else 1.0  # the phases' times within the counted span
+    return Loop(energy_j=last.energy_j - first.energy_j, time_s=time_s, iterations=iterations, rows=rows,
+                phase_time_s={p: t * scale for p, t in times.items()} if keep_times else None)
 
 
 def _phase(meter, name: str, fn: Callable[[], object]) -> MeteredPhase:

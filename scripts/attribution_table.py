@@ -150,6 +150,7 @@ def one(args: argparse.Namespace, batch: int, setting: str, out_dir: Path) -> di
             "used": shares({p: sum(r["energy_j"] for run in new.records for r in run if r["phase"] == p)
                             for p in PHASES}) if new.method == "attributed-loops" else None,
             "method": new.method, "gate": new.split_gate, "interaction": new.interaction_residual,
+            "interaction_points": new.interaction_points,
             "additivity": new.additivity_residual, "ledger": ledger, "run_ids": run_ids}
 
 
@@ -165,7 +166,8 @@ def table(row: Mapping[str, Any]) -> str:
     verdict = "n/a" if gate is None else "passed" if gate.passed else "FAILED: " + "; ".join(gate.reasons)
     fmt = lambda x: "n/a" if x is None else f"{x:+.1%}"  # noqa: E731
     lines.append(f"split gate {verdict}; additivity residual {fmt(row['additivity'])}; "
-                 f"interaction residual {fmt(row['interaction'])}")
+                 f"interaction residual {fmt(row['interaction'])} (up to "
+                 f"{'n/a' if row['interaction_points'] is None else format(row['interaction_points'], '.1f')} points)")
     return "\n".join(lines)
 
 

@@ -234,7 +234,9 @@ def table(acc: Accounting) -> str:
     if a.get("loops_share") is not None:
         agree = f"agreement with the fit {a['agreement']:.3f}; " if a.get("agreement") is not None else ""
         lines.append(f"loops: {agree}additivity residual {100 * a['additivity_residual']:+.2f}%, interaction "
-                     f"residual {_pct(a.get('interaction_residual'))}")
+                     f"residual {_pct(a.get('interaction_residual'))}"
+                     + (f" (up to {a['interaction_points']:.1f} points of share)" if a.get("interaction_points") is not None
+                        else ""))
     gate = a.get("split_gate") or {}
     lines.append("split gate: passed" if gate.get("passed") else
                  "split gate: FAILED, total only: " + "; ".join(gate.get("reasons") or []))

@@ -267,7 +267,8 @@ def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
             "fit_determined": pe.fit_determined,
             "loops_j_per_call": {p: lp.j_per_step for p, lp in pe.loops.items()} or None,
             "loops_share": pe.share_loops, "agreement": pe.agreement, "additivity_residual": pe.additivity_residual,
-            "interaction_residual": pe.interaction_residual, "host_s": pe.host_s, "host_j": pe.host_j,
+            "interaction_residual": pe.interaction_residual, "interaction_points": pe.interaction_points,
+            "host_s": pe.host_s, "host_j": pe.host_j,
             "split_gate": pe.split_gate.as_dict() if pe.split_gate is not None else None,
             "true_total_j": pe.true_total_j,
             "total_error_vs_true": None if not pe.true_total_j else float(pe.total_j) / pe.true_total_j - 1.0}

@@ -35,9 +35,10 @@ additivity residual (the loops' prediction of the run, host time priced at the i
 against the counter's total) is within ``additivity``; where the fit is determined, loops and
 fit agree within ``agreement`` per share (plus twice the fit's standard error); and the
 interaction check passes: the loop of the
-whole step (``step``, the run's draft, verify and commit interleaved) drew within
-``interaction`` of what the isolated loops' powers predict for its phases' times (phases that
-change each other's power, through clocks, heat or caches, show there and nowhere else). A fit
+whole step (``step``, the run's draft, verify and commit interleaved) drew what the isolated
+loops' powers predict for its phases' times, its residual times the step phases' part of the
+split within ``interaction`` points of share (phases that change each other's power, through
+clocks, heat or caches, show there and nowhere else). A fit
 split is used only when the fit is determined and its sub-windows meet the same floors.
 
 Either way the measured total is the counter's, last read minus first, so the parts close on
@@ -134,6 +135,8 @@ class PhaseEnergy:
         interaction_residual: (predicted - measured) / measured over the step loop, the
             prediction being the isolated loops' powers x its phases' times (its host time
             spread in proportion).
+        interaction_points: |interaction residual| x the step phases' part of the split, in
+            points of share: the most it can move a phase's share (the gate's interaction check).
         share_true / share_naive: a simulated counter's true and naively read shares.
         true_total_j: a simulated counter's true energy over the runs' spans, J.
     """
@@ -159,6 +162,7 @@ class PhaseEnergy:
     agreement: float | None = None
     additivity_residual: float | None = None
     interaction_residual: float | None = None
+    interaction_points: float | None = None
     share_true: dict[str, float] | None = None
     share_naive: dict[str, float] | None = None
     true_total_j: float | None = None
@@ -346,10 +350,13 @@ def _attributed(phases: list[list[Record]], runs: Sequence[tuple[Sequence[Record
     loop_j = sum(by_loops(r) for r in flat)
     additivity = ((loop_j + host_j - measured) / measured if loops and host_j is not None and measured else None)
     interaction = interaction_residual(step, loops) if step is not None else None
+    in_step = set((step.phase_time_s or {}) if step is not None else ())
+    step_part = sum(by_loops(r) for r in flat if r["phase"] in in_step) / loop_j if loop_j > 0 else 1.0
     if loops:
         reasons = loop_reasons(loops, set(names), fit_prices=fit is not None, period_s=period, idle_w=host_w,
                                rule=rule) + check_reasons(additivity=additivity, agreement=worst,
-                                                          interaction=interaction, has_step=step is not None, rule=rule)
+                                                          interaction=interaction, has_step=step is not None,
+                                                          step_part=step_part, rule=rule)
     else:
         reasons = [] if fit is not None else [_fit_reason(fitted, windows, floor)]
     method = "measured-total-only" if reasons else "attributed-loops" if loops else "attributed-fit"
@@ -364,6 +371,7 @@ def _attributed(phases: list[list[Record]], runs: Sequence[tuple[Sequence[Record
         sub_windows=tuple(windows), fit=fitted.power, fit_condition=fitted.condition, fit_share_se=fitted.share_se,
         fit_determined=fitted.determined, loops=loops, step_loop=step, share_fit=share_fit, share_loops=share_loops,
         agreement=agreement, additivity_residual=additivity, interaction_residual=interaction,
+        interaction_points=None if interaction is None else 100 * abs(interaction) * step_part,
         share_true=shares(true_by_phase) if true_by_phase else None,
         share_naive=shares(naive_by_phase) if naive_by_phase else None,
         true_total_j=None if any(t is None for t in truths) else sum(truths))  # type: ignore[arg-type]

@@ -15,10 +15,13 @@ reported as ``measured-total-only`` with the reasons:
 * **agreement**: where the fit is determined too, loops and fit give each phase a share within
   ``agreement`` of each other, plus twice the fitted share's standard error;
 * **interaction**: the loop of the whole step (the run's draft, verify and commit interleaved)
-  drew within ``interaction`` of what the isolated loops' powers predict for its phases' times.
-  Additivity cannot see power moved from one phase to another inside the run (it sums to zero);
-  phases that change each other's power (clocks held up after a hungry phase, heat, caches) do
-  change the interleaved step's energy against the isolated loops', and show here.
+  drew what the isolated loops' powers predict for its phases' times, within ``interaction``
+  points of share. Additivity cannot see power moved from one phase to another inside the run
+  (it sums to zero); phases that change each other's power (clocks held up after a hungry
+  phase, heat, caches) do change the interleaved step's energy against the isolated loops', and
+  show here. The residual r is relative to the step's energy; the step's phases take a part w
+  of the split, so r x w of the split is energy the loops put in no phase or the wrong one,
+  and no phase's share can be moved by more than that: the check bounds |r| x w.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ class GateRule:
         min_s: shortest loop (and fit sub-window), s.
         additivity: largest |additivity residual|, relative to the measured total.
         agreement: largest difference of a phase's share between loops and a determined fit.
-        interaction: largest |interaction residual|, relative to the step loop's energy.
+        interaction: largest |interaction residual| x the step phases' part of the split (a
+            share's largest error from it).
     """
 
     min_periods: int = 10
@@ -131,9 +135,11 @@ def disagreement(share_loops: Mapping[str, float], share_fit: Mapping[str, float
 
 
 def check_reasons(*, additivity: float | None, agreement: tuple[str, float, float] | None,
-                  interaction: float | None, has_step: bool, rule: GateRule = GATE) -> list[str]:
+                  interaction: float | None, has_step: bool, step_part: float = 1.0,
+                  rule: GateRule = GATE) -> list[str]:
     """The additivity, agreement (:func:`disagreement`) and interaction checks of a loop split
-    (None: not computed; no agreement without a determined fit)."""
+    (None: not computed; no agreement without a determined fit); ``step_part``: the step loop's
+    phases' part of the split energy."""
     out = []
     if additivity is None:
         out.append("the additivity residual could not be formed (no price for the host time)")
@@ -147,9 +153,10 @@ def check_reasons(*, additivity: float | None, agreement: tuple[str, float, floa
         out.append("no loop of the whole step: the interaction check cannot run")
     elif interaction is None:
         out.append("the step loop cannot be predicted (a phase without an isolated loop, or no phase times)")
-    elif abs(interaction) > rule.interaction:
-        out.append(f"interaction residual {interaction:+.1%} beyond {rule.interaction:.0%}: the phases change "
-                   f"each other's power inside the step")
+    elif abs(interaction) * step_part > rule.interaction:
+        out.append(f"interaction residual {interaction:+.1%} of a step that is {step_part:.0%} of the split moves up "
+                   f"to {100 * abs(interaction) * step_part:.1f} points of share, beyond {100 * rule.interaction:g}: "
+                   f"the phases change each other's power inside the step")
     return out
 
 

@@ -78,7 +78,8 @@ def _attribution_lines(acc: Accounting) -> list[str]:
             lines.append(f"  loops: {_shares(a['loops_share'])}; agreement (largest share difference) "
                          f"{_fmt(a['agreement'], '.3f')}; "
                          f"additivity residual {_fmt(a['additivity_residual'], '+.1%')}; "
-                         f"interaction residual {_fmt(a['interaction_residual'], '+.1%')}")
+                         f"interaction residual {_fmt(a['interaction_residual'], '+.1%')} "
+                         f"(up to {_fmt(a.get('interaction_points'), '.1f')} points of share)")
         gate = a["split_gate"] or {}
         lines.append("  split gate: passed" if gate.get("passed") else
                      f"  split gate: FAILED, total only: {'; '.join(gate.get('reasons') or ['no split'])}")

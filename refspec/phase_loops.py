@@ -33,7 +33,7 @@ forward):
 
 Each phase call is bracketed by the meter as ``loop:<phase>`` (``loop:step:<phase>`` inside the
 step loop), so a simulated counter learns the true energy of what ran; the counter itself is
-read only at each loop's bounds.
+read only around each loop's bounds, which fall on its updates where it has them (:func:`_loop`).
 """
 from __future__ import annotations
 

@@ -182,11 +182,14 @@ def items(args: argparse.Namespace, batch: int, out_dir: Path) -> str:
         run_ids = list(result.record.stream.run_ids)
         split = split_energy(records, run_ids, split_profile(None, [session.meter.source]))
         assert split is not None
+        if split.split_gate_reasons:
+            lines.append(f"eagle b{batch}, {meter}: no per-request split, {split.method}: "
+                         f"{'; '.join(split.split_gate_reasons)}")
+            continue
         parts = ", ".join(f"{name} {100 * x:.1f}%" for name, x in split.shares.items())
-        why = f" ({'; '.join(split.split_gate_reasons)})" if split.split_gate_reasons else ""
         lines.append(f"eagle b{batch}, {meter}, {split.method}: {parts} of {split.total_j:.4g} J; residual "
                      f"{split.closure_error_j:+.4g} J -> {'closes' if split.closes else 'DOES NOT CLOSE'} "
-                     f"(tolerance {split.tolerance:g}){why}")
+                     f"(tolerance {split.tolerance:g})")
     return "\n".join(lines)
 
 

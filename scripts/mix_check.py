@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                        path=out / f"mix-k{k}-b{batch}.jsonl")
             pe = phase_energy(runs, host_w=meter.idle_w)
             gate = "passed" if pe.split_gate.passed else "FAILED: " + "; ".join(pe.split_gate.reasons)
-            residual = "n/a" if pe.interaction_residual is None else f"{pe.interaction_residual:+.2%}"
+            residual = ("n/a" if pe.interaction_residual is None else
+                        f"{pe.interaction_residual:+.2%} (up to {pe.interaction_points:.1f} points of share)")
             print(f"k{k}-b{batch}: {pe.method}; interaction residual {residual}; gate {gate}", flush=True)
         check = mix_check(mixes, host_w=meter.idle_w)
         (out / "mix_check.json").write_text(json.dumps({"meter": meter.source, **dataclasses.asdict(check)},

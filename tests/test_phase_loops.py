@@ -66,7 +66,8 @@ def test_each_loop_reads_the_counter_at_its_bounds_only(tiny_models, k):
     assert all(lp.phase_time_s is None for p, lp in loops.items() if p != "step")
     for name, loop in loops.items():
         assert loop.iterations >= 2 and loop.time_s >= 0.05, name
-        assert loop.energy_j == pytest.approx(POWER_W * loop.time_s, rel=1e-3), name  # energy and time read microseconds apart
+        # a continuous counter's last update is the final read itself, found to the idle polls' jitter (ms)
+        assert loop.energy_j == pytest.approx(POWER_W * loop.time_s, rel=0.05), name
     # a few reads per loop around its bounds (awaiting an update before and after): never one per iteration
     assert counter.reads <= 8 * len(loops) + 1 < sum(loop.iterations for loop in loops.values())
     before = counter.reads

@@ -6,8 +6,9 @@ against baseline) is the ratio of two wall times: other jobs on the cores change
 section: the 1-minute load average at both ends, the process's CPU time over the wall time,
 and (:func:`host_section`) the measured decode step time over the roofline's modelled one.
 :func:`verdict_reliability` says whether a comparison's verdict can be trusted: not when the
-two ran under different load, nor when a measured step took more than
-:data:`MAX_TIME_OVER_MODEL` times the model's (``docs/fields.md`` explains both thresholds).
+two ran under different load, nor when either got less than :data:`MIN_CPU_SHARE` of the
+cores its threads asked for, nor when a measured step took more than
+:data:`MAX_TIME_OVER_MODEL` times the model's (``docs/fields.md`` explains the thresholds).
 """
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from refspec.eval.record import Host, RunRecord
 
 MAX_LOAD_GAP_PER_CPU = 0.5
 """Largest difference in mean 1-minute load average per CPU between a comparison and its baseline."""
 MAX_TIME_OVER_MODEL = 10.0
 """Largest measured / modelled decode step time of a CPU verdict (a quiet machine shows 2.3-6.2x)."""
+MIN_CPU_SHARE = 0.75
+"""Least CPU time over wall time, per thread the run asked for (at most one per CPU), of a CPU verdict."""
 WHAT_TO_DO = ("unreliable verdicts: rerun on a quiet machine (nothing else on the cores), or pass --meter "
               "roofline:h200 (any GPU profile) for a load-independent modelled figure")
 
@@ -42,8 +47,8 @@ class LoadProbe:
         """The ``host`` section over the time since :meth:`start` (step times: :func:`host_section`)."""
         wall = time.perf_counter() - self.wall_s
         cpu = time.process_time() - self.cpu_s
-        return Host(load_start=self.load_start, load_end=_load_average(), cpus=os.cpu_count(), cpu_s=cpu,
-                    wall_s=wall, cpu_per_wall=cpu / wall if wall > 0 else None)
+        return Host(load_start=self.load_start, load_end=_load_average(), cpus=os.cpu_count(),
+                    threads=torch.get_num_threads(), cpu_s=cpu, wall_s=wall, cpu_per_wall=cpu / wall if wall > 0 else None)
 
 
 def _load_average() -> float | None:
@@ -88,6 +93,14 @@ def mean_load(h: Host) -> float | None:
     return sum(loads) / len(loads) / (h.cpus or 1) if loads else None
 
 
+def cpu_share(h: Host) -> float | None:
+    """CPU time over wall time per thread that had a core to itself (threads beyond the CPUs share
+    them anyway): an OpenMP team spins while it waits, so a run alone on the cores keeps near 1."""
+    if h.cpu_per_wall is None or not h.threads:
+        return None
+    return h.cpu_per_wall / min(h.threads, h.cpus or h.threads)
+
+
 def _host_of(figures: Any) -> Host:
     """The ``host`` section of a record or of a record's ``baseline`` figures."""
     if isinstance(figures, RunRecord):
@@ -99,7 +112,8 @@ def verdict_reliability(record: RunRecord, baseline: Any) -> tuple[bool | None, 
     """Whether ``record``'s verdict against ``baseline`` (a record or its ``baseline`` figures) can be trusted.
 
     Only wall-clock CPU runs are judged (a modelled time does not depend on load): unreliable when
-    the two ran at mean loads per CPU more than :data:`MAX_LOAD_GAP_PER_CPU` apart, or when either's
+    the two ran at mean loads per CPU more than :data:`MAX_LOAD_GAP_PER_CPU` apart, when either
+    got less than :data:`MIN_CPU_SHARE` of a core per thread (:func:`cpu_share`), or when either's
     measured step took more than :data:`MAX_TIME_OVER_MODEL` times the model's.
 
     Returns:
@@ -113,14 +127,19 @@ def verdict_reliability(record: RunRecord, baseline: Any) -> tuple[bool | None, 
     if a is not None and b is not None and abs(a - b) > MAX_LOAD_GAP_PER_CPU:
         reasons.append(f"it and its baseline ran under different load ({a:.2f} vs {b:.2f} load average per CPU)")
     for who, h in (("it", mine), ("its baseline", theirs)):
+        share = cpu_share(h)
+        if share is not None and share < MIN_CPU_SHARE:
+            reasons.append(f"{who} got {h.cpu_per_wall:.2f} CPUs for its {h.threads} threads ({share:.0%} of a core "
+                           f"each, under {MIN_CPU_SHARE:.0%}: other jobs shared the cores)")
         if h.time_vs_model is not None and h.time_vs_model > MAX_TIME_OVER_MODEL:
             reasons.append(f"{who} ran {h.time_vs_model:.0f}x slower than modelled (more than "
                            f"{MAX_TIME_OVER_MODEL:g}x: the host, not the model, set its time)")
     if reasons:
         return False, "; ".join(reasons)
-    judged = (a is not None and b is not None) or mine.time_vs_model is not None or theirs.time_vs_model is not None
+    judged = ((a is not None and b is not None) or any(x is not None for h in (mine, theirs)
+                                                        for x in (h.time_vs_model, cpu_share(h))))
     return (True, None) if judged else (None, None)
 
 
 __all__ = ["LoadProbe", "host_section", "measured_step_s", "modelled_step_s", "mean_load", "verdict_reliability",
-           "MAX_LOAD_GAP_PER_CPU", "MAX_TIME_OVER_MODEL", "WHAT_TO_DO"]
+           "cpu_share", "MAX_LOAD_GAP_PER_CPU", "MIN_CPU_SHARE", "MAX_TIME_OVER_MODEL", "WHAT_TO_DO"]

@@ -226,6 +226,7 @@ class Host:
     load_start: float | None
     load_end: float | None
     cpus: int | None
+    threads: int | None
     cpu_s: float | None
     wall_s: float | None
     cpu_per_wall: float | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from eval_records import record
 from refspec.eval import cli
@@ -21,15 +22,18 @@ tiny, one_thread = test_eval_cli.tiny, test_eval_cli.one_thread
 
 
 def _pair(*, load_base: float, load_spec: float, ratio_base: float = 3.0, ratio_spec: float = 3.0,
-          time_source: str = "wall-clock", **energy) -> list[RunRecord]:
-    """A baseline and an ngram comparison at batch 8 on 2 CPUs, under the given 1-minute load averages."""
-    def one(drafter: str, k: int, jw: float, load: float, ratio: float) -> RunRecord:
+          time_source: str = "wall-clock", cpu: tuple[float, float] = (None, None), threads: int | None = None,
+          **energy) -> list[RunRecord]:
+    """A baseline and an ngram comparison at batch 8 on 2 CPUs, under the given 1-minute load averages
+    (``cpu``: each one's CPU time over wall time, with ``threads``)."""
+    def one(drafter: str, k: int, jw: float, load: float, ratio: float, cpu_per_wall: float | None) -> RunRecord:
         return record(config_id=f"{drafter}-b8", drafter=drafter, k=k, batch=8, baseline_config_id="none-b8",
                       device="cpu", time_source=time_source, window_j_per_token=jw, run_tokens_per_s=100.0 / jw,
                       energy_source=energy.get("source", "modelled:roofline(cpu-fp32-2t,wall-time)"),
                       energy_measured=energy.get("measured", False), host_load_start=load, host_load_end=load,
-                      host_cpus=2, host_time_vs_model=ratio)
-    return attach_baselines([one("none", 0, 0.10, load_base, ratio_base), one("ngram", 4, 0.08, load_spec, ratio_spec)])
+                      host_cpus=2, host_time_vs_model=ratio, host_cpu_per_wall=cpu_per_wall, host_threads=threads)
+    return attach_baselines([one("none", 0, 0.10, load_base, ratio_base, cpu[0]),
+                             one("ngram", 4, 0.08, load_spec, ratio_spec, cpu[1])])
 
 
 def test_a_pair_under_different_load_is_marked_everywhere():
@@ -61,6 +65,19 @@ def test_a_step_far_slower_than_modelled_is_marked_under_matched_load(slow):
     assert f"146x slower than modelled (more than {MAX_TIME_OVER_MODEL:g}x" in spec.comparison.verdict_unreliable_reason
 
 
+def test_a_pair_that_shared_the_cores_is_marked_even_under_matched_load():
+    """Two busy loops on both cores through both runs: the load averages match, the step times stay
+    under 10x the model, but each run got about one CPU for its two threads (0.95-0.99 measured)."""
+    _, spec = _pair(load_base=1.6, load_spec=1.7, cpu=(0.99, 0.95), threads=2)
+    assert spec.comparison.verdict_reliable is False
+    assert spec.comparison.verdict_unreliable_reason == (
+        "it got 0.95 CPUs for its 2 threads (48% of a core each, under 75%: other jobs shared the cores); its baseline "
+        "got 0.99 CPUs for its 2 threads (50% of a core each, under 75%: other jobs shared the cores)")
+    # alone on the cores an OpenMP team keeps each thread busy (1.99 of 2 measured); one thread on one core too
+    assert _pair(load_base=1.0, load_spec=1.0, cpu=(1.99, 1.98), threads=2)[1].comparison.verdict_reliable is True
+    assert _pair(load_base=1.0, load_spec=1.0, cpu=(0.99, 0.98), threads=1)[1].comparison.verdict_reliable is True
+
+
 def test_modelled_time_is_reliable_whatever_the_load():
     _, spec = _pair(load_base=0.1, load_spec=8.0, ratio_spec=1000.0, time_source="modelled")
     assert spec.comparison.verdict_reliable is True
@@ -85,7 +102,7 @@ def test_the_probe_records_load_and_cpu_time_over_wall_time():
     probe = LoadProbe.start()
     sum(i * i for i in range(200_000))  # some CPU work on this thread
     host = probe.stop()
-    assert host.wall_s > 0 and host.cpu_s >= 0 and host.cpus >= 1
+    assert host.wall_s > 0 and host.cpu_s >= 0 and host.cpus >= 1 and host.threads == torch.get_num_threads()
     assert host.cpu_per_wall == pytest.approx(host.cpu_s / host.wall_s)
     assert host.load_start is None or (host.load_start >= 0 and host.load_end >= 0)
 

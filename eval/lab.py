@@ -70,6 +70,8 @@ class Split:
         agreement: loops against fit, where both exist.
         interaction_residual: the interleaved step loop against the isolated loops, relative
             (None where not run).
+        interaction_points: that residual times the step phases' part of the split: the most it
+            can move a phase's share, in points (the gate allows 3).
         share_true: the simulated counter's true shares (a simulated counter only).
         share_naive: each phase's own counter difference, as shares (a simulated counter only).
     """
@@ -80,6 +82,7 @@ class Split:
     additivity_residual: float | None
     agreement: Any
     interaction_residual: float | None
+    interaction_points: float | None
     share_true: Mapping[str, float] | None
     share_naive: Mapping[str, float] | None
 
@@ -190,6 +193,7 @@ def _split(record: RunRecord) -> Split | None:
     return Split(method=record.energy.phase_energy_method, gate_passed=gate.get("passed"),
                  gate_reasons=tuple(gate.get("reasons") or ()), additivity_residual=a.get("additivity_residual"),
                  agreement=a.get("agreement"), interaction_residual=a.get("interaction_residual"),
+                 interaction_points=a.get("interaction_points"),
                  share_true=record.energy.phase_share_true, share_naive=record.energy.phase_share_naive)
 
 

@@ -144,26 +144,29 @@ def set_up_batch(t: LoopTarget, shapes: LoopShapes, no_eos: torch.Tensor, gen: t
     raise AssertionError("unreachable: the set-up returns at its last step")
 
 
-def _await_update(read: Callable[[], CounterRead], period_s: float) -> CounterRead | None:
-    """Poll the counter, running nothing, until its value changes: the read just after an update
-    (None when it does not change within three periods, or its clock stands still: unaligned)."""
+def _await_update(read: Callable[[], CounterRead], period_s: float,
+                  wait: Callable[[float], None]) -> CounterRead | None:
+    """Poll the counter, running nothing (``wait`` lets time pass), until its value changes: the
+    read just after an update (None when it does not change within three periods, or its clock
+    stands still: unaligned)."""
     first = read()
-    deadline = time.perf_counter() + 3 * period_s + 0.02
+    deadline = time.perf_counter() + 3 * period_s + 0.5
     while time.perf_counter() < deadline:
-        time.sleep(POLL_S)
+        wait(POLL_S)
         now = read()
         if now.energy_j != first.energy_j:
             return now
-        if now.wall_s == first.wall_s:
-            return None  # a modelled clock: no update comes while nothing runs
+        if now.wall_s == first.wall_s or now.wall_s - first.wall_s > 3 * period_s:
+            return None  # a clock that stands still while nothing runs, or a counter that does not step
     return None
 
 
-def _aligned_end(read: Callable[[], CounterRead], period_s: float, last: CounterRead) -> float | None:
+def _aligned_end(read: Callable[[], CounterRead], period_s: float, last: CounterRead,
+                 wait: Callable[[float], None]) -> float | None:
     """The time of the last update ``last`` holds: the next update seen idle, less the period
     between it and the one after (the counter's own period, however regular it claims to be)."""
-    a = _await_update(read, period_s)
-    b = _await_update(read, period_s) if a is not None else None
+    a = _await_update(read, period_s, wait)
+    b = _await_update(read, period_s, wait) if a is not None else None
     if b is None:
         return None
     return min(a.wall_s - (b.wall_s - a.wall_s), last.wall_s)
@@ -177,13 +180,15 @@ def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync:
 
     A counter that updates once a period holds, at any read, the periods completed by then, so a
     loop read at arbitrary bounds is off by up to a period at each end (a tenth of a loop at the
-    gate's floor). Where the counter's clock runs on its own, the loop starts just after an update
-    and ends at its last update, found from the next two updates seen with the device idle.
+    gate's floor). Where the counter's clock moves while nothing runs (a real counter's; a
+    simulated one's through ``meter.wait``), the loop starts just after an update and ends at its
+    last update, found from the next two updates seen with the device idle.
     """
     clock = getattr(meter, "clock", time.perf_counter)  # the counter's time base (modelled under a GPU profile)
     period = float(getattr(meter, "period_s", 0.0) or 0.0)
     sync()
-    aligned = _await_update(meter.counter.read, period) if period > 0 else None
+    wait = getattr(meter, "wait", time.sleep)
+    aligned = _await_update(meter.counter.read, period, wait) if period > 0 else None
     first = aligned or meter.counter.read()
     run_s = min_s + (period if aligned else 0.0)  # the last update before the end lies within a period of it
     t0, wall0, iterations = clock(), time.perf_counter(), 0
@@ -202,9 +207,10 @@ def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync:
             break
     sync()
     last = meter.counter.read()
-    end = _aligned_end(meter.counter.read, period, last) if aligned else None
+    end = _aligned_end(meter.counter.read, period, last, wait) if aligned else None
     span = last.wall_s - first.wall_s
-    time_s = span if end is None else end - first.wall_s
+    # no whole period counted: the unaligned span, which the gate's floor then refuses by name
+    time_s = span if end is None or end - first.wall_s < period / 2 else end - first.wall_s
     scale = time_s / span if span > 0 else 1.0  # the phases' times within the counted span
     return Loop(energy_j=last.energy_j - first.energy_j, time_s=time_s, iterations=iterations, rows=rows,
                 phase_time_s={p: t * scale for p, t in times.items()} if keep_times else None)

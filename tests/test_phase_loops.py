@@ -1,5 +1,6 @@
 """Phase-isolated loops: the counter is read at loop bounds only, each loop call does the work of the
 run's phase (forward by forward, the drafter's catch-up included), the step loop runs the whole step."""
+import math
 import time
 
 import pytest
@@ -234,3 +235,26 @@ def test_a_clock_that_stands_still_does_not_hang_a_loop(tiny_models):
     loops = run_phase_loops(LoopTarget(target=m, drafter=None, verify_fn=m, sampling=SamplingConfig()),
                             _shapes(0), meter, min_s=0.05)
     assert all(loop.iterations >= 1 for loop in loops.values())
+
+
+def test_loops_on_a_modelled_clock_align_by_letting_it_run():
+    """A GPU profile's modelled clock moves only with phases; the simulated meter's ``wait`` moves
+    it while the loop awaits an update, so its loops count whole periods of the counter too, and
+    a fully sampled counter then gives each loop exactly the device's true energy over them."""
+    from refspec.energy.meters.simulated import SimulatedMeter
+    from refspec.energy.model.hardware import get_profile
+    from refspec.phase_loops import _loop, _phase
+
+    period = 0.002
+    meter = SimulatedMeter(get_profile("h200"), time_source="model", period_s=period, sample_s=period, offset_s=7e-4)
+    trace = meter.counter.trace
+    meter.wait(0.0051)  # past the counter's first update (its value still 0 there: no change to see)
+    for _ in range(2):  # two loops back to back: the second starts off the first's last update
+        start = meter.clock()
+        loop = _loop(meter, lambda: [_phase(meter, "loop:commit", lambda: None)], 0.02, lambda: None)
+        periods = loop.time_s / period
+        assert periods >= 10 and periods == pytest.approx(round(periods), abs=0.15), "whole periods"
+        first = 7e-4 + (math.floor((start - 7e-4) / period) + 1) * period  # the first update after it began
+        end = first + round(periods) * period
+        assert loop.energy_j == pytest.approx(trace.energy_at(end) - trace.energy_at(first), rel=1e-6)
+    meter.abandon_run()

@@ -139,13 +139,16 @@ plt.show()
 # whole step (draft, verify and commit interleaved, as in the run) drawing what the isolated
 # loops predict: the **interaction check**, which catches phases that change each other's power
 # (clocks held up after a hungry phase, heat), something additivity cannot see because such
-# errors sum to zero. A split that fails is reported as `measured-total-only`, with its reasons.
+# errors sum to zero. Its residual is relative to the step; times the step phases' part of the
+# split it is the most it can move any phase's share, and the gate allows 3 points. A split
+# that fails is reported as `measured-total-only`, with its reasons.
 
 # %%
 for name, report in (("fine counter", r), ("slow counter", r_slow)):
     s = report.split
     verdict = "passed" if s.gate_passed else "failed: " + "; ".join(s.gate_reasons)
-    interaction = "not run" if s.interaction_residual is None else f"{s.interaction_residual:+.1%}"
+    interaction = ("not run" if s.interaction_residual is None else
+                   f"{s.interaction_residual:+.1%} (up to {s.interaction_points:.1f} points of share)")
     print(f"{name}: gate {verdict}; interaction residual {interaction}")
 
 # %% [markdown]

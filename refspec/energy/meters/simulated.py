@@ -281,6 +281,14 @@ class SimulatedMeter(WindowedMeter):
             self._modelled.now_s = t0 + dt
         return (("energy_true_j", true_j), ("energy_naive_j", counter.value_at(t0 + dt) - before))
 
+    def wait(self, seconds: float) -> None:
+        """Let ``seconds`` pass with nothing running: a sleep on the wall clock, the modelled clock
+        moved on otherwise (the device draws host power, then idle, over it)."""
+        if self._modelled is not None:
+            self._modelled.now_s += seconds
+        else:
+            time.sleep(seconds)
+
     def measure_idle_w(self, seconds: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> float:
         """The law's idle power: what the counter reads after a long rest (no sleep needed)."""
         return self.law.idle_w

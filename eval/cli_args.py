@@ -141,9 +141,10 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
                         "ledger gives each rank's energy and the time in collectives per phase")
     h.add_argument("--phase-loops-s", type=float, default=None, metavar="S",
                    help="under a counter meter (zeus, nvml, rapl, simulated): after each configuration, run each "
-                        "phase alone for S seconds at the run's shapes and read the counter at the loop's bounds, "
-                        "the per-phase split's second source beside the fit over sub-windows (default: ten counter "
-                        "periods, at least 1 s; 0: no loops)")
+                        "phase alone for S seconds at the run's shapes (at most 3600) and read the counter at the "
+                        "loop's bounds, on its updates; the per-phase split's second source beside the fit over "
+                        "sub-windows (default: ten counter periods, at least 1 s; 0: no loops; a shorter S runs and "
+                        "the split gate refuses it)")
 
 
 def add_engine_flags(g: Any, *, sweep: bool, full: bool) -> None:

@@ -106,6 +106,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 ACCEPTANCE_SCHEMA = "refspec.acceptance/1"
+PHASE_LOOPS_MAX_S = 3600.0
+"""Longest phase loop a run may ask for, s: the gate's floor is ten counter periods of at most 60 s."""
 
 
 def _check_earlier_export(path: Path) -> None:
@@ -129,7 +131,8 @@ def check_run_flags(args: argparse.Namespace, *, sweep: bool) -> tuple[list[int]
         finite("--latency-target", args.latency_target, low=0, low_open=True, fix="a p99 TPOT in seconds, e.g. 0.05")
     check_meter(args.meter)
     if getattr(args, "phase_loops_s", None) is not None:
-        finite("--phase-loops-s", args.phase_loops_s, low=0, fix="seconds per loop, or 0 for none")
+        finite("--phase-loops-s", args.phase_loops_s, low=0, high=PHASE_LOOPS_MAX_S,
+               fix="seconds per loop, or 0 for none (the longest counter period, 60 s, needs 600)")
     if args.threads != "auto":
         try:
             threads = int(args.threads)

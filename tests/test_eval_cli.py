@@ -278,6 +278,8 @@ def test_report_command_renders_from_a_run_directory(run_dir, capsys):
     (["--dtype", "int3"], "--dtype 'int3' is unknown"),
     (["--k", "-1"], "--k must be an integer >= 0"),
     (["--latency-target", "0"], "--latency-target must be a finite number > 0"),
+    (["--phase-loops-s", "1e9"], "--phase-loops-s must be a finite number >= 0 and <= 3600"),
+    (["--phase-loops-s", "nan"], "--phase-loops-s must be a finite number >= 0 and <= 3600"),
     (["--threads", "0"], "--threads must be an integer >= 1"),
     (["--threads", "many"], "--threads expects a number or auto"),
 ])

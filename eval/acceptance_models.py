@@ -189,7 +189,7 @@ class AcceptanceModel:
         """Count accepted drafts per row-step of one or more ``Engine.generate`` results.
 
         Args:
-            gen: a :class:`~refspec.engine.Generation` or several (their ``accepted_per_step``:
+            gen: a :class:`~refspec.serving.Generation` or several (their ``accepted_per_step``:
                 -1 marks rows already done and is skipped).
             k: the K the runs drafted with.
             name, drafter, corpus: labels of the model.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ from refspec.policy import FixedK
 from refspec.policy_protocol import SpeculationPolicy, StepView
 from refspec.sampling import SamplingConfig
 from refspec.scheduler import Scheduler
-from refspec.serving import DecodeFigures, Request, RequestSource, ServeResult
+from refspec.serving import Generation, Request, RequestSource, ServeResult
 from refspec.step import AcceptFn, Batch, Committed, accept_chain, commit, decide, new_batch, prefill, verify_forward
 from refspec.target import TargetForward
 
@@ -76,32 +76,6 @@ class EngineConfig:
             raise GenerationError(f"k must be >= 0, got {self.k}")
         if self.kv_bucket < 1:
             raise GenerationError("kv_bucket must be >= 1")
-
-
-@dataclasses.dataclass
-class Generation(DecodeFigures):
-    """Result of one batch.
-
-    Attributes:
-        tokens: emitted tokens per row (including a final EOS if one was produced).
-        prompt_lengths: prompt length per row.
-        finished_by_eos: whether each row stopped at EOS (else at its budget).
-        steps: decode steps run (verify forwards).
-        accepted_per_step: per step, accepted drafts per row (-1 where the row was done).
-        emitted_per_step: per step, emitted tokens per row.
-        events: every phase event of the batch.
-    """
-
-    tokens: list[list[int]]
-    prompt_lengths: list[int]
-    finished_by_eos: list[bool]
-    steps: int
-    accepted_per_step: list[list[int]]
-    emitted_per_step: list[list[int]]
-    events: list[PhaseEvent]
-
-    def _token_lists(self) -> Iterable[Sequence[int]]:
-        return self.tokens
 
 
 class Engine:

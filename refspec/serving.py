@@ -17,7 +17,7 @@ from refspec.energy.ledger.events import PhaseEvent
 
 class DecodeFigures:
     """``tau`` and ``num_emitted`` of a decode result: one definition for
-    :class:`~refspec.engine.Generation` and :class:`ServeResult`.
+    :class:`Generation` and :class:`ServeResult`.
 
     A subclass holds ``accepted_per_step`` (``[steps][B]``, -1 where the row held no live
     request) and returns its emitted tokens, per row or per request, from ``_token_lists``.
@@ -158,4 +158,30 @@ class ServeResult(DecodeFigures):
         return (r.tokens for r in self.requests)
 
 
-__all__ = ["DecodeFigures", "Request", "RequestResult", "RequestSource", "ServeResult"]
+@dataclasses.dataclass
+class Generation(DecodeFigures):
+    """Result of one batch.
+
+    Attributes:
+        tokens: emitted tokens per row (including a final EOS if one was produced).
+        prompt_lengths: prompt length per row.
+        finished_by_eos: whether each row stopped at EOS (else at its budget).
+        steps: decode steps run (verify forwards).
+        accepted_per_step: per step, accepted drafts per row (-1 where the row was done).
+        emitted_per_step: per step, emitted tokens per row.
+        events: every phase event of the batch.
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    finished_by_eos: list[bool]
+    steps: int
+    accepted_per_step: list[list[int]]
+    emitted_per_step: list[list[int]]
+    events: list[PhaseEvent]
+
+    def _token_lists(self) -> Iterable[Sequence[int]]:
+        return self.tokens
+
+
+__all__ = ["DecodeFigures", "Generation", "Request", "RequestResult", "RequestSource", "ServeResult"]

@@ -158,7 +158,7 @@ def test_each_commit_event_carries_the_steps_acceptance_and_policy_choice(tiny_m
 
 
 def test_generation_and_serve_result_share_tau_and_num_emitted(tiny_models):
-    from refspec.engine import Generation
+    from refspec.serving import Generation
     from refspec.serving import ServeResult
 
     # one implementation of each figure, not two copies that could drift

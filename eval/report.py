@@ -29,9 +29,9 @@ from refspec.eval.plots import write_plots
 from refspec.eval.policy_report import policy_section
 from refspec.eval.record import RunRecord
 from refspec.eval.report_requests import closure_md as request_closure_md, request_plots, requests_md
-from refspec.eval.report_serving import (audit_md, greedy_text, invalid_notes, old_records_note, serving_line,
-                                         static_note, target_choices, targets_md, window_cell, windows_md)
-from refspec.eval.report_text import (budgets_text, config_label, corpora, energy_sources, fmt, injection_lines, j_run,
+from refspec.eval.report_serving import (audit_md, greedy_text, invalid_notes, old_records_note, run_cell,
+                                         serving_line, static_note, target_choices, targets_md, window_cell, windows_md)
+from refspec.eval.report_text import (budgets_text, config_label, corpora, energy_sources, fmt, injection_lines,
                                       phases_text, refills_text, requests_text, sampling_text, setting, sort_key,
                                       ttft_text, verdict, vs_baseline_text)
 
@@ -51,7 +51,7 @@ def _corpus_line(corpus: str, rows: Sequence[RunRecord]) -> str:
 def _table_row(r: RunRecord) -> str:
     return (f"{config_label(r):<26}{fmt(r.counts.tau, '.3f'):>6}{fmt(r.run.tokens_per_s, '.2f'):>9}"
             f"{fmt(r.run.mean_active_rows, '.1f'):>6}{refills_text(r):>9}{ttft_text(r):>16}"
-            f"{fmt(r.latency.tpot_p99_s, '.1f', 1e3):>12}{window_cell(r):>13}{fmt(j_run(r), '.4g'):>11}  "
+            f"{fmt(r.latency.tpot_p99_s, '.1f', 1e3):>12}{window_cell(r):>13}{run_cell(r):>11}  "
             f"{phases_text(r):<30}{greedy_text(r):<26}{vs_baseline_text(r)}")
 
 
@@ -97,7 +97,7 @@ def _md_row(r: RunRecord) -> str:
              fmt(r.run.mean_active_rows, ".1f"), refills_text(r), fmt(r.work.prefill_positions_per_token, ".2f"),
              *(fmt(x, ".1f", 1e3) for x in (r.latency.ttft_p50_s, r.latency.ttft_p99_s, r.latency.tpot_p50_s,
                                             r.latency.tpot_p99_s)),
-             window_cell(r), fmt(j_run(r), ".4g"), fmt(pred, ".4g"), phases_text(r), greedy_text(r),
+             window_cell(r), run_cell(r), fmt(pred, ".4g"), phases_text(r), greedy_text(r),
              vs_baseline_text(r)]
     return "| " + " | ".join(cells) + " |"
 

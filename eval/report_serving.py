@@ -42,11 +42,22 @@ def window_cell(r: RunRecord) -> str:
     return "empty" if empty else fmt(v, ".4g") + ("*" if r.window.valid is False else "")
 
 
+def _unresolved(r: RunRecord) -> str | None:
+    """Why the counter's total over the run cannot be trusted (None: it can, or no counter)."""
+    return (r.energy.attribution or {}).get("total_unresolved")
+
+
+def run_cell(r: RunRecord) -> str:
+    """The run J/token, marked ``*`` when the counter's total over the run is unresolved."""
+    return fmt(j_run(r), ".4g") + ("*" if _unresolved(r) else "")
+
+
 def invalid_notes(records: Sequence[RunRecord], label: Label) -> list[str]:
-    """One line per configuration whose window is invalid (marked ``*``): why, and that it is not ranked."""
-    return [f"* {label(r)}: window invalid ({r.window.invalid_reason}); its J/token is shown, never ranked "
-            f"by a latency target" for r in records if r.window is not None and r.window.valid is False
-            and not r.window.note]
+    """One line per configuration whose window is invalid or whose run total is unresolved (marked ``*``)."""
+    return ([f"* {label(r)}: window invalid ({r.window.invalid_reason}); its J/token is shown, never ranked "
+             f"by a latency target" for r in records if r.window is not None and r.window.valid is False
+             and not r.window.note]
+            + [f"* {label(r)}: run J/token unresolved ({_unresolved(r)})" for r in records if _unresolved(r)])
 
 
 def windows_md(rows: Sequence[RunRecord], label: Label) -> list[str]:
@@ -214,7 +225,7 @@ def _row_md(r: RunRecord, ms: Mapping[str, float | None], targets: Targets, chos
             label: Label) -> str:
     vs = premium(float(shown_j(r)), float(shown_j(chosen))) if chosen else None
     mark = " **chosen**" if r is chosen else ""
-    cells = [f"{label(r)}{mark}", window_cell(r), fmt(j_run(r), ".4g"), fmt(r.run.mean_active_rows, ".1f"),
+    cells = [f"{label(r)}{mark}", window_cell(r), run_cell(r), fmt(r.run.mean_active_rows, ".1f"),
              fmt(r.latency.ttft_p99_s, ".1f", 1e3), fmt(r.latency.tpot_p99_s, ".1f", 1e3),
              *(_miss_cell(ms[f], t) for f, t in targets.given().items()),
              "n/a" if vs is None else f"{100 * vs:+.1f}%"]
@@ -279,6 +290,6 @@ def unmet(choices: Mapping[str, CorpusChoice]) -> list[str]:
     return [c for c, ch in sorted(choices.items()) if ch.chosen is None]
 
 
-__all__ = ["static_note", "window_cell", "invalid_notes", "windows_md", "serving_line", "old_records_note",
+__all__ = ["static_note", "window_cell", "run_cell", "invalid_notes", "windows_md", "serving_line", "old_records_note",
            "greedy_text", "audit_md", "CorpusChoice", "latency_view", "target_choices", "targets_md", "targets_text",
            "unmet", "TIGHTER"]

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from eval_records import record
 from refspec.energy.accounting.headline import account
 from refspec.energy.accounting.serving_window import Window, WindowRule, window_validity
 from refspec.energy.accounting.text import format_accounting
@@ -240,6 +241,24 @@ def gate(tmp_path, **kw):
     assert (acc.phase_energy_method == "attributed-loops") == g["passed"]
     assert g["passed"] or (acc.unattributed_energy_j == pytest.approx(acc.total_energy_j) and acc.closes)
     return g
+
+
+def test_a_run_shorter_than_the_floor_marks_its_total_unresolved(tmp_path):
+    """A counter read at a run's bounds is off by up to a period at each end: the hand-built run
+    (19.65 s, printed 19.7) resolves its total on a 0.1 s counter, not on a 5 s one (floor 50 s), and the
+    report's run J/token then carries a mark and the reason."""
+    from refspec.eval.report_serving import invalid_notes, run_cell
+
+    fine = account(_read(tmp_path, built(idle_w=HOST_W)[0]), min_window_s=5.0)
+    assert fine.attribution["total_unresolved"] is None
+    coarse = account(_read(tmp_path, built(idle_w=HOST_W, period_s=5.0)[0]), min_window_s=5.0)
+    reason = ("the counter spans 19.7 s = 3.93 periods over the run, under max(10 periods, 1 s) = 50 s: its total is "
+              "off by up to a period at each end")
+    assert coarse.attribution["total_unresolved"] == reason
+    rec = record(config_id="c", device="cpu", run_j_per_token=coarse.j_per_token,
+                 attribution=coarse.attribution)
+    assert run_cell(rec).endswith("*") and invalid_notes([rec], lambda r: "c") == [
+        f"* c: run J/token unresolved ({reason})"]
 
 
 def test_a_loop_shorter_than_ten_periods_or_a_second_fails_the_gate(tmp_path):

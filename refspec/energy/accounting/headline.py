@@ -76,6 +76,7 @@ from refspec.energy.accounting.serving_window import (RequestTimes, Window, Wind
 from refspec.energy.ledger.read import unfinished_runs
 from refspec.energy.ledger.step_groups import COUNTS, AccountingError, Record, Step, group_steps
 from refspec.energy.accounting.phase_energy import PhaseEnergy, phase_energy, shares
+from refspec.energy.accounting.split_gate import total_reason
 
 LINE_ITEMS = ("prefill", "draft_kept", "draft_rejected", "verify_useful", "verify_rejected", "commit", "other",
               "unattributed")
@@ -263,12 +264,11 @@ def _attribution(pe: PhaseEnergy) -> dict[str, Any] | None:
     return {"method": pe.method, "sub_windows": len(pe.sub_windows), "measured_j": pe.total_j, "span_s": pe.span_s,
             "unattributed_j": pe.unattributed_j, "fit_power_w": fit.power_w if fit else None,
             "fit_share": pe.share_fit, "fit_relative_residual": fit.relative_residual if fit else None,
-            "fit_condition": pe.fit_condition, "fit_share_se": pe.fit_share_se,
-            "fit_determined": pe.fit_determined,
+            "fit_condition": pe.fit_condition, "fit_share_se": pe.fit_share_se, "fit_determined": pe.fit_determined,
             "loops_j_per_call": {p: lp.j_per_step for p, lp in pe.loops.items()} or None,
             "loops_share": pe.share_loops, "agreement": pe.agreement, "additivity_residual": pe.additivity_residual,
             "interaction_residual": pe.interaction_residual, "interaction_points": pe.interaction_points,
-            "host_s": pe.host_s, "host_j": pe.host_j,
+            "host_s": pe.host_s, "host_j": pe.host_j, "total_unresolved": total_reason(pe.span_s, pe.period_s),
             "split_gate": pe.split_gate.as_dict() if pe.split_gate is not None else None,
             "true_total_j": pe.true_total_j,
             "total_error_vs_true": None if not pe.true_total_j else float(pe.total_j) / pe.true_total_j - 1.0}

@@ -160,6 +160,19 @@ def check_reasons(*, additivity: float | None, agreement: tuple[str, float, floa
     return out
 
 
+def total_reason(span_s: float | None, period_s: float | None, rule: GateRule = GATE) -> str | None:
+    """Why a counter's total over a run of ``span_s`` seconds cannot be trusted, or None: read at the
+    run's bounds, it is off by up to a period at each end, so the run must span the gate's floor."""
+    if span_s is None or not period_s:
+        return None
+    floor = rule.floor_s(period_s)
+    if span_s >= floor:
+        return None
+    return (f"the counter spans {span_s:.3g} s = {span_s / period_s:.3g} periods over the run, under max("
+            f"{rule.min_periods} periods, {rule.min_s:g} s) = {floor:.3g} s: its total is off by up to a period "
+            f"at each end")
+
+
 def withheld(method: str | None, attribution: Mapping[str, Any] | None) -> str | None:
     """Why an accounting's phase split must not be shown, or None when it may be.
 
@@ -178,4 +191,4 @@ def withheld(method: str | None, attribution: Mapping[str, Any] | None) -> str |
 
 
 __all__ = ["GateRule", "GATE", "SplitGate", "loop_reasons", "interaction_residual", "disagreement", "check_reasons",
-           "withheld"]
+           "total_reason", "withheld"]

@@ -70,8 +70,8 @@ class Split:
         agreement: loops against fit, where both exist.
         interaction_residual: the interleaved step loop against the isolated loops, relative
             (None where not run).
-        interaction_points: that residual times the step phases' part of the split: the most it
-            can move a phase's share, in points (the gate allows 3).
+        interaction_points: that residual times the step phases' part of the split, in points:
+            the most it moves a share when it adds to every phase it touches (the gate allows 3).
         share_true: the simulated counter's true shares (a simulated counter only).
         share_naive: each phase's own counter difference, as shares (a simulated counter only).
     """

@@ -175,7 +175,7 @@ def _aligned_end(read: Callable[[], CounterRead], period_s: float, last: Counter
 def _loop(meter, body: Callable[[], Sequence[MeteredPhase]], min_s: float, sync: Callable[[], None], *,
           rows: int | None = None, keep_times: bool = False) -> Loop:
     """Repeat ``body`` (one call, bracketing its own phases) for at least ``min_s`` seconds of the
-    counter's clock; the counter is read at the loop's bounds only. ``keep_times``: sum each
+    counter's clock; the counter is read only around the loop's bounds. ``keep_times``: sum each
     phase's time (the step loop, whose commit holds the host sync, so no read waits on the device).
 
     A counter that updates once a period holds, at any read, the periods completed by then, so a

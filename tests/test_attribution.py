@@ -296,7 +296,7 @@ def test_a_missing_or_disagreeing_step_loop_fails_the_gate(tmp_path):
     assert gate(tmp_path, loops=every_loop()[:-1])["reasons"] == [
         "no loop of the whole step: the interaction check cannot run"]
     # the step's phases take (400 + 2,000 + 40) J of the split's 3,250 J, 75 %: a residual r of the step
-    # is 0.75 r of the split, the most it can move any phase's share
+    # is 0.75 r of the split, the most it moves a share when it adds to every phase it touches
     hot = gate(tmp_path, loops=every_loop()[:-1] + [step_loop(extra=0.06)])  # the step drew 6 % more
     assert hot["reasons"] == ["interaction residual -5.7% of a step that is 75% of the split moves up to 4.2 points "
                               "of share, beyond 3: the phases change each other's power inside the step"]

@@ -140,7 +140,8 @@ plt.show()
 # loops predict: the **interaction check**, which catches phases that change each other's power
 # (clocks held up after a hungry phase, heat), something additivity cannot see because such
 # errors sum to zero. Its residual is relative to the step; times the step phases' part of the
-# split it is the most it can move any phase's share, and the gate allows 3 points. A split
+# split it is energy the loops put in no phase, the most it can move a share when it adds to
+# every phase it touches (held-up clocks do), and the gate allows 3 points. A split
 # that fails is reported as `measured-total-only`, with its reasons.
 
 # %%

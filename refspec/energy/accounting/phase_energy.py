@@ -136,7 +136,8 @@ class PhaseEnergy:
             prediction being the isolated loops' powers x its phases' times (its host time
             spread in proportion).
         interaction_points: |interaction residual| x the step phases' part of the split, in
-            points of share: the most it can move a phase's share (the gate's interaction check).
+            points of share: energy the loops put in no phase, the most it moves a share when it
+            adds to every phase it touches (the gate's interaction check).
         share_true / share_naive: a simulated counter's true and naively read shares.
         true_total_j: a simulated counter's true energy over the runs' spans, J.
     """

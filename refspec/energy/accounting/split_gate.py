@@ -20,8 +20,11 @@ reported as ``measured-total-only`` with the reasons:
   (it sums to zero); phases that change each other's power (clocks held up after a hungry
   phase, heat, caches) do change the interleaved step's energy against the isolated loops', and
   show here. The residual r is relative to the step's energy; the step's phases take a part w
-  of the split, so r x w of the split is energy the loops put in no phase or the wrong one,
-  and no phase's share can be moved by more than that: the check bounds |r| x w.
+  of the split, so r x w of the split is energy the loops put in no phase. Where the
+  interaction adds energy to the phases it touches (clocks held up after a hungry phase) or
+  takes it from all of them, no share moves by more than that: the check bounds |r| x w. A
+  shift between phases with the total unchanged it cannot see (the agreement check can, over
+  a varied mix).
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ forward):
 4. **commit**: acceptance and the engine's commit of that verify's logits (each call first puts
    the rows back to their length before the step, so every call commits the same step);
 5. **step**: the run's whole step, interleaved as the engine runs it (draft, verify, then
-   acceptance, commit and ``drafter.commit``), rows put back before each call; its phases'
-   times are kept, so the accounting can compare its energy with the isolated loops' (the
+   acceptance, commit and ``drafter.commit``), rows put back before each call, for
+   :data:`STEP_LOOP_SPANS` loop lengths; its phases' times are kept, so the accounting can compare its energy with the isolated loops' (the
    interaction check: phases that change each other's power show there);
 6. **prefill**: the run's refill group (R prompts) prefilled into R slots (last: it overwrites
    the set-up's rows).
@@ -57,6 +57,9 @@ LOOP_PHASES = ("draft", "verify", "commit", "step", "prefill")
 """The loops, in the order they run (``step``: the whole step interleaved; ``prefill`` last)."""
 WALL_CAP = 20
 """A loop never runs longer than this many times its length on the host clock (a slow modelled clock)."""
+STEP_LOOP_SPANS = 3
+"""The step loop runs this many loop lengths: its power changes within every step, which a sensor
+sampling part of each period averages only over many periods (an isolated loop's hardly changes)."""
 POLL_S = 2e-4
 """Sleep between two reads of a counter awaited for its update, s."""
 UNBOUNDED = 1 << 30
@@ -304,8 +307,9 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
         shapes: the run's shapes.
         meter: a counter meter (``counter.read()``, ``period_s``, ``begin``/``end``); the loops
             leave it with no run open.
-        min_s: seconds per loop on the counter's clock; default the split gate's floor (ten
-            counter periods, at least one second). A shorter loop runs, and fails the gate.
+        min_s: seconds per loop on the counter's clock (the step loop runs
+            :data:`STEP_LOOP_SPANS` times it); default the split gate's floor (ten counter
+            periods, at least one second). A shorter loop runs, and fails the gate.
         phases: which loops to run, in order (the prefill loop overwrites the set-up's rows, so
             it comes last).
         seed: the sampling generator's seed.
@@ -330,7 +334,8 @@ def run_phase_loops(t: LoopTarget, shapes: LoopShapes, meter, *, min_s: float | 
                 if name == "step" and t.drafter is not None:
                     t.drafter.commit(loops.run.state)  # as after a step: the first call catches it up
                 rows = shapes.refill if name == "prefill" else None  # refills differ in rows: priced per row
-                out[name] = _loop(meter, bodies[name], min_s, sync, rows=rows, keep_times=name == "step")
+                span = min_s * (STEP_LOOP_SPANS if name == "step" else 1)
+                out[name] = _loop(meter, bodies[name], span, sync, rows=rows, keep_times=name == "step")
         finally:
             meter.abandon_run()  # the loops' phases opened a counter run the ledger never closes
     return out

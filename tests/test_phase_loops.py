@@ -66,7 +66,7 @@ def test_each_loop_reads_the_counter_at_its_bounds_only(tiny_models, k):
     assert sum(loops["step"].phase_time_s.values()) <= loops["step"].time_s
     assert all(lp.phase_time_s is None for p, lp in loops.items() if p != "step")
     for name, loop in loops.items():
-        assert loop.iterations >= 2 and loop.time_s >= 0.05, name
+        assert loop.iterations >= 2 and loop.time_s >= (0.15 if name == "step" else 0.05), name
         # a continuous counter's last update is the final read itself, found to the idle polls' jitter (ms)
         assert loop.energy_j == pytest.approx(POWER_W * loop.time_s, rel=0.05), name
     # a few reads per loop around its bounds (awaiting an update before and after): never one per iteration

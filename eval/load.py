@@ -17,8 +17,6 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from refspec.eval.record import Host, RunRecord
 
 MAX_LOAD_GAP_PER_CPU = 0.5
@@ -45,6 +43,7 @@ class LoadProbe:
 
     def stop(self) -> Host:
         """The ``host`` section over the time since :meth:`start` (step times: :func:`host_section`)."""
+        import torch  # here, not at the top: reading and reporting records needs no torch
         wall = time.perf_counter() - self.wall_s
         cpu = time.process_time() - self.cpu_s
         return Host(load_start=self.load_start, load_end=_load_average(), cpus=os.cpu_count(),

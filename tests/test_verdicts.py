@@ -120,3 +120,12 @@ def test_a_real_small_run_records_the_host_and_judges_its_verdict(tiny, tmp_path
         assert spec["host_time_vs_model"] == pytest.approx(spec["host_step_time_s"] / spec["host_model_step_time_s"])
     assert spec["verdict_reliable"] in (True, False)
     assert (spec["verdict_unreliable_reason"] is None) == spec["verdict_reliable"]
+
+
+def test_judging_and_reporting_records_needs_no_torch():
+    """The load rules and the report read records only: importing them must not load torch (a second)."""
+    import subprocess
+    import sys
+
+    code = "import sys, refspec.eval.load, refspec.eval.report; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0

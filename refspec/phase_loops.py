@@ -47,7 +47,7 @@ import torch
 from refspec.config import round_up
 from refspec.drafting import Draft, Drafter
 from refspec.energy.accounting.attribution import Loop
-from refspec.energy.accounting.split_gate import GATE
+from refspec.energy.accounting.split_gate import GATE, STEP_LOOP_SPANS
 from refspec.energy.ledger.events import MeteredPhase, PhaseEvent
 from refspec.energy.meters.counters import CounterRead
 from refspec.sampling import SamplingConfig
@@ -57,9 +57,6 @@ LOOP_PHASES = ("draft", "verify", "commit", "step", "prefill")
 """The loops, in the order they run (``step``: the whole step interleaved; ``prefill`` last)."""
 WALL_CAP = 20
 """A loop never runs longer than this many times its length on the host clock (a slow modelled clock)."""
-STEP_LOOP_SPANS = 3
-"""The step loop runs this many loop lengths: its power changes within every step, which a sensor
-sampling part of each period averages only over many periods (an isolated loop's hardly changes)."""
 POLL_S = 2e-4
 """Sleep between two reads of a counter awaited for its update, s."""
 UNBOUNDED = 1 << 30

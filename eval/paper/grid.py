@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from refspec.energy.accounting.split_gate import GATE
+from refspec.energy.accounting.split_gate import GATE, STEP_LOOP_SPANS
 
 NONE_SOURCE = "-"
 """The source of plain decoding's one variant (nothing injected)."""
@@ -143,6 +143,8 @@ HOST_S_PER_STEP = 2.0e-3  # assumed: engine Python per decode step on a GPU (acc
 HOST_S_PER_HEAD_FORWARD = 0.6e-3  # assumed: one eager drafter-head forward's launches
 WARM_S_PER_SHAPE = 1.5  # assumed: the warm-up run and its graph captures
 LOOP_OVERHEAD_S = 0.4  # assumed: a loop's set-up (decoding to the run's keys) and first call
+LOOP_MARGIN = 1.1  # each loop asks for this multiple of the gate's floor
+ALIGN_PERIODS = 2.5  # a loop awaits an update (half a period on average), runs one past its length, sees two after
 WINDOW_MARGIN = 1.1  # streams are sized for this multiple of the shortest window
 FIXED_GPU_S = {"install (shell)": 30.0, "start, idle power, counter period, ceilings": 15.0, "plots and tables": 5.0}
 """Planned seconds outside the blocks; a target build is planned per block (:data:`BUILD_S`)."""
@@ -227,7 +229,9 @@ def plan_block(block: Block, profile: Any, taus: dict[tuple[str, str, str], floa
             runs.append({"source": source, "corpus": corpus, "tau": tau, "step_s": step, **dataclasses.asdict(sp),
                          "planned_s": repeats * sp.seconds})
         loops = 5  # draft (an empty one without a drafter), verify, commit, prefill, the whole step
-        loop_s = loops * (max(windows.loop_s, 0.0) + LOOP_OVERHEAD_S)
+        lengths = loops - 1 + STEP_LOOP_SPANS  # the step loop runs several loop lengths
+        loop_s = (lengths * LOOP_MARGIN * max(windows.loop_s, 0.0)
+                  + loops * (LOOP_OVERHEAD_S + ALIGN_PERIODS * windows.period_s))
         total = WARM_S_PER_SHAPE + loop_s + sum(r["planned_s"] for r in runs)
         shapes.append({"batch": batch, "drafter": spec.label, "variants": runs, "loops_s": loop_s,
                        "planned_s": total})

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from refspec.eval import pipeline
-from refspec.eval.paper.grid import DrafterSpec
+from refspec.eval.paper.grid import LOOP_MARGIN, DrafterSpec
 from refspec.eval.paper.targets import MappedMeter, MappedObserver, Target
 
 log = logging.getLogger("refspec.eval.paper")
@@ -138,7 +138,7 @@ def phase_loops(sr: ShapeRun, drafter: Any, accept: Any, res: Any, requests: lis
     """Each phase alone at the run's shapes, for at least ten counter periods of the counter's clock
     (the loops time themselves on the meter's clock, modelled or not)."""
     return pipeline.phase_loops(sr.engine(drafter, accept, []), sr.meter, [res], batch=sr.batch, k=sr.spec.k,
-                                prompts=[q.prompt for q in requests], min_s=1.1 * sr.bench.windows.loop_s,
+                                prompts=[q.prompt for q in requests], min_s=LOOP_MARGIN * sr.bench.windows.loop_s,
                                 seed=sr.args.seed, verify_fn=sr.target.loop_runner)
 
 

@@ -60,6 +60,9 @@ class GateRule:
 
 GATE = GateRule()
 """The gate the accounting applies."""
+STEP_LOOP_SPANS = 3
+"""The step loop runs this many loop lengths: its power changes within every step, which a sensor
+sampling part of each period averages only over many periods (an isolated loop's hardly changes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,5 +196,5 @@ def withheld(method: str | None, attribution: Mapping[str, Any] | None) -> str |
     return "measured-total-only: " + "; ".join(gate.get("reasons") or ["no phase loops and no determined fit"])
 
 
-__all__ = ["GateRule", "GATE", "SplitGate", "loop_reasons", "interaction_residual", "disagreement", "check_reasons",
+__all__ = ["GateRule", "GATE", "STEP_LOOP_SPANS", "SplitGate", "loop_reasons", "interaction_residual", "disagreement", "check_reasons",
            "total_reason", "withheld"]

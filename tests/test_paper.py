@@ -286,10 +286,8 @@ def test_a_toy_target_forward_is_priced_as_the_real_one():
 
 # ---- what the lent machine receives -------------------------------------------------------------
 def test_tracked_tree_stays_below_50_mb():
-    try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
+    # what the device tool sends is what git tracks: the suite runs from a clone (README)
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     files = [ROOT / f for f in out.decode().split("\0") if f]
     total = sum(f.stat().st_size for f in files if f.is_file())
     assert total < 50_000_000, f"tracked tree is {total / 1e6:.1f} MB; the lent GPU receives at most 64 MiB"
